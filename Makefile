@@ -1,0 +1,39 @@
+# One command each, on a fresh machine: `make demo` runs the main job, `make test` passes the tests.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH_VERSION ?= 2.13.0
+SEEDS ?= 5
+PYTEST_ARGS ?=
+
+.PHONY: setup test demo lint bench chaos clean
+
+# The CPU torch wheel is installed first, pinned, so that resolving the project's torch range never pulls
+# a multi-GB CUDA build.
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==$(TORCH_VERSION)
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+setup: $(VENV)/.installed
+
+test: setup
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+demo: setup
+	$(VENV)/bin/elastic-train local --config examples/job.yaml --summary demo-summary.json
+
+lint: setup
+	$(VENV)/bin/ruff check elastic_train tests benchmarks
+	$(VENV)/bin/ruff format --check elastic_train tests benchmarks
+	$(VENV)/bin/mypy
+
+bench: setup
+	$(PY) benchmarks/report.py --out docs/benchmarks.md
+
+chaos: setup
+	$(PY) -m pytest tests/chaos -m chaos --chaos-seeds=$(SEEDS) -p no:randomly -s
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build *.egg-info

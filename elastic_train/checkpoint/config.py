@@ -1,0 +1,49 @@
+"""Checkpoint settings of a job (the ``checkpoint:`` section of job.yaml)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ON_ERROR = ("retry", "log", "fatal")
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckpointConfig:
+    """Where, how often and how safely state is kept."""
+
+    url: str = "checkpoints"
+    """fsspec URL or local path of the checkpoint root; the run id is appended."""
+    every_steps: int = 50
+    """Commit a durable checkpoint every N optimizer steps (0: only the final one)."""
+    every_seconds: float = 0.0
+    """Also commit when this many seconds passed since the last one (0: off)."""
+    keep_last: int = 3
+    """Durable checkpoints kept; older ones are deleted after a newer one commits."""
+    keep_every: int = 0
+    """Additionally keep every checkpoint whose step is a multiple of this (0: off)."""
+    async_write: bool = True
+    """Write durable checkpoints in a background thread (the loop pays only for a CPU copy)."""
+    on_error: str = "retry"
+    """What a failed durable write does: retry (then fatal), log (carry on), fatal (stop training)."""
+    retries: int = 3
+    """Attempts per durable write when on_error is retry."""
+    memory_every_steps: int = 1
+    """Copy state into the in-memory (shared memory) tier every N steps (0: off)."""
+    resume_from: str | None = None
+    """Checkpoint URL (a run root or one step-XXXXXXXX directory) to start from instead of the newest."""
+
+    def __post_init__(self) -> None:
+        if not self.url:
+            raise ValueError("url: must not be empty")
+        for name in ("every_steps", "keep_every", "memory_every_steps"):
+            value = getattr(self, name)
+            if value < 0:
+                raise ValueError(f"{name}: {value} must be >= 0")
+        if self.every_seconds < 0:
+            raise ValueError(f"every_seconds: {self.every_seconds} must be >= 0")
+        if self.keep_last < 1:
+            raise ValueError(f"keep_last: {self.keep_last} must be >= 1")
+        if self.on_error not in ON_ERROR:
+            raise ValueError(f"on_error: {self.on_error!r} is not one of {', '.join(ON_ERROR)}")
+        if self.retries < 1:
+            raise ValueError(f"retries: {self.retries} must be >= 1")

@@ -1,0 +1,64 @@
+"""Entry point of ``elastic-train``: parse, configure logging, dispatch, turn known errors into one line."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import pkgutil
+import sys
+from collections.abc import Sequence
+
+import elastic_train
+import elastic_train.cli as cli_pkg
+from elastic_train.errors import ElasticTrainError
+from elastic_train.log import LoggingConfig, configure_logging
+
+PROG = "elastic-train"
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that exits with code 2 and one line on a usage error."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        sys.stderr.write(f"{self.prog}: error: {message}\n")
+        raise SystemExit(2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog=PROG,
+        description="Fault-tolerant elastic training for PyTorch on an etcd v3 rendezvous.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {elastic_train.__version__}")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--log-format", default="auto", choices=["auto", "json", "console"])
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    for info in sorted(pkgutil.iter_modules(cli_pkg.__path__), key=lambda m: m.name):
+        if info.name.startswith("_") or info.name == "main":
+            continue
+        module = importlib.import_module(f"{cli_pkg.__name__}.{info.name}")
+        register = getattr(module, "register", None)
+        if register is not None:
+            register(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    configure_logging(LoggingConfig(level=args.log_level, format=args.log_format))
+    try:
+        return int(args.func(args) or 0)
+    except ElasticTrainError as exc:
+        sys.stderr.write(f"{PROG}: error: {exc}\n")
+        return exc.exit_code
+    except KeyboardInterrupt:
+        sys.stderr.write(f"{PROG}: interrupted\n")
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,8 @@
+"""etcd plumbing: an embedded dev/test server and a v3 client with clear errors."""
+
+from __future__ import annotations
+
+from elastic_train.etcd.errors import EtcdError
+from elastic_train.etcd.server import EmbeddedEtcd, find_etcd_binary
+
+__all__ = ["EmbeddedEtcd", "EtcdError", "find_etcd_binary"]

@@ -1,0 +1,82 @@
+"""Process-tree helpers: find, signal and reap the processes a node consists of.
+
+torchrun starts its workers in their own sessions, so "a node" is the agent process plus every descendant;
+a node failure is SIGKILL of all of them, a hung node SIGSTOP of all of them. Everything works by PID on
+processes this program started, never by name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import time
+
+import psutil
+
+
+def tree(pid: int) -> list[psutil.Process]:
+    """The process ``pid`` and all its descendants (empty if it is gone)."""
+    try:
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def signal_tree(pid: int, sig: int) -> list[int]:
+    """Send ``sig`` to ``pid`` and its descendants (children first for SIGSTOP, so none can react).
+
+    Returns:
+        The PIDs signalled.
+    """
+    procs = tree(pid)
+    if sig == signal.SIGSTOP:
+        procs = list(reversed(procs))
+    sent = []
+    for p in procs:
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+            p.send_signal(sig)
+            sent.append(p.pid)
+    return sent
+
+
+def kill_tree(pid: int, timeout: float = 10.0) -> None:
+    """SIGKILL ``pid`` and all its descendants and wait for them (resuming stopped ones first)."""
+    procs = tree(pid)
+    for p in procs:
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+            p.kill()
+    psutil.wait_procs(procs, timeout=timeout)
+
+
+def terminate_tree(pid: int, grace: float = 10.0) -> None:
+    """SIGTERM ``pid`` and its descendants, SIGKILL whatever is left after ``grace`` seconds."""
+    procs = tree(pid)
+    for p in procs:
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+            if p.status() == psutil.STATUS_STOPPED:
+                p.send_signal(signal.SIGCONT)
+            p.terminate()
+    _, alive = psutil.wait_procs(procs, timeout=grace)
+    for p in alive:
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+            p.kill()
+    psutil.wait_procs(alive, timeout=grace)
+
+
+def wait_gone(pids: list[int], timeout: float) -> bool:
+    """True when none of ``pids`` is alive (zombies count as gone) before ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        alive = [p for p in pids if psutil.pid_exists(p) and _not_zombie(p)]
+        if not alive:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _not_zombie(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False

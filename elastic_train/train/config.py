@@ -1,0 +1,44 @@
+"""Training settings of a job (the ``train:`` section of job.yaml)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainConfig:
+    """What to train and for how long; the global batch stays fixed at any world size."""
+
+    task: str = "charlm"
+    """Built-in task name (regression, charlm) or module:function returning a Task."""
+    task_args: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments passed to the task factory."""
+    steps: int = 100
+    """Optimizer steps to train in total."""
+    global_batch: int = 32
+    """Samples per optimizer step over all ranks (constant when the world size changes)."""
+    micro_batch: int = 0
+    """Largest per-rank micro-batch; larger shares use gradient accumulation (0: no limit)."""
+    seed: int = 0
+    """Seed for the data order, model initialisation and every other random choice."""
+    log_every: int = 1
+    """Log a progress line every N steps."""
+    audit_dir: str | None = None
+    """Directory where every rank appends one JSON line per step with the sample indices it trained."""
+    backend: str = "auto"
+    """Process-group backend: auto (nccl with CUDA, else gloo), gloo or nccl."""
+
+    def __post_init__(self) -> None:
+        if not self.task:
+            raise ValueError("task: must not be empty")
+        if self.steps < 1:
+            raise ValueError(f"steps: {self.steps} must be >= 1")
+        if self.global_batch < 1:
+            raise ValueError(f"global_batch: {self.global_batch} must be >= 1")
+        if self.micro_batch < 0:
+            raise ValueError(f"micro_batch: {self.micro_batch} must be >= 0")
+        if self.log_every < 1:
+            raise ValueError(f"log_every: {self.log_every} must be >= 1")
+        if self.backend not in ("auto", "gloo", "nccl"):
+            raise ValueError(f"backend: {self.backend!r} is not one of auto, gloo, nccl")

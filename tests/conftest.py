@@ -1,0 +1,77 @@
+"""Shared fixtures: real etcd servers on free loopback ports, and a reaper for every process a test starts."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator
+
+import pytest
+
+from elastic_train.etcd.server import EmbeddedEtcd, etcd_version, find_etcd_binary
+from elastic_train.launch.procs import kill_tree
+
+
+def etcd_binaries() -> list[str]:
+    """Every distinct etcd binary available here (bundled 3.5, Debian's 3.4, …), bundled first."""
+    found: list[str] = []
+    with contextlib.suppress(Exception):
+        found.append(find_etcd_binary())
+    for extra in (shutil.which("etcd"), "/usr/bin/etcd"):
+        if (
+            extra
+            and os.access(extra, os.X_OK)
+            and os.path.realpath(extra) not in map(os.path.realpath, found)
+        ):
+            found.append(extra)
+    return found
+
+
+@pytest.fixture
+def etcd_server() -> Iterator[EmbeddedEtcd]:
+    """A fresh single-member etcd (the default binary) for one test."""
+    with EmbeddedEtcd() as server:
+        yield server
+
+
+@pytest.fixture(params=etcd_binaries() or [None], ids=lambda b: etcd_version(b) if b else "none")
+def any_etcd(request: pytest.FixtureRequest) -> Iterator[EmbeddedEtcd]:
+    """A fresh etcd for each available server version (3.5 bundled, 3.4 from Debian when installed)."""
+    if request.param is None:
+        pytest.skip("no etcd binary")
+    with EmbeddedEtcd(binary=request.param) as server:
+        yield server
+
+
+class Reaper:
+    """Remembers processes a test started and kills their whole trees at teardown, pass or fail."""
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def add(self, proc: subprocess.Popen) -> subprocess.Popen:
+        self.procs.append(proc)
+        return proc
+
+    def popen(self, *args, **kwargs) -> subprocess.Popen:
+        kwargs.setdefault("start_new_session", True)
+        return self.add(subprocess.Popen(*args, **kwargs))
+
+    def reap(self) -> None:
+        for proc in self.procs:
+            kill_tree(proc.pid)
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+@pytest.fixture
+def reaper() -> Iterator[Reaper]:
+    r = Reaper()
+    try:
+        yield r
+    finally:
+        r.reap()
