@@ -1,0 +1,43 @@
+"""``elastic-train run job.yaml``: start this node of an elastic job (torchrun agent + workers)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+
+from elastic_train.cli.options import add_job_options, collect_overrides
+from elastic_train.config import load_job_config
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "run",
+        help="run this node of an elastic job (torchrun agent with the etcd3 rendezvous)",
+        description="Builds and runs this node's torchrun launch with --rdzv-backend=etcd3. "
+        "Start the same command on every node.",
+    )
+    p.add_argument("config", nargs="?", help="job.yaml (default: built-in defaults)")
+    p.add_argument("--nodes", metavar="MIN:MAX", help="node counts (rendezvous.min_nodes/max_nodes)")
+    p.add_argument(
+        "--local-addr", help="address this node advertises (default: loopback for a loopback etcd)"
+    )
+    add_job_options(p)
+    p.add_argument("--dry-run", action="store_true", help="print the torchrun command and exit")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from elastic_train.launch import run as launch_run
+
+    overrides = collect_overrides(args)
+    cfg = load_job_config(args.config, overrides)
+    local_addr = args.local_addr or launch_run.default_local_addr(cfg.rendezvous)
+    argv = launch_run.torchrun_argv(cfg, config_path=args.config, overrides=overrides, local_addr=local_addr)
+    if args.dry_run:
+        print(shlex.join([sys.executable, "-m", "torch.distributed.run", *argv]))
+        return 0
+    launch_run.prepare_environment(cfg, local_addr, os.environ)
+    launch_run.preflight(cfg.rendezvous)
+    return launch_run.launch(argv)

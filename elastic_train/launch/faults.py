@@ -1,0 +1,128 @@
+"""Fault plans for ``elastic-train local``: what to break, where and when.
+
+A fault is keyed by (node, step): ``kill-node 1@step=30`` kills node 1 (its agent and every worker, SIGKILL)
+once the job has completed step 30. Nodes are numbered in launch order: the first ``--nodes`` are
+0..N-1, each ``add-node`` gets the next number. Parsing and the "is it due" decision are pure functions.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from elastic_train.errors import ConfigError
+
+#: kind → whether it names a node
+KINDS: dict[str, bool] = {
+    "kill-node": True,  # SIGKILL the agent and all its workers (a machine lost)
+    "kill-worker": True,  # SIGKILL one worker process of the node (a crashed trainer)
+    "hang-node": True,  # SIGSTOP the agent and all its workers (a frozen machine)
+    "resume-node": True,  # SIGCONT a hung node (it comes back and rejoins)
+    "add-node": False,  # start one more node (scale up)
+    "restart-etcd": False,  # SIGKILL etcd and start it again on the same port and data
+}
+
+_SPEC = re.compile(r"^(?P<node>\d+)?@step=(?P<step>\d+)$")
+
+
+@dataclass(kw_only=True, slots=True)
+class Fault:
+    """One planned fault and what was observed about it."""
+
+    kind: str
+    """One of :data:`KINDS`."""
+    step: int
+    """Fire once this many optimizer steps have completed."""
+    node: int | None = None
+    """Node index (launch order) for node faults."""
+    fired_at: float | None = None
+    """Unix time the fault was injected."""
+    fired_step: int | None = None
+    """Last completed step seen when it was injected."""
+    fired_round: int | None = None
+    """Rendezvous round the job was in when it was injected."""
+    detected_at: float | None = None
+    """Unix time the rendezvous reacted (new round started or the node left the live set)."""
+    resumed_at: float | None = None
+    """Unix time of the first completed step after the fault in a later round."""
+    resumed_world_size: int | None = None
+    """World size of that first step."""
+    resumed_from: int | None = None
+    """Step the job resumed from (state restored)."""
+    source: str | None = None
+    """Where that state came from (memory, durable, …)."""
+    extra: dict[str, object] = field(default_factory=dict)
+    """Kind-specific facts (PIDs signalled, new node index …)."""
+
+    @property
+    def label(self) -> str:
+        node = "" if self.node is None else str(self.node)
+        return f"{self.kind} {node}@step={self.step}"
+
+    @property
+    def steps_redone(self) -> int | None:
+        if self.fired_step is None or self.resumed_from is None:
+            return None
+        return max(0, self.fired_step - self.resumed_from)
+
+    def to_json(self) -> dict[str, object]:
+        def rel(t: float | None) -> float | None:
+            return None if t is None or self.fired_at is None else round(t - self.fired_at, 3)
+
+        return {
+            "kind": self.kind,
+            "node": self.node,
+            "step": self.step,
+            "fired_step": self.fired_step,
+            "fired_round": self.fired_round,
+            "detected_s": rel(self.detected_at),
+            "resumed_s": rel(self.resumed_at),
+            "resumed_world_size": self.resumed_world_size,
+            "resumed_from": self.resumed_from,
+            "steps_redone": self.steps_redone,
+            "source": self.source,
+            **({"extra": self.extra} if self.extra else {}),
+        }
+
+
+def parse_fault(kind: str, spec: str) -> Fault:
+    """Parse ``"1@step=30"`` (or ``"@step=70"`` for kinds without a node) into a :class:`Fault`.
+
+    Raises:
+        ConfigError: unknown kind, malformed spec, a node where none belongs or a missing node.
+    """
+    if kind not in KINDS:
+        raise ConfigError(f"unknown fault kind {kind!r} (one of {', '.join(KINDS)})")
+    m = _SPEC.match(spec.strip())
+    if not m:
+        form = "NODE@step=S" if KINDS[kind] else "@step=S"
+        raise ConfigError(f"--{kind} {spec!r}: expected {form}")
+    node = int(m["node"]) if m["node"] is not None else None
+    if KINDS[kind] and node is None:
+        raise ConfigError(f"--{kind} {spec!r}: needs a node index, e.g. 1@step=30")
+    if not KINDS[kind] and node is not None:
+        raise ConfigError(f"--{kind} {spec!r}: takes no node index, e.g. @step=30")
+    return Fault(kind=kind, step=int(m["step"]), node=node)
+
+
+def validate_plan(faults: list[Fault], initial_nodes: int, steps: int) -> None:
+    """Check node indices refer to nodes that exist by then, and steps are inside the run.
+
+    Raises:
+        ConfigError: a fault can never fire or names a node that will not exist.
+    """
+    nodes = initial_nodes
+    for f in sorted(faults, key=lambda f: f.step):
+        if f.step >= steps:
+            raise ConfigError(f"--{f.kind} @step={f.step}: the job only trains {steps} steps")
+        if f.kind == "add-node":
+            nodes += 1
+        elif f.node is not None and f.node >= nodes:
+            raise ConfigError(
+                f"--{f.kind} {f.node}@step={f.step}: there are only nodes 0..{nodes - 1} by then"
+            )
+
+
+def due(faults: list[Fault], completed_step: int) -> list[Fault]:
+    """Faults not yet fired whose step has been reached, in plan order."""
+    return [f for f in faults if f.fired_at is None and completed_step >= f.step]

@@ -1,0 +1,125 @@
+"""``elastic-train run``: this node's torchrun launch with the ``etcd3`` rendezvous, built from job.yaml.
+
+The agent runs in this process (torchrun's ``elastic_launch``); workers are ``python -m elastic_train.worker``
+with the same config file and the same overrides, so every process of the job sees the same configuration.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import socket
+import sys
+from collections.abc import Mapping, MutableMapping
+from typing import Any
+
+from elastic_train.config import JobConfig
+from elastic_train.launch import ENV_NODE_ID
+from elastic_train.log import get_logger
+from elastic_train.rendezvous.config import RendezvousConfig
+
+log = get_logger(__name__)
+
+#: torchrun's own restart counter is per agent; the job-wide failure budget lives in etcd instead
+#: (rendezvous.failure_budget), so the per-agent counter is set out of the way.
+AGENT_MAX_RESTARTS = 1_000_000
+#: Seconds between the agent's health checks of its workers (torchrun's default, stated explicitly).
+MONITOR_INTERVAL = 0.1
+#: Loopback interface name for gloo when the job runs on loopback addresses.
+LOOPBACK_IFNAME = "lo"
+
+
+def endpoint_is_loopback(endpoint: str) -> bool:
+    """True when every HOST of ``HOST:PORT[,HOST:PORT]`` is a loopback address or ``localhost``."""
+    for ep in endpoint.split(","):
+        host = ep.strip().rpartition(":")[0].strip("[]")
+        if host == "localhost":
+            continue
+        try:
+            if not ipaddress.ip_address(host).is_loopback:
+                return False
+        except ValueError:
+            return False
+    return True
+
+
+def default_local_addr(cfg: RendezvousConfig) -> str | None:
+    """The address this node advertises: loopback for a loopback etcd, else torchrun's default (FQDN)."""
+    return "127.0.0.1" if endpoint_is_loopback(cfg.endpoint) else None
+
+
+def worker_overrides_argv(overrides: Mapping[str, Any]) -> list[str]:
+    """``--set KEY=VALUE`` arguments for the worker; values as JSON so strings stay strings in YAML."""
+    argv: list[str] = []
+    for key, value in overrides.items():
+        if value is not None:
+            argv += ["--set", f"{key}={json.dumps(value)}"]
+    return argv
+
+
+def torchrun_argv(
+    cfg: JobConfig,
+    *,
+    config_path: str | None,
+    overrides: Mapping[str, Any],
+    local_addr: str | None,
+) -> list[str]:
+    """The torchrun arguments (without the program name) that run this job's node.
+
+    Args:
+        cfg: the validated job config (with overrides applied).
+        config_path: the job.yaml the workers read, or ``None`` for defaults.
+        overrides: the dotted-key overrides the workers must apply too.
+        local_addr: address this node advertises to the others (``None``: torchrun's default).
+    """
+    from elastic_train.rendezvous.params import torchrun_args
+
+    argv = torchrun_args(cfg.rendezvous)
+    argv += [f"--max-restarts={AGENT_MAX_RESTARTS}", f"--monitor-interval={MONITOR_INTERVAL}"]
+    if local_addr:
+        argv.append(f"--local-addr={local_addr}")
+    argv += ["-m", "elastic_train.worker"]
+    if config_path:
+        argv += ["--config", os.path.abspath(config_path)]
+    return argv + worker_overrides_argv(overrides)
+
+
+def prepare_environment(cfg: JobConfig, local_addr: str | None, environ: MutableMapping[str, str]) -> None:
+    """Set what the agent and its workers inherit: node id, and loopback gloo for a loopback job."""
+    environ.setdefault(ENV_NODE_ID, socket.gethostname())
+    if local_addr and endpoint_is_loopback(cfg.rendezvous.endpoint):
+        environ.setdefault("GLOO_SOCKET_IFNAME", LOOPBACK_IFNAME)
+
+
+def preflight(cfg: RendezvousConfig) -> None:
+    """Reach etcd once with the job's credentials, so a bad endpoint, password or CA fails in one line now.
+
+    Raises:
+        EtcdError: unreachable, authentication or TLS failure.
+    """
+    from elastic_train.etcd.client import connect_config
+
+    client = connect_config(cfg)
+    client.close()
+
+
+def launch(argv: list[str]) -> int:
+    """Run torchrun's agent in this process; turn its failures into one line and an exit code."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
+    from torch.distributed.run import parse_args
+    from torch.distributed.run import run as torchrun_run
+
+    try:
+        torchrun_run(parse_args(argv))
+    except ChildFailedError as exc:
+        failures = exc.failures
+        first = min(failures.values(), key=lambda f: f.timestamp) if failures else None
+        detail = f" (first: rank {first.rank}, exit code {first.exitcode})" if first else ""
+        sys.stderr.write(f"elastic-train: error: worker group failed{detail}\n")
+        return 1
+    except RendezvousError as exc:
+        sys.stderr.write(f"elastic-train: error: rendezvous: {exc}\n")
+        return 1
+    return 0

@@ -1,0 +1,136 @@
+"""Pure parts of the launchers: fault plans, option mapping, summaries, event tailing."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from elastic_train.cli.options import add_job_options, collect_overrides, parse_nodes
+from elastic_train.errors import ConfigError
+from elastic_train.launch.events import EventTail
+from elastic_train.launch.faults import Fault, due, parse_fault, validate_plan
+from elastic_train.launch.run import endpoint_is_loopback, worker_overrides_argv
+from elastic_train.launch.summary import Summary, render_table, world_size_timeline
+
+
+def test_parse_fault_forms() -> None:
+    f = parse_fault("kill-node", "1@step=30")
+    assert (f.kind, f.node, f.step) == ("kill-node", 1, 30)
+    g = parse_fault("add-node", "@step=70")
+    assert (g.node, g.step) == (None, 70)
+
+
+@pytest.mark.parametrize(
+    ("kind", "spec", "message"),
+    [
+        ("kill-node", "@step=3", "needs a node index"),
+        ("add-node", "2@step=3", "takes no node index"),
+        ("kill-node", "1@30", "expected NODE@step=S"),
+        ("explode", "1@step=3", "unknown fault kind"),
+    ],
+)
+def test_parse_fault_errors(kind: str, spec: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        parse_fault(kind, spec)
+
+
+def test_validate_plan_counts_added_nodes() -> None:
+    plan = [parse_fault("add-node", "@step=5"), parse_fault("kill-node", "3@step=9")]
+    validate_plan(plan, initial_nodes=3, steps=20)
+    with pytest.raises(ConfigError, match="only nodes 0..2"):
+        validate_plan([parse_fault("kill-node", "3@step=4"), *plan], initial_nodes=3, steps=20)
+    with pytest.raises(ConfigError, match="only trains 20 steps"):
+        validate_plan([parse_fault("kill-node", "0@step=20")], initial_nodes=3, steps=20)
+
+
+def test_due_and_steps_redone() -> None:
+    a, b = Fault(kind="kill-node", node=0, step=3), Fault(kind="add-node", step=8)
+    assert due([a, b], 2) == []
+    assert due([a, b], 5) == [a]
+    a.fired_at, a.fired_step, a.resumed_from = 10.0, 5, 4
+    assert due([a, b], 9) == [b]
+    assert a.steps_redone == 1
+    a.resumed_at = 12.5
+    assert a.to_json()["resumed_s"] == 2.5
+
+
+def test_options_map_to_config_keys() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--nodes")
+    add_job_options(p)
+    args = p.parse_args(
+        [
+            "--nodes",
+            "2:4",
+            "--checkpoint",
+            "s3://b/r",
+            "--steps",
+            "7",
+            "--set",
+            "train.seed=3",
+            "--set",
+            "x.y=z",
+        ]
+    )
+    assert collect_overrides(args) == {
+        "checkpoint.url": "s3://b/r",
+        "train.steps": 7,
+        "rendezvous.min_nodes": 2,
+        "rendezvous.max_nodes": 4,
+        "train.seed": 3,
+        "x.y": "z",
+    }
+
+
+def test_parse_nodes() -> None:
+    assert parse_nodes("3") == (3, 3)
+    assert parse_nodes("2:4") == (2, 4)
+    for bad in ("4:2", "0", "a:b"):
+        with pytest.raises(ConfigError):
+            parse_nodes(bad)
+
+
+def test_worker_overrides_keep_types() -> None:
+    argv = worker_overrides_argv(
+        {"rendezvous.run_id": "123", "train.steps": 5, "checkpoint.resume_from": None}
+    )
+    assert argv == ["--set", 'rendezvous.run_id="123"', "--set", "train.steps=5"]
+
+
+def test_endpoint_is_loopback() -> None:
+    assert endpoint_is_loopback("127.0.0.1:2379,localhost:2380")
+    assert endpoint_is_loopback("127.0.0.3:1")
+    assert not endpoint_is_loopback("etcd.default.svc:2379")
+    assert not endpoint_is_loopback("10.0.0.1:2379")
+
+
+def test_world_size_timeline_and_table() -> None:
+    events = [
+        {"time": 1.0, "step": 1, "world_size": 3, "round": 1, "loss": 2.0},
+        {"time": 2.0, "step": 2, "world_size": 3, "round": 1, "loss": 1.9},
+        {"time": 5.0, "step": 2, "world_size": 2, "round": 2, "loss": 1.9},
+        {"time": 6.0, "step": 3, "world_size": 2, "round": 2, "loss": 1.8},
+    ]
+    tl = world_size_timeline(events, t0=0.0)
+    assert [(p["step"], p["world_size"]) for p in tl] == [(1, 3), (2, 2)]
+    f = Fault(kind="kill-node", node=1, step=2, fired_at=2.5, fired_step=2, detected_at=3.0, resumed_at=5.0)
+    f.resumed_from, f.resumed_world_size, f.source = 2, 2, "memory"
+    s = Summary(run_id="r", steps=3, completed_steps=3, succeeded=True, faults=[f], world_size_timeline=tl)
+    table = render_table(s)
+    assert "kill-node 1@step=2" in table and "2.50s" in table and "memory" in table
+    assert json.loads(json.dumps(s.to_json()))["faults"][0]["steps_redone"] == 0
+
+
+def test_event_tail_reads_only_complete_lines(tmp_path: Path) -> None:
+    path = tmp_path / "events.jsonl"
+    tail = EventTail(str(path))
+    assert tail.poll() == []
+    with open(path, "ab") as f:
+        f.write(b'{"event": "step", "step": 1}\n{"event": "st')
+    assert tail.poll() == [{"event": "step", "step": 1}]
+    with open(path, "ab") as f:
+        f.write(b'ep", "step": 2}\nnot json\n')
+    assert tail.poll() == [{"event": "step", "step": 2}]
