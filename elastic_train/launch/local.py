@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
@@ -57,6 +58,9 @@ class LocalOptions:
     timeout: float = 900.0
     """Give up (and fail) after this many seconds."""
     out: TextIO = sys.stdout
+    """Where live lines go."""
+    actions: dict[str, Callable[[Fault, Node | None], None]] = field(default_factory=dict)
+    """Extra fault kinds (name → action), e.g. storage faults in the chaos suite."""
 
 
 @dataclass(slots=True)
@@ -135,42 +139,46 @@ class LocalJob:
             self.known_procs.setdefault(p.pid, p)
 
     def fire(self, fault: Fault) -> None:
+        """Inject ``fault`` now and record when and where in the run it happened."""
         fault.fired_at = time.time()
         fault.fired_step = self.completed_step
         fault.fired_round = self.current_round
         node = self.nodes[fault.node] if fault.node is not None else None
         if node is not None:
             self._remember(node.proc.pid)
-        if fault.kind == "kill-node":
-            assert node is not None
-            pids = signal_tree(node.proc.pid, signal.SIGKILL)
-            node.killed = True
-            fault.extra["pids"] = pids
-        elif fault.kind == "kill-worker":
-            assert node is not None
-            workers = [p for p in tree(node.proc.pid)[1:] if _is_worker(p)]
-            if workers:
-                workers[0].kill()
-                fault.extra["pids"] = [workers[0].pid]
-        elif fault.kind == "hang-node":
-            assert node is not None
-            fault.extra["pids"] = signal_tree(node.proc.pid, signal.SIGSTOP)
-            node.stopped = True
-        elif fault.kind == "resume-node":
-            assert node is not None
-            fault.extra["pids"] = signal_tree(node.proc.pid, signal.SIGCONT)
-            node.stopped = False
-        elif fault.kind == "add-node":
-            fault.extra["new_node"] = self.start_node().index
-        elif fault.kind == "restart-etcd":
-            assert self.etcd is not None
-            t = time.monotonic()
-            self.etcd.restart(down_for=1.0)
-            fault.extra["down_s"] = round(time.monotonic() - t, 3)
-            fault.detected_at = time.time()
+        action = self.opts.actions.get(fault.kind) or getattr(self, "_" + fault.kind.replace("-", "_"))
+        action(fault, node)
         self._print(
             f"!! {fault.label}: injected after step {self.completed_step} (round {self.current_round})"
         )
+
+    def _kill_node(self, fault: Fault, node: Node) -> None:
+        fault.extra["pids"] = signal_tree(node.proc.pid, signal.SIGKILL)
+        node.killed = True
+
+    def _kill_worker(self, fault: Fault, node: Node) -> None:
+        workers = [p for p in tree(node.proc.pid)[1:] if _is_worker(p)]
+        if workers:
+            workers[0].kill()
+            fault.extra["pids"] = [workers[0].pid]
+
+    def _hang_node(self, fault: Fault, node: Node) -> None:
+        fault.extra["pids"] = signal_tree(node.proc.pid, signal.SIGSTOP)
+        node.stopped = True
+
+    def _resume_node(self, fault: Fault, node: Node) -> None:
+        fault.extra["pids"] = signal_tree(node.proc.pid, signal.SIGCONT)
+        node.stopped = False
+
+    def _add_node(self, fault: Fault, _node: None) -> None:
+        fault.extra["new_node"] = self.start_node().index
+
+    def _restart_etcd(self, fault: Fault, _node: None) -> None:
+        assert self.etcd is not None
+        t = time.monotonic()
+        self.etcd.restart(down_for=1.0)
+        fault.extra["down_s"] = round(time.monotonic() - t, 3)
+        fault.detected_at = time.time()
 
     # -- observation --------------------------------------------------------------------------------------
 

@@ -116,7 +116,7 @@ def launch(argv: list[str]) -> int:
     except ChildFailedError as exc:
         failures = exc.failures
         first = min(failures.values(), key=lambda f: f.timestamp) if failures else None
-        detail = f" (first: rank {first.rank}, exit code {first.exitcode})" if first else ""
+        detail = f" (first: local rank {first.local_rank}, exit code {first.exitcode})" if first else ""
         sys.stderr.write(f"elastic-train: error: worker group failed{detail}\n")
         return 1
     except RendezvousError as exc:
