@@ -1,0 +1,15 @@
+"""Errors of the training subsystem."""
+
+from __future__ import annotations
+
+from elastic_train.errors import ElasticTrainError
+
+
+class TrainingError(ElasticTrainError):
+    """Training cannot go on (bad task, incompatible state, broken collective set-up)."""
+
+
+class TaskError(TrainingError):
+    """The configured task cannot be loaded or does not return a valid ``Task``."""
+
+    exit_code = 2

@@ -1,0 +1,245 @@
+"""The training loop: sampler → micro-batches → DDP gradient → optimizer step → checkpoint, once per step.
+
+The loop is world-size agnostic: the sampler's global cursor decides which samples a step trains and
+:mod:`elastic_train.train.batching` weights the losses so the update is the mean-loss gradient over the step,
+so a job that resumes at another world size continues the same optimisation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from elastic_train.log import get_logger
+from elastic_train.train import rng
+from elastic_train.train.api import Task
+from elastic_train.train.audit import AuditWriter
+from elastic_train.train.batching import loss_scale, micro_batches
+from elastic_train.train.config import TrainConfig
+from elastic_train.train.errors import TrainingError
+from elastic_train.train.events import EventWriter
+from elastic_train.train.sampler import ElasticSampler
+
+log = get_logger(__name__)
+
+StepHook = Callable[[int], None]
+"""Called with the step number just before the optimizer step (used for test-only fault injection)."""
+
+
+class Checkpointer(Protocol):
+    """What the loop needs from :class:`elastic_train.checkpoint.CheckpointManager`."""
+
+    def restore(self) -> Any:
+        """Collective: the newest valid state anywhere (``.step``, ``.state``, ``.source``) or ``None``."""
+        ...
+
+    def save(self, step: int, state: Mapping[str, Any]) -> None: ...
+
+    def finalize(self, step: int, state: Mapping[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    """What one optimizer step did."""
+
+    step: int
+    epoch: int
+    samples: int
+    loss: float
+    seconds: float
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """Move a batch (tensor, or tuple/list/dict of them) to ``device``; a no-op on the CPU."""
+    if device.type == "cpu":
+        return batch
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, Mapping):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, list | tuple):
+        return type(batch)(to_device(v, device) for v in batch)
+    return batch
+
+
+def step_seed(seed: int, step: int, rank: int) -> int:
+    """Seed of the RNGs at ``step`` on ``rank``: training randomness is a function of (seed, step, rank)."""
+    return (seed * 1_000_003 + step * 7919 + rank) % 2**63
+
+
+class Trainer:
+    """Trains ``task`` with DDP in the current process group.
+
+    Args:
+        cfg: the ``train`` section of the job.
+        task: the user's task (model on the CPU, seeded identically on every rank).
+        rank: global rank in the current worker group.
+        world_size: size of the current worker group.
+        round: rendezvous round of the current worker group (audit and events).
+        device: device the model trains on.
+        checkpointer: where state is restored from and saved to after every optimizer step.
+        events: progress events (a writer that does nothing on ranks other than 0).
+        audit: per-step audit lines of this rank, or ``None``.
+        hooks: called with the step number before each optimizer step.
+    """
+
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        task: Task,
+        *,
+        rank: int,
+        world_size: int,
+        round: int,
+        device: torch.device,
+        checkpointer: Checkpointer,
+        events: EventWriter,
+        audit: AuditWriter | None = None,
+        hooks: Sequence[StepHook] = (),
+    ) -> None:
+        self.cfg = cfg
+        self.task = task
+        self.rank = rank
+        self.world_size = world_size
+        self.round = round
+        self.device = device
+        self.checkpointer = checkpointer
+        self.events = events
+        self.audit = audit
+        self.hooks = list(hooks)
+        self.model = task.model.to(device)
+        self.sampler = ElasticSampler(len(task.dataset), cfg.global_batch, cfg.seed)
+        self.step = 0
+        self.ddp: torch.nn.Module | None = None
+
+    # -- state -----------------------------------------------------------------------------------------------
+
+    def state(self) -> dict[str, Any]:
+        """The checkpoint state (see CONTRACTS.md); tensors are referenced, not copied."""
+        sched = self.task.scheduler
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.task.optimizer.state_dict(),
+            "scheduler": sched.state_dict() if sched is not None else None,
+            "scaler": None,
+            "sampler": self.sampler.state_dict(),
+            "rng": rng.capture(),
+            "step": self.step,
+            "extra": {"world_size": self.world_size, "round": self.round},
+        }
+
+    def load_state(self, state: Mapping[str, Any]) -> None:
+        """Continue from a restored state.
+
+        Raises:
+            TrainingError: the state does not fit this task (its CheckpointError is raised before this).
+        """
+        try:
+            self.model.load_state_dict(state["model"])
+            self.task.optimizer.load_state_dict(state["optimizer"])
+            if self.task.scheduler is not None and state.get("scheduler") is not None:
+                self.task.scheduler.load_state_dict(state["scheduler"])
+            self.sampler.load_state_dict(state["sampler"])
+        except (KeyError, ValueError, RuntimeError) as exc:
+            raise TrainingError(f"restored state does not fit task {self.cfg.task!r}: {exc}") from exc
+        if state.get("rng") is not None:
+            rng.restore(state["rng"])
+        self.step = int(state["step"])
+
+    def restore(self) -> None:
+        """Collective: load the newest state anywhere, or start fresh; emits ``resumed`` or ``started``."""
+        restored = self.checkpointer.restore()
+        if restored is None:
+            log.info("training_started", step=0)
+            self.events.emit("started", 0)
+            return
+        self.load_state(restored.state)
+        log.info("training_resumed", step=self.step, source=restored.source, epoch=self.sampler.epoch)
+        self.events.emit("resumed", self.step, source=restored.source, from_step=self.step)
+
+    # -- training --------------------------------------------------------------------------------------------
+
+    def wrap(self) -> torch.nn.Module:
+        """Wrap the model in DDP (no buffer broadcast per forward: micro-batch counts differ by rank)."""
+        device_ids = [self.device.index] if self.device.type == "cuda" else None
+        # Buffers are synced once at construction, never per forward (torch >= 2.13 spells this
+        # forward_sync_buffers; older releases broadcast_buffers).
+        params = inspect.signature(DistributedDataParallel.__init__).parameters
+        key = "forward_sync_buffers" if "forward_sync_buffers" in params else "broadcast_buffers"
+        no_sync_buffers: dict[str, Any] = {key: False}
+        self.ddp = DistributedDataParallel(self.model, device_ids=device_ids, **no_sync_buffers)
+        return self.ddp
+
+    def train_step(self) -> StepResult:
+        """One optimizer step over the next ``G`` samples of the global order."""
+        assert self.ddp is not None, "call wrap() first"
+        started = time.perf_counter()
+        step = self.step + 1
+        plan = self.sampler.plan(self.world_size, self.rank)
+        if self.audit is not None:
+            self.audit.write(epoch=plan.epoch, step=step, indices=plan.indices)
+        torch.manual_seed(step_seed(self.cfg.seed, step, self.rank))
+        scale = loss_scale(plan.size, self.world_size)
+        chunks = micro_batches(plan.indices, self.cfg.micro_batch)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        for i, chunk in enumerate(chunks):
+            sync = contextlib.nullcontext() if i == len(chunks) - 1 else self.ddp.no_sync()  # type: ignore[operator]
+            with sync:
+                batch = to_device(self.task.make_batch(chunk), self.device)
+                losses = self.task.loss_fn(self.ddp, batch)
+                if losses.shape != (len(chunk),):
+                    raise TrainingError(
+                        f"loss_fn returned shape {tuple(losses.shape)}, expected per-sample ({len(chunk)},)"
+                    )
+                total = losses.sum()
+                (total * scale).backward()
+            loss_sum += total.detach()
+        work = dist.all_reduce(loss_sum, async_op=True) if self.world_size > 1 else None
+        for hook in self.hooks:
+            hook(step)
+        self.task.optimizer.step()
+        self.task.optimizer.zero_grad(set_to_none=True)
+        if self.task.scheduler is not None:
+            self.task.scheduler.step()
+        self.sampler.advance(plan)
+        self.step = step
+        if work is not None:
+            work.wait()
+        return StepResult(
+            step=step,
+            epoch=plan.epoch,
+            samples=plan.size,
+            loss=loss_sum.item() / plan.size,
+            seconds=time.perf_counter() - started,
+        )
+
+    def run(self) -> int:
+        """Train until ``cfg.steps``, saving after every optimizer step; returns the final step."""
+        if self.ddp is None:
+            self.wrap()
+        last = time.perf_counter()
+        while self.step < self.cfg.steps:
+            result = self.train_step()
+            self.checkpointer.save(self.step, self.state())
+            now = time.perf_counter()
+            rate = result.samples / max(now - last, 1e-9)
+            last = now
+            self.events.emit("step", result.step, loss=result.loss, samples_per_s=rate, epoch=result.epoch)
+            if result.step % self.cfg.log_every == 0 or result.step == self.cfg.steps:
+                log.info(
+                    "step_done", step=result.step, loss=round(result.loss, 6), samples_per_s=round(rate, 1)
+                )
+        self.checkpointer.finalize(self.step, self.state())
+        self.events.emit("done", self.step)
+        log.info("training_done", step=self.step)
+        return self.step

@@ -1,0 +1,62 @@
+"""Capture and restore the random number generators that training code may use.
+
+The state is plain data for ``state["rng"]``: ``{"torch": uint8 tensor, "cuda": [tensors], "python": tuple,
+"numpy": [name, keys tensor, pos, has_gauss, cached] | None}``. numpy is captured only when it is already
+imported (the worker never imports it for this).
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+
+def capture() -> dict[str, Any]:
+    """The current state of the torch (CPU and CUDA), Python and numpy generators."""
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "python": random.getstate(),
+        "numpy": None,
+    }
+    np = sys.modules.get("numpy")
+    if np is not None:
+        name, keys, pos, has_gauss, cached = np.random.get_state()
+        state["numpy"] = [
+            name,
+            torch.from_numpy(keys.astype("int64")),
+            int(pos),
+            int(has_gauss),
+            float(cached),
+        ]
+    return state
+
+
+def restore(state: Mapping[str, Any]) -> None:
+    """Put the generators back into a :func:`capture`-d state (parts that are missing are left alone)."""
+    if state.get("torch") is not None:
+        torch.set_rng_state(state["torch"].cpu())
+    cuda = state.get("cuda") or []
+    if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all([t.cpu() for t in cuda])
+    if state.get("python") is not None:
+        version, internal, gauss = state["python"]
+        random.setstate((version, tuple(internal), gauss))
+    if state.get("numpy") is not None:
+        import numpy as np
+
+        name, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+
+
+def seed_all(seed: int) -> None:
+    """Seed torch (CPU and CUDA), Python and, if imported, numpy with ``seed``."""
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np = sys.modules.get("numpy")
+    if np is not None:
+        np.random.seed(seed % 2**32)
