@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 ON_ERROR = ("retry", "log", "fatal")
 
@@ -30,7 +31,11 @@ class CheckpointConfig:
     memory_every_steps: int = 1
     """Copy state into the in-memory (shared memory) tier every N steps (0: off)."""
     resume_from: str | None = None
-    """Checkpoint URL (a run root or one step-XXXXXXXX directory) to start from instead of the newest."""
+    """Checkpoint URL (a run root or one step-XXXXXXXX directory), used when the run has none of its own."""
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    """fsspec options of the URL's filesystem, e.g. {"endpoint_url": "http://127.0.0.1:9000"} for s3."""
+    memory_dir: str = "/dev/shm"
+    """Directory (a tmpfs) holding the in-memory tier's double-buffered snapshots."""
 
     def __post_init__(self) -> None:
         if not self.url:

@@ -1,0 +1,308 @@
+"""The durable tier: share files + ``manifest.json`` (written last) + ``latest`` under ``ROOT/RUN_ID/``.
+
+A step directory is a checkpoint only when its manifest parses, names format :data:`FORMAT`, and every file
+it lists exists with the listed size; loading additionally recomputes each file's sha256. Share files carry
+a random token in their name, so a new attempt never overwrites bytes an older valid manifest still lists,
+and files no manifest lists are leftovers, removed after the next commit.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+import elastic_train
+from elastic_train.checkpoint.codec import TensorSpec, fingerprint_from_specs
+from elastic_train.checkpoint.errors import CheckpointCorrupt, CheckpointNotFound, StorageError
+from elastic_train.checkpoint.policy import parse_step_dir, retention, step_dir
+from elastic_train.checkpoint.storage import Storage
+from elastic_train.log import get_logger
+
+log = get_logger(__name__)
+
+FORMAT = 1
+KIND = "elastic_train.checkpoint"
+MANIFEST = "manifest.json"
+LATEST = "latest"
+
+
+@dataclass(frozen=True, slots=True)
+class ShareRecord:
+    """What one rank wrote for one checkpoint (sent to rank 0, which lists it in the manifest)."""
+
+    rank: int
+    name: str
+    size: int
+    sha256: str
+    tensors: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """A step directory as found in storage: a checkpoint when ``problem`` is None."""
+
+    step: int
+    path: str
+    manifest: dict[str, Any] | None
+    problem: str | None
+
+    @property
+    def valid(self) -> bool:
+        return self.problem is None
+
+
+def views(buf: torch.Tensor, specs: Sequence[TensorSpec], indices: Sequence[int]) -> list[memoryview]:
+    """Byte views of tensors ``indices`` inside the flat uint8 tensor ``buf`` (no copy)."""
+    arr = buf.numpy()
+    return [_view(arr, specs[i].offset, specs[i].nbytes) for i in indices if specs[i].nbytes]
+
+
+def _view(arr: Any, offset: int, nbytes: int) -> memoryview:
+    return memoryview(arr[offset : offset + nbytes])
+
+
+def write_share(
+    storage: Storage,
+    path: str,
+    rank: int,
+    buf: torch.Tensor,
+    specs: Sequence[TensorSpec],
+    indices: Sequence[int],
+) -> ShareRecord:
+    """Write this rank's tensors as one file (a fresh name per attempt) and fsync it."""
+    name = f"share-{rank:05d}.{uuid.uuid4().hex[:8]}.bin"
+    size, sha = storage.write_chunks(storage.join(path, name), views(buf, specs, indices))
+    return ShareRecord(rank, name, size, sha, tuple(indices))
+
+
+def build_manifest(
+    *,
+    run_id: str,
+    step: int,
+    world_size: int,
+    skeleton: Any,
+    specs: Sequence[TensorSpec],
+    shares: Sequence[ShareRecord],
+    sampler: Any,
+    nbytes: int,
+) -> dict[str, Any]:
+    """The manifest of a checkpoint whose shares are all durable."""
+    where: dict[int, tuple[int, int]] = {}
+    for f, share in enumerate(shares):
+        pos = 0
+        for i in share.tensors:
+            where[i] = (f, pos)
+            pos += specs[i].nbytes
+    assert len(where) == len(specs), "every tensor is in exactly one share"
+    fingerprint = fingerprint_from_specs(list(specs))
+    return {
+        "kind": KIND,
+        "format": FORMAT,
+        "run_id": run_id,
+        "step": step,
+        "world_size": world_size,
+        "time": time.time(),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "versions": {
+            "elastic_train": elastic_train.__version__,
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+        },
+        "sampler": _plain(sampler),
+        "model": {"params": fingerprint, "count": len(fingerprint)},
+        "bytes": sum(s.size for s in shares),
+        "layout_bytes": nbytes,
+        "files": [{"name": s.name, "size": s.size, "sha256": s.sha256, "rank": s.rank} for s in shares],
+        "tensors": [
+            {**spec.to_json(), "file": where[i][0], "file_offset": where[i][1]}
+            for i, spec in enumerate(specs)
+        ],
+        "skeleton": skeleton,
+    }
+
+
+def _plain(v: Any) -> Any:
+    if isinstance(v, Mapping):
+        return {str(k): _plain(x) for k, x in v.items() if isinstance(x, (type(None), bool, int, float, str))}
+    return None
+
+
+def commit(storage: Storage, run_path: str, manifest: dict[str, Any]) -> str:
+    """Make a checkpoint visible: write its manifest (atomically), then the ``latest`` pointer.
+
+    Files in the step directory the manifest does not list (older attempts) are removed afterwards.
+    Returns the step directory path.
+    """
+    name = step_dir(int(manifest["step"]))
+    path = storage.join(run_path, name)
+    storage.write_small(storage.join(path, MANIFEST), json.dumps(manifest, allow_nan=True).encode())
+    storage.write_small(storage.join(run_path, LATEST), f"{name}\n".encode())
+    listed = {f["name"] for f in manifest["files"]} | {MANIFEST}
+    for leftover in storage.listdir(path):
+        if leftover not in listed:
+            storage.remove(storage.join(path, leftover), recursive=True)
+    return path
+
+
+def check_manifest(m: Any, step: int | None = None) -> str | None:
+    """Why ``m`` is not a usable manifest (None when it is)."""
+    if not isinstance(m, dict) or m.get("kind") != KIND:
+        return "not an elastic_train manifest"
+    if m.get("format") != FORMAT:
+        return f"unsupported format {m.get('format')!r} (this version reads {FORMAT})"
+    for key in ("step", "world_size", "files", "tensors", "skeleton"):
+        if key not in m:
+            return f"manifest lacks {key!r}"
+    if step is not None and m["step"] != step:
+        return f"manifest says step {m['step']}, directory says {step}"
+    return None
+
+
+def read_entry(storage: Storage, path: str, *, check_sizes: bool = True) -> Entry:
+    """Inspect one step directory: parse the manifest and (by default) check every listed file's size."""
+    step = parse_step_dir(path)
+    step_no = -1 if step is None else step
+    try:
+        raw = storage.read(storage.join(path, MANIFEST))
+    except StorageError:
+        if storage.size(storage.join(path, MANIFEST)) is None:
+            return Entry(step_no, path, None, "no manifest.json (interrupted or in-progress save)")
+        raise
+    try:
+        m = json.loads(raw)
+    except ValueError:
+        return Entry(step_no, path, None, "manifest.json is not valid JSON")
+    problem = check_manifest(m, step)
+    if problem:
+        return Entry(step_no, path, m if isinstance(m, dict) else None, problem)
+    if check_sizes:
+        for f in m["files"]:
+            size = storage.size(storage.join(path, f["name"]))
+            if size is None:
+                return Entry(step_no, path, m, f"missing file {f['name']}")
+            if size != f["size"]:
+                return Entry(step_no, path, m, f"{f['name']} has {size} bytes, manifest says {f['size']}")
+    return Entry(int(m["step"]), path, m, None)
+
+
+def list_entries(storage: Storage, run_path: str, *, check_sizes: bool = True) -> list[Entry]:
+    """Every step directory under ``run_path``, oldest first, valid or not."""
+    out = []
+    for name in storage.listdir(run_path):
+        if parse_step_dir(name) is not None:
+            out.append(read_entry(storage, storage.join(run_path, name), check_sizes=check_sizes))
+    return sorted(out, key=lambda e: e.step)
+
+
+def load(storage: Storage, entry: Entry) -> tuple[torch.Tensor, list[TensorSpec]]:
+    """Read a checkpoint into one flat uint8 buffer (the layout of the saver), verifying every sha256.
+
+    Raises:
+        CheckpointCorrupt: a file is missing, short, or its sha256 differs from the manifest.
+    """
+    m = entry.manifest
+    if m is None or entry.problem:
+        raise CheckpointCorrupt(f"{entry.path}: {entry.problem}")
+    specs = [TensorSpec.from_json(t) for t in m["tensors"]]
+    nbytes = int(m.get("layout_bytes") or 0) or max((s.offset + s.nbytes for s in specs), default=0)
+    buf = torch.empty(nbytes, dtype=torch.uint8)
+    per_file: list[list[tuple[int, int]]] = [[] for _ in m["files"]]
+    for i, t in enumerate(m["tensors"]):
+        per_file[int(t["file"])].append((int(t["file_offset"]), i))
+    arr = buf.numpy()
+    for f, placed in zip(m["files"], per_file, strict=True):
+        placed.sort()
+        outs = []
+        for _, i in placed:
+            outs.append(_view(arr, specs[i].offset, specs[i].nbytes))
+        path = storage.join(entry.path, f["name"])
+        try:
+            sha = storage.read_into(path, [o for o in outs if o.nbytes])
+        except StorageError as exc:
+            raise CheckpointCorrupt(f"{entry.path}: {exc}") from exc
+        if sha != f["sha256"]:
+            raise CheckpointCorrupt(f"{entry.path}: sha256 mismatch in {f['name']}")
+    return buf, specs
+
+
+def verify(storage: Storage, path: str) -> list[str]:
+    """Every problem of the checkpoint at ``path`` (empty: valid), recomputing all checksums."""
+    entry = read_entry(storage, path)
+    if entry.problem:
+        return [entry.problem]
+    problems = []
+    assert entry.manifest is not None
+    for f in entry.manifest["files"]:
+        size = storage.size(storage.join(path, f["name"]))
+        if size is None or size != f["size"]:
+            problems.append(f"{f['name']}: size {size} != {f['size']}")
+            continue
+        out = memoryview(bytearray(size))
+        try:
+            sha = storage.read_into(storage.join(path, f["name"]), [out])
+        except StorageError as exc:
+            problems.append(str(exc))
+            continue
+        if sha != f["sha256"]:
+            problems.append(f"{f['name']}: sha256 mismatch (stored {f['sha256'][:12]}…, actual {sha[:12]}…)")
+    return problems
+
+
+def resolve(storage: Storage, path: str) -> tuple[str, list[Entry]]:
+    """For a run root or a step directory, (run root path, candidate entries newest first)."""
+    if parse_step_dir(path) is not None:
+        return path.rstrip("/").rsplit("/", 1)[0], [read_entry(storage, path)]
+    entries = list_entries(storage, path)
+    if not entries and storage.size(storage.join(path, MANIFEST)) is not None:
+        entry = read_entry(storage, path)
+        return path, [Entry(entry.step if entry.manifest else -1, path, entry.manifest, entry.problem)]
+    return path, sorted(entries, key=lambda e: e.step, reverse=True)
+
+
+def load_newest(
+    storage: Storage, entries: Sequence[Entry], *, min_step: int = -1, what: str = "checkpoint"
+) -> tuple[Entry, torch.Tensor, list[TensorSpec]]:
+    """Load the newest valid entry newer than ``min_step``, logging and skipping torn or corrupt ones.
+
+    Raises:
+        CheckpointNotFound: none of them loads.
+    """
+    for entry in sorted(entries, key=lambda e: e.step, reverse=True):
+        if entry.step <= min_step:
+            break
+        if entry.problem:
+            log.warning("checkpoint_skipped", path=entry.path, step=entry.step, reason=entry.problem)
+            continue
+        try:
+            buf, specs = load(storage, entry)
+        except CheckpointCorrupt as exc:
+            log.warning("checkpoint_skipped", path=entry.path, step=entry.step, reason=str(exc))
+            continue
+        return entry, buf, specs
+    raise CheckpointNotFound(f"no valid {what} found")
+
+
+def prune(storage: Storage, run_path: str, *, keep_last: int, keep_every: int, current: int) -> list[str]:
+    """Apply retention and remove leftovers (step directories without a valid manifest).
+
+    Called by the committer right after committing ``current``, when no other save of the run is in
+    flight. Returns the removed paths.
+    """
+    entries = list_entries(storage, run_path, check_sizes=False)
+    valid = [e.step for e in entries if e.valid]
+    doomed = set(retention(valid, keep_last=keep_last, keep_every=keep_every))
+    removed = []
+    for e in entries:
+        if e.step == current:
+            continue
+        if e.step in doomed or not e.valid:
+            storage.remove(e.path, recursive=True)
+            removed.append(e.path)
+    return removed

@@ -1,0 +1,503 @@
+"""CheckpointManager: the one object the training loop talks to.
+
+``save`` after each optimizer step copies the state into the shared-memory tier (the loop's only stall) and,
+when a durable checkpoint is due, hands it to a background writer; ``restore`` is collective and returns the
+newest valid state held anywhere; ``finalize`` commits a last checkpoint; ``close`` stops on error paths.
+
+Concurrency: the writer uses its own gloo process group (``io``) and the loop-side collectives another
+(``ctl``), so background collectives never interleave with the training group's. At most one durable write
+is in flight; a save that is due while the previous write still runs waits for it (every rank does the same,
+so ranks stay in step — skipping would need a collective vote).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from elastic_train.checkpoint import durable
+from elastic_train.checkpoint.codec import (
+    Flat,
+    TensorSpec,
+    copy_into,
+    describe_mismatch,
+    fingerprint_from_specs,
+    flatten,
+    layout_key,
+    model_fingerprint,
+    tensor_at,
+    unflatten,
+)
+from elastic_train.checkpoint.config import CheckpointConfig
+from elastic_train.checkpoint.errors import CheckpointError, CheckpointNotFound, ModelMismatch, WriteFailed
+from elastic_train.checkpoint.memory import MemorySnapshot, snapshot_files, sweep_stale
+from elastic_train.checkpoint.policy import assign_shares, durable_due, restore_plan, step_dir
+from elastic_train.checkpoint.storage import open_storage
+from elastic_train.log import get_logger
+
+log = get_logger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Restored:
+    """State found by :meth:`CheckpointManager.restore` (identical on every rank)."""
+
+    step: int
+    state: dict[str, Any]
+    source: str
+    """"memory", "durable" or "resume_from"."""
+    holder_rank: int | None
+    """Rank whose shared-memory snapshot was broadcast; None when the state came from storage."""
+
+
+@dataclass(frozen=True, slots=True)
+class Committed:
+    """A durable checkpoint this manager committed (``seconds``: from the save call to the commit)."""
+
+    step: int
+    path: str
+    bytes: int
+    seconds: float
+
+
+@dataclass(slots=True)
+class _Job:
+    step: int
+    flat: Flat
+    slot: int | None
+    started: float
+
+
+class CheckpointManager:
+    """Both checkpoint tiers of one worker.
+
+    Args:
+        cfg: the ``checkpoint:`` section of the job.
+        run_id: run id; durable checkpoints go to ``cfg.url/run_id``.
+        rank: global rank of this worker.
+        world_size: number of workers.
+        local_rank: rank on this node (names the shared-memory snapshot).
+        group: process group of all workers (None: no coordination; rank 0 writes everything).
+        device: the training device (restored tensors are returned on the CPU either way).
+
+    Raises:
+        StorageError: the URL's filesystem cannot be opened (e.g. ``s3://`` without ``elastic-train[s3]``).
+    """
+
+    def __init__(
+        self,
+        cfg: CheckpointConfig,
+        run_id: str,
+        *,
+        rank: int,
+        world_size: int,
+        local_rank: int,
+        group: Any = None,
+        device: torch.device | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.run_id = run_id
+        self.rank = rank
+        self.world_size = world_size
+        self.local_rank = local_rank
+        self.device = device or torch.device("cpu")
+        self.storage = open_storage(cfg.url, cfg.storage_options)
+        self.run_path = self.storage.join(self.storage.root, run_id)
+        self._ctl: Any = None
+        self._io: Any = None
+        if group is not None and world_size > 1:
+            ranks = dist.get_process_group_ranks(group)
+            self._ctl = dist.new_group(ranks=ranks, backend="gloo")
+            self._io = dist.new_group(ranks=ranks, backend="gloo")
+        self.memory: MemorySnapshot | None = None
+        if cfg.memory_every_steps:
+            import os
+
+            if os.path.isdir(cfg.memory_dir):
+                for path in sweep_stale(cfg.memory_dir):
+                    log.info("memory_snapshot_swept", path=path)
+                self.memory = MemorySnapshot(cfg.memory_dir, run_id, local_rank)
+            else:
+                log.warning("memory_tier_disabled", reason=f"{cfg.memory_dir} does not exist")
+        self._staging: torch.Tensor | None = None
+        self._last_durable_time = time.monotonic()
+        self._last_durable_step: int | None = None
+        self.last_committed: Committed | None = None
+        self._failure: CheckpointError | None = None
+        self._cond = threading.Condition()
+        self._job: _Job | None = None
+        self._busy = False
+        self._stop = False
+        self._closed = False
+        self._writer: threading.Thread | None = None
+
+    @property
+    def coordinated(self) -> bool:
+        return self._io is not None
+
+    # -- restore -----------------------------------------------------------------------------------------
+    def restore(self, model: Mapping[str, Any] | None = None) -> Restored | None:
+        """Collective: find the newest valid state (memory on any rank, durable, then ``cfg.resume_from``).
+
+        Args:
+            model: the current model's ``state_dict()``; when given, a checkpoint of a different model raises
+                :class:`ModelMismatch` (on every rank) instead of failing later in ``load_state_dict``.
+
+        Returns:
+            The state, the same on every rank, or None when there is none anywhere.
+
+        Raises:
+            CheckpointError: storage failure, an unreadable ``resume_from`` or a model mismatch.
+        """
+        held = self.memory.newest_valid() if self.memory is not None else None
+        mine = held.step if held is not None else None
+        mem_steps = self._all_gather(mine) if self.coordinated else [mine]
+        if not self.coordinated:
+            mem_steps = [None] * self.rank + mem_steps
+        loaded: tuple[Any, list[TensorSpec], torch.Tensor] | None = None
+        decision: list[Any] = [None, -1, None, None]  # source, step, holder, error
+        if self.rank == 0 or not self.coordinated:
+            try:
+                decision, loaded = self._decide(mem_steps)
+            except CheckpointError as exc:
+                decision = [None, -1, None, str(exc)]
+        if self.coordinated:
+            dist.broadcast_object_list(decision, src=self._global(0), group=self._ctl)
+        source, step, holder, error = decision
+        if error:
+            raise CheckpointError(error)
+        if source is None:
+            log.info("restore_nothing_found", run=self.run_path)
+            return None
+        src_rank = holder if source == "memory" else 0
+        if self.rank == src_rank:
+            if source == "memory":
+                assert held is not None and self.memory is not None and held.step == step
+                buf = self.memory.data(held.slot, held.nbytes).clone()
+                loaded = (held.skeleton, list(held.specs), buf)
+            assert loaded is not None
+        if self.coordinated:
+            loaded = self._broadcast_payload(loaded, src_rank)
+        assert loaded is not None
+        skeleton, specs, buf = loaded
+        if model is not None:
+            why = describe_mismatch(fingerprint_from_specs(specs), model_fingerprint({"model": model}) or [])
+            if why:
+                raise ModelMismatch(f"checkpoint at step {step} ({source}) is from a different model: {why}")
+        state = unflatten(skeleton, [tensor_at(buf, s) for s in specs])
+        self._last_durable_time = time.monotonic()
+        log.info("restored", source=source, step=step, holder=holder, bytes=int(buf.numel()))
+        return Restored(
+            step=step, state=state, source=source, holder_rank=holder if source == "memory" else None
+        )
+
+    def _decide(self, mem_steps: list[int | None]) -> tuple[list[Any], Any]:
+        entries = durable.list_entries(self.storage, self.run_path)
+        for e in entries:
+            if not e.valid:
+                log.warning("checkpoint_invalid", path=e.path, reason=e.problem)
+        by_step = {e.step: e for e in entries if e.valid}
+        for cand in restore_plan(mem_steps, sorted(by_step)):
+            if cand.source == "memory":
+                return ["memory", cand.step, cand.holder, None], None
+            try:
+                entry, _ = by_step[cand.step], None
+                buf, specs = durable.load(self.storage, entry)
+            except CheckpointError as exc:
+                log.warning("checkpoint_skipped", path=by_step[cand.step].path, reason=str(exc))
+                continue
+            assert entry.manifest is not None
+            return ["durable", cand.step, None, None], (entry.manifest["skeleton"], specs, buf)
+        if self.cfg.resume_from:
+            store = open_storage(self.cfg.resume_from, self.cfg.storage_options)
+            _, cands = durable.resolve(store, store.root)
+            try:
+                entry, buf, specs = durable.load_newest(
+                    store, cands, what=f"checkpoint in {self.cfg.resume_from}"
+                )
+            except CheckpointNotFound as exc:
+                raise CheckpointNotFound(f"resume_from {self.cfg.resume_from}: {exc}") from exc
+            assert entry.manifest is not None
+            return ["resume_from", entry.step, None, None], (entry.manifest["skeleton"], specs, buf)
+        return [None, -1, None, None], None
+
+    def _global(self, group_rank: int) -> int:
+        return dist.get_global_rank(self._ctl, group_rank)
+
+    def _all_gather(self, obj: Any, group: Any = None) -> list[Any]:
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=group or self._ctl)
+        return out
+
+    def _broadcast_payload(self, loaded: Any, src: int) -> Any:
+        meta: list[Any] = [None]
+        if self.rank == src:
+            skeleton, specs, buf = loaded
+            meta = [(skeleton, [s.to_json() for s in specs], int(buf.numel()))]
+        dist.broadcast_object_list(meta, src=self._global(src), group=self._ctl)
+        skeleton, spec_json, nbytes = meta[0]
+        if self.rank != src:
+            buf = torch.empty(nbytes, dtype=torch.uint8)
+        if nbytes:
+            dist.broadcast(buf, src=self._global(src), group=self._ctl)
+        return skeleton, [TensorSpec.from_json(s) for s in spec_json], buf
+
+    # -- save --------------------------------------------------------------------------------------------
+    def save(self, step: int, state: Mapping[str, Any]) -> None:
+        """Call after every optimizer step (on every rank): memory tier and, when due, a durable checkpoint.
+
+        Raises:
+            WriteFailed: a previous durable write failed (``on_error`` retry after its retries, or fatal).
+            CheckpointError: the state holds something that cannot be checkpointed.
+        """
+        self._check_open()
+        self._raise_pending()
+        mem_due = self.memory is not None and step % self.cfg.memory_every_steps == 0
+        dur_due = self._durable_due(step)
+        if not (mem_due or dur_due):
+            return
+        flat = flatten(state)
+        slot = self.memory.save(step, flat) if self.memory is not None else None
+        if dur_due:
+            self._submit(step, flat, slot)
+
+    def _durable_due(self, step: int) -> bool:
+        since = time.monotonic() - self._last_durable_time
+        due = durable_due(
+            step, every_steps=self.cfg.every_steps, every_seconds=self.cfg.every_seconds, since_last=since
+        )
+        if self.cfg.every_seconds and self.coordinated:
+            flag = torch.tensor([int(due)])
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._ctl)
+            due = bool(flag.item())
+        return due and step != self._last_durable_step
+
+    def _submit(self, step: int, flat: Flat, slot: int | None) -> None:
+        self.wait()
+        self._raise_pending()
+        if self._staging is None or self._staging.numel() < flat.nbytes:
+            self._staging = torch.empty(flat.nbytes, dtype=torch.uint8)
+        if slot is None:
+            copy_into(flat, self._staging)
+        elif self.memory is not None:
+            self.memory.pin(slot)
+        job = _Job(step, flat, slot, time.monotonic())
+        self._last_durable_time = time.monotonic()
+        self._last_durable_step = step
+        if not self.cfg.async_write:
+            self._run_job(job)
+            self._raise_pending()
+            return
+        with self._cond:
+            if self._writer is None:
+                self._writer = threading.Thread(target=self._writer_loop, name="ckpt-writer", daemon=True)
+                self._writer.start()
+            self._job = job
+            self._busy = True
+            self._cond.notify_all()
+
+    def _writer_loop(self) -> None:
+        while True:
+            with self._cond:
+                while self._job is None and not self._stop:
+                    self._cond.wait()
+                if self._job is None:
+                    return
+                job = self._job
+            try:
+                self._run_job(job)
+            finally:
+                with self._cond:
+                    self._job = None
+                    self._busy = False
+                    self._cond.notify_all()
+
+    def _run_job(self, job: _Job) -> None:
+        """Write one durable checkpoint (all ranks in step), retrying per ``on_error``; never raises."""
+        try:
+            assert self._staging is not None
+            n = job.flat.nbytes
+            if job.slot is not None and self.memory is not None:
+                try:
+                    self._staging[:n].copy_(self.memory.data(job.slot, n))
+                finally:
+                    self.memory.unpin(job.slot)
+            attempts = self.cfg.retries if self.cfg.on_error == "retry" else 1
+            error = None
+            for attempt in range(1, attempts + 1):
+                error = self._write_once(job)
+                if error is None:
+                    return
+                log.warning(
+                    "checkpoint_write_failed", step=job.step, attempt=attempt, attempts=attempts, error=error
+                )
+            failure = WriteFailed(f"durable checkpoint of step {job.step} failed: {error}")
+        except Exception as exc:  # a bug or a broken process group: report it, never die silently
+            log.error("checkpoint_writer_crashed", step=job.step, error=repr(exc))
+            failure = WriteFailed(f"durable checkpoint of step {job.step} failed: {exc!r}")
+        if self.cfg.on_error == "log":
+            log.error("checkpoint_lost", step=job.step, error=str(failure))
+        else:
+            self._failure = failure
+
+    def _write_once(self, job: _Job) -> str | None:
+        """One collective attempt: every rank writes its share, rank 0 commits. Returns the error or None."""
+        assert self._staging is not None
+        specs = job.flat.specs
+        world = self.world_size if self.coordinated else 1
+        me = self.rank if self.coordinated else 0
+        if not self.coordinated and self.rank != 0:
+            return None
+        shares = assign_shares([s.nbytes for s in specs], world)
+        path = self.storage.join(self.run_path, step_dir(job.step))
+        record, error = None, None
+        try:
+            record = durable.write_share(self.storage, path, me, self._staging, specs, shares[me])
+        except Exception as exc:
+            error = f"rank {self.rank}: {exc}"
+        key = layout_key(specs)
+        mine = (record, error, key)
+        gathered = self._all_gather(mine, self._io) if self.coordinated else [mine]
+        outcome: list[Any] = [None]
+        if me == 0:
+            errors = [e for _, e, _ in gathered if e]
+            if any(k != key for _, _, k in gathered):
+                errors.append("ranks hold states of different layouts (is the state replicated?)")
+            if not errors:
+                try:
+                    self._commit(job, [r for r, _, _ in gathered])
+                except Exception as exc:
+                    errors.append(f"commit: {exc}")
+            if errors:
+                outcome[0] = "; ".join(errors)
+        if self.coordinated:
+            dist.broadcast_object_list(outcome, src=dist.get_global_rank(self._io, 0), group=self._io)
+        return outcome[0]
+
+    def _commit(self, job: _Job, records: list[Any]) -> None:
+        flat = job.flat
+        sampler = flat.skeleton.get("sampler") if isinstance(flat.skeleton, dict) else None
+        manifest = durable.build_manifest(
+            run_id=self.run_id,
+            step=job.step,
+            world_size=self.world_size,
+            skeleton=flat.skeleton,
+            specs=flat.specs,
+            shares=records,
+            sampler=sampler,
+            nbytes=flat.nbytes,
+        )
+        path = durable.commit(self.storage, self.run_path, manifest)
+        seconds = time.monotonic() - job.started
+        self.last_committed = Committed(job.step, path, int(manifest["bytes"]), seconds)
+        log.info(
+            "checkpoint_committed",
+            step=job.step,
+            path=path,
+            bytes=manifest["bytes"],
+            seconds=round(seconds, 3),
+        )
+        for gone in durable.prune(
+            self.storage,
+            self.run_path,
+            keep_last=self.cfg.keep_last,
+            keep_every=self.cfg.keep_every,
+            current=job.step,
+        ):
+            log.info("checkpoint_removed", path=gone)
+
+    # -- waiting and ending ------------------------------------------------------------------------------
+    def wait(self) -> None:
+        """Block until no durable write is in flight (does not raise its failure; see save/finalize)."""
+        with self._cond:
+            while self._busy:
+                self._cond.wait()
+
+    def _raise_pending(self) -> None:
+        if self._failure is not None:
+            failure, self._failure = self._failure, None
+            raise failure
+        if self.memory is not None:
+            self.memory.raise_error()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CheckpointError("checkpoint manager is closed")
+
+    def finalize(self, step: int, state: Mapping[str, Any]) -> Committed | None:
+        """Commit a final durable checkpoint (collective), wait for it, release shared memory.
+
+        Returns:
+            The final checkpoint as committed by this rank's view (None on ranks other than 0).
+
+        Raises:
+            WriteFailed: the final (or an earlier) durable write failed and ``on_error`` is not ``log``.
+        """
+        self._check_open()
+        try:
+            self._raise_pending()
+            if step != self._last_durable_step:
+                self._submit(step, flatten(state), None)
+            self.wait()
+            self._raise_pending()
+        finally:
+            self._shutdown(release_memory=True)
+        return self.last_committed if self.rank == 0 else None
+
+    def close(self, *, release_memory: bool = False, timeout: float = 10.0) -> None:
+        """Stop the background writer without a new checkpoint (error paths); idempotent.
+
+        The shared-memory snapshot is kept by default: a restarted worker group resumes from it (that is
+        its purpose); the file is scoped to the owner (torchrun agent) and swept when that is gone.
+
+        Args:
+            release_memory: also delete the shared-memory snapshot (the job is over for good).
+            timeout: seconds to wait for an in-flight write (its peers may be dead).
+        """
+        if self._closed:
+            return
+        self._shutdown(release_memory=release_memory, timeout=timeout)
+
+    def _shutdown(self, *, release_memory: bool, timeout: float | None = None) -> None:
+        self._closed = True
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        if self._writer is not None:
+            self._writer.join(timeout)
+        writer_done = self._writer is None or not self._writer.is_alive()
+        if self.memory is not None:
+            if release_memory:
+                self.memory.release()
+                if self.local_rank == 0:
+                    self._release_siblings()
+            else:
+                self.memory.detach()
+        if writer_done:
+            for g in (self._ctl, self._io):
+                if g is not None:
+                    try:
+                        dist.destroy_process_group(g)
+                    except Exception as exc:  # the default group may already be gone
+                        log.debug("checkpoint_group_destroy_failed", error=str(exc))
+            self._ctl = self._io = None
+
+    def _release_siblings(self) -> None:
+        """Delete this owner's snapshots of other local ranks of the run (the world shrank meanwhile)."""
+        import os
+
+        assert self.memory is not None
+        prefix = self.memory.path.rsplit(".", 1)[0] + "."
+        for path in snapshot_files(self.cfg.memory_dir, self.run_id):
+            if path.startswith(prefix) and path != self.memory.path:
+                try:
+                    os.unlink(path)
+                    log.info("memory_snapshot_released", path=path)
+                except FileNotFoundError:
+                    pass

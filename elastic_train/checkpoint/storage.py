@@ -1,0 +1,318 @@
+"""Where durable checkpoints live: a narrow storage interface over fsspec URLs.
+
+URLs are plain strings (``/data/ckpt``, ``file:///data/ckpt``, ``memory://ckpt``, ``s3://bucket/ckpt``,
+``gcs://bucket/ckpt``). Local files are written with ``os.write`` + ``fsync`` (and atomic renames for small
+files) because that is what makes them durable; every other filesystem goes through fsspec, whose object
+stores make each finished PUT atomic. Optional backends are imported lazily so a missing one names its extra.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+import uuid
+from collections.abc import Iterable, Sequence
+from typing import Any, Protocol
+
+from elastic_train.checkpoint.errors import StorageError
+
+#: pip extra that provides the filesystem of each protocol.
+EXTRAS = {"s3": "s3", "s3a": "s3", "gcs": "gcs", "gs": "gcs"}
+#: Environment variable read for the S3 endpoint when storage options name none (also read by s3fs users).
+ENV_S3_ENDPOINT = "FSSPEC_S3_ENDPOINT_URL"
+
+
+class Storage(Protocol):
+    """The operations checkpoints need from a filesystem; every method raises :class:`StorageError`."""
+
+    url: str
+    """The URL this storage was opened at."""
+    root: str
+    """That URL as a path the other methods take."""
+
+    def join(self, base: str, *parts: str) -> str:
+        """``parts`` joined under the path ``base`` (e.g. ``join(root, run_id, "manifest.json")``)."""
+        ...
+
+    def write_chunks(self, path: str, chunks: Sequence[memoryview]) -> tuple[int, str]:
+        """Write ``chunks`` as one durable file; return (size, sha256 hex), hashed while writing."""
+        ...
+
+    def write_small(self, path: str, data: bytes) -> None:
+        """Write a small file atomically (readers see the old or the new content, never a mix)."""
+        ...
+
+    def read(self, path: str) -> bytes:
+        """The whole content of ``path``."""
+        ...
+
+    def read_into(self, path: str, outs: Sequence[memoryview]) -> str:
+        """Fill ``outs`` in order from the start of ``path``; return the sha256 hex of those bytes."""
+        ...
+
+    def size(self, path: str) -> int | None:
+        """Size in bytes, or None when the file does not exist."""
+        ...
+
+    def listdir(self, path: str) -> list[str]:
+        """Base names directly under ``path`` (empty when it does not exist)."""
+        ...
+
+    def remove(self, path: str, recursive: bool = False) -> None:
+        """Delete a file (or a whole directory with ``recursive``); missing paths are fine."""
+        ...
+
+
+def _sha_parallel(chunks: Sequence[memoryview]) -> tuple[threading.Thread, Any]:
+    """Hash ``chunks`` in a thread (hashlib drops the GIL), overlapping with the write of the same bytes."""
+    h = hashlib.sha256()
+
+    def run() -> None:
+        for c in chunks:
+            h.update(c)
+
+    t = threading.Thread(target=run, name="ckpt-sha256", daemon=True)
+    t.start()
+    return t, h
+
+
+class LocalStorage:
+    """A local directory; writes are fsynced, small files replaced atomically."""
+
+    def __init__(self, url: str, root: str) -> None:
+        self.url = url
+        self.root = root
+
+    def join(self, base: str, *parts: str) -> str:
+        return os.path.join(base, *parts)
+
+    def write_chunks(self, path: str, chunks: Sequence[memoryview]) -> tuple[int, str]:
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            hasher, h = _sha_parallel(chunks)
+            size = 0
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                for c in chunks:
+                    view = c.cast("B") if c.format != "B" else c
+                    while view:
+                        n = os.write(fd, view)
+                        view = view[n:]
+                        size += n
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+                hasher.join()
+            return size, h.hexdigest()
+        except OSError as exc:
+            raise StorageError(f"cannot write {path}: {exc.strerror or exc}") from exc
+
+    def write_small(self, path: str, data: bytes) -> None:
+        tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+            dfd = os.open(os.path.dirname(path), os.O_RDONLY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+        except OSError as exc:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise StorageError(f"cannot write {path}: {exc.strerror or exc}") from exc
+
+    def read(self, path: str) -> bytes:
+        try:
+            with open(path, "rb") as f:
+                return f.read()
+        except OSError as exc:
+            raise StorageError(f"cannot read {path}: {exc.strerror or exc}") from exc
+
+    def read_into(self, path: str, outs: Sequence[memoryview]) -> str:
+        h = hashlib.sha256()
+        try:
+            with open(path, "rb", buffering=0) as f:
+                for out in outs:
+                    pos = 0
+                    while pos < out.nbytes:
+                        n = f.readinto(out[pos:])
+                        if not n:
+                            raise StorageError(f"{path}: file is shorter than its manifest says")
+                        pos += n
+                    h.update(out)
+        except OSError as exc:
+            raise StorageError(f"cannot read {path}: {exc.strerror or exc}") from exc
+        return h.hexdigest()
+
+    def size(self, path: str) -> int | None:
+        try:
+            return os.stat(path).st_size
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise StorageError(f"cannot stat {path}: {exc.strerror or exc}") from exc
+
+    def listdir(self, path: str) -> list[str]:
+        try:
+            return sorted(os.listdir(path))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        except OSError as exc:
+            raise StorageError(f"cannot list {path}: {exc.strerror or exc}") from exc
+
+    def remove(self, path: str, recursive: bool = False) -> None:
+        import shutil
+
+        try:
+            if os.path.isdir(path) and not os.path.islink(path):
+                if recursive:
+                    shutil.rmtree(path, ignore_errors=False)
+                else:
+                    os.rmdir(path)
+            elif os.path.lexists(path):
+                os.unlink(path)
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            raise StorageError(f"cannot remove {path}: {exc.strerror or exc}") from exc
+
+
+class FsspecStorage:
+    """Any other fsspec filesystem (memory, s3, gcs …)."""
+
+    def __init__(self, url: str, fs: Any, root: str) -> None:
+        self.url = url
+        self.fs = fs
+        self.root = root.rstrip("/")
+
+    def join(self, base: str, *parts: str) -> str:
+        return "/".join([base.rstrip("/"), *(p.strip("/") for p in parts if p)])
+
+    def _wrap(self, what: str, path: str, exc: Exception) -> StorageError:
+        return StorageError(
+            f"cannot {what} {self._display(path)}: {type(exc).__name__}: {exc}".splitlines()[0]
+        )
+
+    def _display(self, path: str) -> str:
+        proto = self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
+        return f"{proto}://{path.lstrip('/')}" if proto != "file" else path
+
+    def write_chunks(self, path: str, chunks: Sequence[memoryview]) -> tuple[int, str]:
+        hasher, h = _sha_parallel(chunks)
+        size = 0
+        try:
+            with self.fs.open(path, "wb") as f:
+                for c in chunks:
+                    f.write(c.cast("B") if c.format != "B" else c)
+                    size += c.nbytes
+        except Exception as exc:
+            raise self._wrap("write", path, exc) from exc
+        finally:
+            hasher.join()
+        return size, h.hexdigest()
+
+    def write_small(self, path: str, data: bytes) -> None:
+        try:
+            self.fs.pipe_file(path, data)
+        except Exception as exc:
+            raise self._wrap("write", path, exc) from exc
+
+    def read(self, path: str) -> bytes:
+        try:
+            return bytes(self.fs.cat_file(path))
+        except Exception as exc:
+            raise self._wrap("read", path, exc) from exc
+
+    def read_into(self, path: str, outs: Sequence[memoryview]) -> str:
+        h = hashlib.sha256()
+        try:
+            with self.fs.open(path, "rb", block_size=16 << 20) as f:
+                for out in outs:
+                    pos = 0
+                    while pos < out.nbytes:
+                        data = f.read(min(64 << 20, out.nbytes - pos))
+                        if not data:
+                            raise StorageError(
+                                f"{self._display(path)}: file is shorter than its manifest says"
+                            )
+                        out[pos : pos + len(data)] = data
+                        pos += len(data)
+                    h.update(out)
+        except StorageError:
+            raise
+        except Exception as exc:
+            raise self._wrap("read", path, exc) from exc
+        return h.hexdigest()
+
+    def size(self, path: str) -> int | None:
+        try:
+            info = self.fs.info(path)
+        except FileNotFoundError:
+            return None
+        except Exception as exc:
+            raise self._wrap("stat", path, exc) from exc
+        return None if info.get("type") == "directory" else int(info.get("size") or 0)
+
+    def listdir(self, path: str) -> list[str]:
+        try:
+            self.fs.invalidate_cache(path)
+            entries = self.fs.ls(path, detail=False)
+        except FileNotFoundError:
+            return []
+        except Exception as exc:
+            raise self._wrap("list", path, exc) from exc
+        names = {str(e).rstrip("/").rsplit("/", 1)[-1] for e in entries}
+        return sorted(n for n in names if n)
+
+    def remove(self, path: str, recursive: bool = False) -> None:
+        try:
+            self.fs.rm(path, recursive=recursive)
+        except FileNotFoundError:
+            return
+        except Exception as exc:
+            raise self._wrap("remove", path, exc) from exc
+
+
+def open_storage(url: str, options: dict[str, Any] | None = None) -> Storage:
+    """Open the filesystem of ``url`` (a plain path or any fsspec URL).
+
+    ``options`` are passed to the fsspec filesystem; for s3, ``endpoint_url`` is moved into
+    ``client_kwargs`` and :data:`ENV_S3_ENDPOINT` is honoured when no endpoint is given.
+
+    Raises:
+        StorageError: the protocol is unknown or its optional package is not installed.
+    """
+    import fsspec
+    from fsspec.core import split_protocol
+
+    protocol, rest = split_protocol(url)
+    if protocol in (None, "file", "local"):
+        root = os.path.abspath(os.path.expanduser(rest if protocol else url))
+        return LocalStorage(url, root)
+    opts = dict(options or {})
+    if protocol in ("s3", "s3a"):
+        endpoint = opts.pop("endpoint_url", None) or os.environ.get(ENV_S3_ENDPOINT)
+        if endpoint:
+            opts.setdefault("client_kwargs", {})["endpoint_url"] = endpoint
+    try:
+        fs = fsspec.filesystem(protocol, **opts)
+    except ImportError as exc:
+        extra = EXTRAS.get(protocol or "")
+        hint = f"pip install 'elastic-train[{extra}]'" if extra else "install its fsspec implementation"
+        raise StorageError(f"{url}: the {protocol}:// filesystem is not installed ({hint})") from exc
+    except ValueError as exc:
+        raise StorageError(f"{url}: unknown storage protocol {protocol!r}") from exc
+    except Exception as exc:
+        raise StorageError(f"{url}: cannot open storage: {exc}".splitlines()[0]) from exc
+    return FsspecStorage(url, fs, fs._strip_protocol(url))
+
+
+def chunks_of(views: Iterable[memoryview]) -> list[memoryview]:
+    """Non-empty views only (writers skip zero-length tensors)."""
+    return [v for v in views if v.nbytes]
