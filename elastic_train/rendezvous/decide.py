@@ -1,0 +1,150 @@
+"""Pure decisions of the etcd3 rendezvous: when a round closes, who gets which rank, what counts as a failure.
+
+No I/O here: the handler feeds these functions a view of etcd (live nodes, joiners, the last round) and the
+clock, and acts on the answer. Unit tests drive them directly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+#: Why a node (re-)joins. "start": first join of this agent; "failure": its own workers failed;
+#: "lost": it restarted because a member of its round disappeared; "scale": it restarted because another
+#: node waits to join; "excluded": its last attempt was left out of a round (max_nodes reached).
+REASONS = ("start", "failure", "lost", "scale", "excluded")
+FAILURE_REASONS = frozenset({"failure", "lost"})
+
+#: Quiet window used instead of ``settle`` when every live node joined a round that follows an earlier one.
+ALL_JOINED_SETTLE = 0.2
+
+
+@dataclass(frozen=True, slots=True)
+class Joiner:
+    """A node's request to be part of round ``target``."""
+
+    node_id: str
+    target: int
+    reason: str
+    revision: int
+    """etcd create revision of the join key: arrival order among newcomers."""
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """Close the round now (``close``), or look again after at most ``wait`` seconds."""
+
+    close: bool
+    wait: float
+    why: str
+
+
+def decide_close(
+    *,
+    joined: Iterable[str],
+    live: Iterable[str],
+    min_nodes: int,
+    max_nodes: int,
+    settle: float,
+    quiet_for: float,
+    has_previous_round: bool,
+) -> Decision:
+    """Decide whether the round being formed can close.
+
+    Rules, in order:
+      1. ``max_nodes`` joiners: close at once.
+      2. fewer than ``min_nodes``: wait.
+      3. every live node joined and there was an earlier round (membership is known): close after a short
+         quiet window (:data:`ALL_JOINED_SETTLE`, at most ``settle``), so a recovery or scale-up does not pay
+         the whole settle window.
+      4. otherwise close once no node joined or left for ``settle`` seconds. A node that is alive but does not
+         join (a hung or dying member whose lease has not expired yet) is waited for at most that long.
+
+    Args:
+        joined: node ids that asked for this round.
+        live: node ids whose lease is alive.
+        min_nodes / max_nodes: the job's node range.
+        settle: quiet window in seconds.
+        quiet_for: seconds since the last join or departure.
+        has_previous_round: a round closed before in this job.
+    """
+    joined_set = set(joined)
+    n = len(joined_set)
+    if n >= max_nodes:
+        return Decision(True, 0.0, "max_nodes")
+    if n < min_nodes:
+        return Decision(False, settle or 0.5, "below_min_nodes")
+    window = settle
+    if has_previous_round and set(live) <= joined_set:
+        window = min(settle, ALL_JOINED_SETTLE)
+    if quiet_for >= window:
+        return Decision(True, 0.0, "settled")
+    return Decision(False, window - quiet_for, "settling")
+
+
+def assign_ranks(previous: list[str], joiners: Iterable[Joiner], max_nodes: int) -> list[str]:
+    """Order the members of a new round: rank i is ``result[i]``.
+
+    Survivors of the previous round keep their relative order (rank 0 stays rank 0 while it lives), newcomers
+    follow in arrival order (join revision, then node id). At most ``max_nodes`` are taken, survivors first.
+    """
+    by_id = {j.node_id: j for j in joiners}
+    survivors = [n for n in previous if n in by_id]
+    kept = set(survivors)
+    newcomers = sorted(
+        (j for j in by_id.values() if j.node_id not in kept), key=lambda j: (j.revision, j.node_id)
+    )
+    return (survivors + [j.node_id for j in newcomers])[:max_nodes]
+
+
+def is_failure_transition(
+    previous: list[str], members: list[str], joiners: Iterable[Joiner], live: Iterable[str]
+) -> bool:
+    """True when the move to a new round is caused by a failure (it spends one unit of the failure budget).
+
+    A failure: some joiner restarted because its workers failed or a member was lost, or a member of the
+    previous round is neither in the new round nor alive. Pure scale-ups (new nodes while every member
+    survives) are not failures. One transition counts once, however many agents saw it.
+    """
+    if any(j.reason in FAILURE_REASONS for j in joiners):
+        return True
+    live_set, member_set = set(live), set(members)
+    return any(p not in member_set and p not in live_set for p in previous)
+
+
+def budget_left(failures_used: int, budget: int) -> int:
+    """Failures the job may still survive."""
+    return max(0, budget - failures_used)
+
+
+def count_waiting(
+    *,
+    my_round: int | None,
+    latest_round: int,
+    members: list[str],
+    live: Iterable[str],
+    joins: Mapping[str, Joiner],
+    max_nodes: int,
+) -> int:
+    """What ``num_nodes_waiting()`` reports to a torchrun agent whose workers run round ``my_round``.
+
+    Positive when the agent must restart its worker group: a newer round closed without it, a member of its
+    round lost its lease (kill -9, SIGSTOP, network loss), a member asked for the next round (its workers
+    failed), or a node waits to join while the round has room (``< max_nodes``).
+    """
+    if my_round is None:
+        return 0
+    if latest_round > my_round:
+        return 1
+    live_set = set(live)
+    lost = sum(1 for m in members if m not in live_set)
+    member_set = set(members)
+    rejoining = sum(1 for j in joins.values() if j.target > my_round and j.node_id in member_set)
+    newcomers = 0
+    if len(members) < max_nodes:
+        newcomers = sum(
+            1
+            for j in joins.values()
+            if j.target > my_round and j.node_id not in member_set and j.node_id in live_set
+        )
+    return lost + rejoining + newcomers

@@ -1,0 +1,146 @@
+"""``etcd3``: torchrun's RendezvousHandler on the etcd v3 protocol (:mod:`elastic_train.rendezvous.protocol`).
+
+What torchrun's agent does with it (torch 2.13, ``agent/server/api.py``):
+
+- ``next_rendezvous()`` at start and on every worker-group restart; the returned store serves the agent's
+  rank assignment and exit barrier; ``bootstrap_store_info`` becomes the workers' MASTER_ADDR/MASTER_PORT.
+- ``num_nodes_waiting()`` every monitor tick while workers are healthy; > 0 restarts the worker group. We
+  answer from the watch cache: it turns positive when a member's lease expires (kill -9, SIGSTOP), a member
+  re-joins (its workers failed) or a newcomer waits.
+- ``shutdown()`` when the agent leaves other than by a signal: the run is closed (late agents leave cleanly)
+  and the lease revoked so peers see the departure at once.
+
+Store: every agent hosts a small TCPStore from its first rendezvous and advertises its port in its node key;
+the round's rank 0 store, wrapped in a per-round PrefixStore, is the agent store. Workers do not share it
+(``use_agent_store`` is False): rank 0 picks a fresh MASTER_PORT each round, so no gloo/c10d bootstrap state
+survives from one worker group to the next.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+from torch.distributed.elastic.rendezvous.api import (
+    RendezvousHandler,
+    RendezvousInfo,
+    RendezvousStoreInfo,
+)
+
+from elastic_train.etcd.client import Etcd
+from elastic_train.log import bind_context, get_logger
+from elastic_train.rendezvous import ENV_ROUND
+from elastic_train.rendezvous.protocol import Participant, ProtocolSettings, RoundResult
+
+log = get_logger(__name__)
+
+BACKEND_NAME = "etcd3"
+
+#: Seconds an agent waits for the round's rank-0 store (connect + bootstrap keys) before re-joining.
+STORE_TIMEOUT = 30.0
+
+
+class Etcd3RendezvousHandler(RendezvousHandler):
+    """torchrun rendezvous on etcd v3 (lease liveness, watch-driven membership, CAS rounds).
+
+    Args:
+        etcd: a connected :class:`~elastic_train.etcd.client.Etcd`.
+        settings: run id, node range, lease TTL, settle window, join timeout, failure budget.
+        local_addr: address peers and workers reach this node at (``--local-addr``; else the FQDN).
+    """
+
+    def __init__(self, etcd: Etcd, settings: ProtocolSettings, local_addr: str | None = None) -> None:
+        self._etcd = etcd
+        self._settings = settings
+        self._addr = local_addr or socket.getfqdn()
+        self._server: dist.TCPStore | None = None
+        self._clients: dict[tuple[str, int], dist.TCPStore] = {}
+        self._participant: Participant | None = None
+        self._closed_by_us = False
+
+    # -- RendezvousHandler --------------------------------------------------------------------------------
+
+    def get_backend(self) -> str:
+        return BACKEND_NAME
+
+    def get_run_id(self) -> str:
+        return self._settings.run_id
+
+    @property
+    def use_agent_store(self) -> bool:
+        return False
+
+    @property
+    def participant(self) -> Participant:
+        if self._participant is None:
+            self._server = dist.TCPStore(
+                self._addr,
+                0,
+                is_master=True,
+                wait_for_workers=False,
+                timeout=timedelta(seconds=STORE_TIMEOUT),
+            )
+            self._participant = Participant(
+                self._etcd, self._settings, addr=self._addr, store_port=self._server.port
+            )
+        return self._participant
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        while True:
+            result = self.participant.join()
+            try:
+                store, info = self._bootstrap(result)
+            except (RuntimeError, dist.DistStoreError) as exc:  # rank 0 vanished between close and connect
+                log.warning("rendezvous_store_unreachable", round=result.round, error=str(exc))
+                continue
+            os.environ[ENV_ROUND] = str(result.round)
+            bind_context(round=result.round, node=self.participant.node_id)
+            log.info(
+                "rendezvous_complete",
+                round=result.round,
+                rank=result.rank,
+                world_size=result.world_size,
+                master_addr=info.master_addr,
+                master_port=info.master_port,
+            )
+            return RendezvousInfo(store, result.rank, result.world_size, info)
+
+    def _bootstrap(self, result: RoundResult) -> tuple[Any, RendezvousStoreInfo]:
+        rank0 = result.members[0]
+        if rank0 == self.participant.node_id:
+            assert self._server is not None
+            base: dist.Store = self._server
+        else:
+            node = result.nodes.get(rank0) or {}
+            host, port = str(node.get("addr")), int(node.get("store_port") or 0)
+            base = self._clients.get((host, port)) or dist.TCPStore(
+                host, port, is_master=False, timeout=timedelta(seconds=STORE_TIMEOUT)
+            )
+            self._clients[(host, port)] = base
+        store = dist.PrefixStore(f"elastic_train/round/{result.round}/", base)
+        info = RendezvousStoreInfo.build(result.rank, store, local_addr=self._addr)
+        return store, info
+
+    def is_closed(self) -> bool:
+        return self.participant.is_closed()
+
+    def set_closed(self) -> None:
+        self.participant.close("finished")
+        self._closed_by_us = True
+
+    def num_nodes_waiting(self) -> int:
+        if self._participant is None:
+            return 0
+        return self._participant.num_waiting()
+
+    def shutdown(self) -> bool:
+        if self._participant is None:
+            return True
+        try:
+            self.set_closed()
+        finally:
+            self._participant.leave()
+        return True

@@ -1,0 +1,407 @@
+"""The etcd3 rendezvous protocol, without torch: one participant joining rounds.
+
+Keys of a run, all under ``/elastic_train/<run_id>/``:
+
+- ``nodes/<node>``  (leased) ``{"addr", "store_port", "host", "pid"}``: the node is alive.
+- ``join/<node>``   (leased) ``{"target": R, "reason": ...}``: the node asks to be in round R.
+- ``round``         ``{"round", "members": [rank order], "nodes": {id: {"addr", "store_port"}}, "failure"}``:
+  the last closed round, written only by a compare-and-set on its own mod revision.
+- ``failures``      failures spent so far (written in the same transaction as the round it caused).
+- ``closed``        ``{"reason": "finished"|"budget", "message"}``: no more rounds.
+- ``config``        ``{"failure_budget", "min_nodes", "max_nodes"}``: written once, by the first node.
+
+Per round each node writes one join key and one node closes the round with one transaction: O(N) writes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from elastic_train.etcd.client import Etcd, cmp_mod, cmp_version, op_put
+from elastic_train.etcd.errors import EtcdError
+from elastic_train.log import get_logger
+from elastic_train.rendezvous.config import validate_run_id
+from elastic_train.rendezvous.decide import (
+    Joiner,
+    assign_ranks,
+    count_waiting,
+    decide_close,
+    is_failure_transition,
+)
+from elastic_train.rendezvous.errors import FailureBudgetExhausted, RendezvousClosed, RendezvousJoinTimeout
+from elastic_train.rendezvous.view import LeaseKeeper, RunView
+
+log = get_logger(__name__)
+
+ROOT = "/elastic_train/"
+
+
+def run_prefix(run_id: str) -> str:
+    """The etcd key prefix of a run (the run id is validated: it must not escape the prefix)."""
+    return f"{ROOT}{validate_run_id(run_id)}/"
+
+
+def new_node_id() -> str:
+    """A node id unique per agent process: host, pid and a random suffix."""
+    host = socket.gethostname().split(".")[0][:40] or "node"
+    return f"{host}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+@dataclass(frozen=True, slots=True)
+class RoundRecord:
+    """A closed round as stored in ``round``."""
+
+    round: int
+    members: list[str]
+    nodes: dict[str, dict[str, Any]] = field(default_factory=dict)
+    failure: bool = False
+
+    def encode(self) -> bytes:
+        return json.dumps(
+            {"round": self.round, "members": self.members, "nodes": self.nodes, "failure": self.failure,
+             "time": time.time()}
+        ).encode()  # fmt: skip
+
+    @staticmethod
+    def decode(raw: bytes) -> RoundRecord:
+        d = json.loads(raw)
+        return RoundRecord(
+            int(d["round"]), list(d["members"]), dict(d.get("nodes", {})), bool(d.get("failure"))
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class RoundResult:
+    """What a participant got from a closed round."""
+
+    round: int
+    rank: int
+    world_size: int
+    members: list[str]
+    nodes: dict[str, dict[str, Any]]
+
+
+@dataclass(kw_only=True, slots=True)
+class ProtocolSettings:
+    run_id: str
+    min_nodes: int
+    max_nodes: int
+    lease_ttl: float = 3.0
+    settle: float = 1.0
+    join_timeout: float = 600.0
+    failure_budget: int = 10
+
+
+class Participant:
+    """One node of a run: keeps its lease, joins rounds, reports who waits.
+
+    Args:
+        etcd: a connected client.
+        settings: the run's rendezvous settings.
+        addr: address other nodes reach this one at.
+        store_port: port of this node's TCPStore (0 when it hosts none).
+        node_id: defaults to :func:`new_node_id`.
+    """
+
+    def __init__(
+        self,
+        etcd: Etcd,
+        settings: ProtocolSettings,
+        *,
+        addr: str,
+        store_port: int = 0,
+        node_id: str | None = None,
+    ) -> None:
+        self.etcd = etcd
+        self.s = settings
+        self.prefix = run_prefix(settings.run_id)
+        self.node_id = node_id or new_node_id()
+        self.addr = addr
+        self.store_port = store_port
+        self.view = RunView(etcd, self.prefix, activity_prefixes=("nodes/", "join/"))
+        self.lease = LeaseKeeper(etcd, settings.lease_ttl, self._write_leased_keys)
+        self.round: int | None = None
+        self.members: list[str] = []
+        self._join_value: bytes | None = None
+        self._started = False
+        self._lock = threading.Lock()
+        self._waiting_cause: str | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Write this node's keys under a fresh lease and start following the run (idempotent)."""
+        with self._lock:
+            if self._started:
+                return
+            self.view.start()
+            cfg = json.dumps(
+                {
+                    "failure_budget": self.s.failure_budget,
+                    "min_nodes": self.s.min_nodes,
+                    "max_nodes": self.s.max_nodes,
+                }
+            ).encode()
+            self.etcd.txn([cmp_version(self.prefix + "config", 0)], [op_put(self.prefix + "config", cfg)])
+            self.lease.start()
+            self._started = True
+            log.info("rendezvous_node_started", node=self.node_id, addr=self.addr, run_id=self.s.run_id)
+
+    def _write_leased_keys(self, lease_id: int) -> None:
+        node = {
+            "addr": self.addr,
+            "store_port": self.store_port,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+        }
+        self.etcd.put(self.prefix + "nodes/" + self.node_id, json.dumps(node).encode(), lease_id)
+        if self._join_value is not None:
+            self.etcd.put(self.prefix + "join/" + self.node_id, self._join_value, lease_id)
+
+    def leave(self) -> None:
+        """Stop keep-alives and revoke the lease: peers see this node gone at once."""
+        self.view.stop()
+        if self._started:
+            self.lease.stop(revoke=True)
+
+    # -- state read from the view -----------------------------------------------------------------------
+
+    def _round_record(self) -> tuple[RoundRecord | None, int]:
+        kv = self.view.get("round")
+        if kv is None:
+            return None, 0
+        return RoundRecord.decode(kv.value), kv.mod_revision
+
+    def _closed(self) -> dict[str, Any] | None:
+        kv = self.view.get("closed")
+        return json.loads(kv.value) if kv is not None else None
+
+    def _failures(self) -> int:
+        kv = self.view.get("failures")
+        return int(kv.value) if kv is not None else 0
+
+    def _live(self) -> set[str]:
+        return set(self.view.under("nodes/"))
+
+    def _joins(self) -> dict[str, Joiner]:
+        out = {}
+        for node, kv in self.view.under("join/").items():
+            try:
+                d = json.loads(kv.value)
+                out[node] = Joiner(node, int(d["target"]), str(d.get("reason", "start")), kv.create_revision)
+            except (ValueError, KeyError, TypeError):
+                continue
+        return out
+
+    def is_closed(self) -> bool:
+        with self.view.cond:
+            return self._closed() is not None
+
+    def num_waiting(self) -> int:
+        """Nodes (lost members, rejoining members, newcomers) that make this node's round obsolete."""
+        with self.view.cond:
+            closed = self._closed()
+            if closed is not None:
+                return 1 if closed.get("reason") == "budget" and self.round is not None else 0
+            rec, _ = self._round_record()
+            live = self._live()
+            joins = self._joins()
+            n = count_waiting(
+                my_round=self.round,
+                latest_round=rec.round if rec else 0,
+                members=self.members,
+                live=live,
+                joins=joins,
+                max_nodes=self.s.max_nodes,
+            )
+            if n > 0 and self._waiting_cause is None:
+                self._waiting_cause = self._classify(rec, live, joins, local_failure=False)
+            return n
+
+    def _classify(
+        self, rec: RoundRecord | None, live: set[str], joins: dict[str, Joiner], *, local_failure: bool
+    ) -> str:
+        """Why this node re-joins (see :data:`elastic_train.rendezvous.decide.REASONS`)."""
+        if self.round is None:
+            return "start"
+        if rec is not None and rec.round > self.round:
+            return "excluded"
+        if any(m not in live for m in self.members):
+            return "lost"
+        members = set(self.members)
+        for j in joins.values():
+            if j.target > self.round and (
+                j.node_id not in members or j.reason in ("scale", "excluded", "start")
+            ):
+                return "scale"
+        return "failure" if local_failure else "scale"
+
+    # -- joining -----------------------------------------------------------------------------------------
+
+    def join(self) -> RoundResult:
+        """Block until a round that includes this node closes.
+
+        Raises:
+            RendezvousClosed: the run finished (``set_closed``); a late node should exit cleanly.
+            FailureBudgetExhausted: the run stopped because its failure budget is spent.
+            RendezvousJoinTimeout: no round formed within ``join_timeout``.
+            EtcdError: etcd failed for longer than the join allows.
+        """
+        self.start()
+        deadline = time.monotonic() + self.s.join_timeout
+        with self.view.cond:
+            rec, _ = self._round_record()
+            reason = self._waiting_cause or self._classify(
+                rec, self._live(), self._joins(), local_failure=True
+            )
+            self._waiting_cause = None
+            self._check_closed()
+            target = (rec.round if rec else 0) + 1
+        need_put = True
+        close_due: float | None = None
+        while True:
+            attempt_close = False
+            if need_put:
+                need_put = not self._etcd_step(lambda t=target, r=reason: self._put_join(t, r), deadline)
+                continue
+            with self.view.cond:
+                self._check_closed()
+                rec, rec_rev = self._round_record()
+                latest = rec.round if rec else 0
+                now = time.monotonic()
+                if now > deadline:
+                    raise RendezvousJoinTimeout(
+                        f"rendezvous of run {self.s.run_id!r} did not form within {self.s.join_timeout:.0f}s "
+                        f"(min_nodes={self.s.min_nodes})"
+                    )
+                if rec is not None and latest >= target:
+                    if self.node_id in rec.members:
+                        return self._adopt(rec)
+                    target = latest + 1
+                    reason = reason if reason in ("failure", "lost") else "excluded"
+                    close_due = None
+                    need_put = True
+                    continue
+                live = self._live()
+                joins = {n: j for n, j in self._joins().items() if j.target == target and n in live}
+                decision = decide_close(
+                    joined=joins,
+                    live=live,
+                    min_nodes=self.s.min_nodes,
+                    max_nodes=self.s.max_nodes,
+                    settle=self.s.settle,
+                    quiet_for=now - self.view.last_change,
+                    has_previous_round=rec is not None,
+                )
+                if decision.close:
+                    close_due = close_due or now
+                    order = assign_ranks(rec.members if rec else [], joins.values(), self.s.max_nodes)
+                    # The prospective rank 0 closes; the others step in if it has not within a lease TTL.
+                    if (order and order[0] == self.node_id) or now - close_due >= self.s.lease_ttl:
+                        attempt_close = True
+                    else:
+                        self.view.cond.wait(min(0.5, self.s.lease_ttl))
+                else:
+                    close_due = None
+                    self.view.cond.wait(max(0.01, min(decision.wait, deadline - now)))
+            if attempt_close:
+                self._etcd_step(lambda a=(rec, rec_rev, joins, live, target): self._try_close(*a), deadline)
+                with self.view.cond:  # let the watch deliver the outcome before deciding again
+                    self.view.cond.wait(0.2)
+
+    def _etcd_step(self, fn: Any, deadline: float) -> bool:
+        """Run one etcd write; on an etcd error log, pause briefly and report False (the caller retries)."""
+        try:
+            fn()
+            return True
+        except EtcdError as exc:
+            if time.monotonic() > deadline:
+                raise
+            log.warning("rendezvous_etcd_retry", node=self.node_id, error=str(exc))
+            time.sleep(0.25)
+            return False
+
+    def _check_closed(self) -> None:
+        closed = self._closed()
+        if closed is None:
+            return
+        if closed.get("reason") == "budget":
+            raise FailureBudgetExhausted(str(closed.get("message") or "failure budget exhausted"))
+        raise RendezvousClosed(f"rendezvous of run {self.s.run_id!r} is closed (the job finished)")
+
+    def _put_join(self, target: int, reason: str) -> None:
+        self._join_value = json.dumps({"target": target, "reason": reason, "time": time.time()}).encode()
+        log.info("rendezvous_join", node=self.node_id, target_round=target, reason=reason)
+        self.etcd.put(self.prefix + "join/" + self.node_id, self._join_value, self.lease.lease_id)
+
+    def _try_close(
+        self, rec: RoundRecord | None, rec_rev: int, joins: dict[str, Joiner], live: set[str], target: int
+    ) -> bool:
+        previous = rec.members if rec else []
+        members = assign_ranks(previous, joins.values(), self.s.max_nodes)
+        failure = is_failure_transition(previous, members, joins.values(), live)
+        with self.view.cond:
+            used = self._failures()
+            nodes_kv = self.view.under("nodes/")
+        nodes = {}
+        for m in members:
+            try:
+                d = json.loads(nodes_kv[m].value)
+                nodes[m] = {"addr": d.get("addr"), "store_port": d.get("store_port", 0)}
+            except (KeyError, ValueError):
+                nodes[m] = {"addr": None, "store_port": 0}
+        compare = [cmp_mod(self.prefix + "round", rec_rev), cmp_version(self.prefix + "closed", 0)]
+        if failure and used + 1 > self.s.failure_budget:
+            msg = (
+                f"failure budget exhausted for run {self.s.run_id!r}: {used + 1} failures, budget "
+                f"{self.s.failure_budget} (raise failure_budget in --rdzv-conf or job.yaml to allow more)"
+            )
+            ok, _ = self.etcd.txn(
+                compare,
+                [
+                    op_put(self.prefix + "closed", json.dumps({"reason": "budget", "message": msg}).encode()),
+                    op_put(self.prefix + "failures", str(used + 1).encode()),
+                ],
+            )
+            if ok:
+                log.error("failure_budget_exhausted", run_id=self.s.run_id, failures=used + 1)
+            return ok
+        record = RoundRecord(target, members, nodes, failure)
+        ops = [op_put(self.prefix + "round", record.encode())]
+        if failure:
+            ops.append(op_put(self.prefix + "failures", str(used + 1).encode()))
+        ok, _ = self.etcd.txn(compare, ops)
+        if ok:
+            log.info(
+                "rendezvous_round_closed",
+                round=target,
+                world_size=len(members),
+                failure=failure,
+                by=self.node_id,
+            )
+        return ok
+
+    def _adopt(self, rec: RoundRecord) -> RoundResult:
+        self.round = rec.round
+        self.members = list(rec.members)
+        self._waiting_cause = None
+        return RoundResult(
+            rec.round, rec.members.index(self.node_id), len(rec.members), list(rec.members), rec.nodes
+        )
+
+    # -- closing -----------------------------------------------------------------------------------------
+
+    def close(self, reason: str = "finished", message: str = "") -> None:
+        """Mark the run closed (first writer wins; later rounds are refused)."""
+        value = json.dumps({"reason": reason, "message": message, "by": self.node_id}).encode()
+        try:
+            self.etcd.txn([cmp_version(self.prefix + "closed", 0)], [op_put(self.prefix + "closed", value)])
+        except EtcdError as exc:
+            log.warning("rendezvous_close_failed", error=str(exc))
