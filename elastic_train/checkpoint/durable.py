@@ -129,8 +129,9 @@ def build_manifest(
 
 
 def _plain(v: Any) -> Any:
+    """The scalar entries of the sampler's state (epoch, cursor, seed …), for people reading the manifest."""
     if isinstance(v, Mapping):
-        return {str(k): _plain(x) for k, x in v.items() if isinstance(x, (type(None), bool, int, float, str))}
+        return {str(k): x for k, x in v.items() if isinstance(x, (type(None), bool, int, float, str))}
     return None
 
 

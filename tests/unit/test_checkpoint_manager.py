@@ -1,0 +1,286 @@
+"""CheckpointManager in one process: memory:// and local storage, integrity, retention, errors, shm tier."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from elastic_train.checkpoint import (
+    CheckpointConfig,
+    CheckpointError,
+    CheckpointManager,
+    ModelMismatch,
+    StorageError,
+    WriteFailed,
+)
+from elastic_train.checkpoint import durable, storage as storage_mod
+from elastic_train.checkpoint.codec import flatten
+from elastic_train.checkpoint.memory import MemorySnapshot, snapshot_files, sweep_stale
+from elastic_train.checkpoint.storage import open_storage
+
+
+@pytest.fixture
+def memdir() -> Iterator[str]:
+    d = tempfile.mkdtemp(prefix="et-ckpt-unit-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def make_state(step: int, width: int = 8) -> dict:
+    torch.manual_seed(step)
+    model = torch.nn.Linear(width, 3)
+    return {
+        "model": model.state_dict(),
+        "optimizer": {"state": {0: {"m": torch.randn(width)}}, "param_groups": []},
+        "sampler": {"epoch": 1, "cursor": step * 4, "seed": 9},
+        "step": step,
+        "extra": {"k": [step]},
+    }
+
+
+def cfg(url: str, memdir: str, **kw) -> CheckpointConfig:
+    kw.setdefault("memory_every_steps", 0)
+    return CheckpointConfig(url=url, memory_dir=memdir, **kw)
+
+
+def manager(c: CheckpointConfig, run: str = "run") -> CheckpointManager:
+    return CheckpointManager(c, run, rank=0, world_size=1, local_rank=0)
+
+
+def run_root(url: str, run: str = "run") -> tuple[storage_mod.Storage, str]:
+    s = open_storage(url)
+    return s, s.join(s.root, run)
+
+
+def test_durable_save_restore_on_memory_url(memdir):
+    url = f"memory://ckpt-{uuid.uuid4().hex}"
+    m = manager(cfg(url, memdir, every_steps=2, keep_last=2))
+    assert m.restore() is None
+    for step in range(1, 8):
+        m.save(step, make_state(step))
+    m.finalize(7, make_state(7))
+    s, root = run_root(url)
+    entries = durable.list_entries(s, root)
+    assert [e.step for e in entries] == [6, 7]  # keep_last 2
+    assert s.read(s.join(root, "latest")).decode().strip() == "step-00000007"
+    manifest = entries[-1].manifest
+    assert manifest is not None and manifest["sampler"] == {"epoch": 1, "cursor": 28, "seed": 9}
+    assert manifest["world_size"] == 1 and manifest["versions"]["torch"] == torch.__version__
+    assert ["weight", "float32", [3, 8]] in manifest["model"]["params"]
+    r = manager(cfg(url, memdir)).restore(model=make_state(0)["model"])
+    assert r is not None and r.step == 7 and r.source == "durable" and r.holder_rank is None
+    assert torch.equal(r.state["model"]["weight"], make_state(7)["model"]["weight"])
+    assert r.state["optimizer"]["state"][0]["m"].shape == (8,) and r.state["extra"] == {"k": [7]}
+
+
+def test_flipped_byte_fails_verify_and_loader_falls_back(tmp_path, memdir):
+    url = str(tmp_path / "c")
+    m = manager(cfg(url, memdir, every_steps=1, keep_last=5, async_write=False))
+    for step in (1, 2):
+        m.save(step, make_state(step))
+    m.close()
+    s, root = run_root(url)
+    newest = durable.list_entries(s, root)[-1]
+    assert newest.manifest is not None
+    share = os.path.join(newest.path, newest.manifest["files"][0]["name"])
+    with open(share, "r+b") as f:
+        f.seek(10)
+        byte = f.read(1)
+        f.seek(10)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    assert any("sha256 mismatch" in p for p in durable.verify(s, newest.path))
+    assert durable.verify(s, durable.list_entries(s, root)[0].path) == []
+    r = manager(cfg(url, memdir)).restore()
+    assert r is not None and r.step == 1 and r.source == "durable"
+
+
+def test_leftovers_never_block_and_are_cleaned(tmp_path, memdir):
+    url = str(tmp_path / "c")
+    s, root = run_root(url)
+    os.makedirs(os.path.join(root, "step-00000004"))
+    with open(os.path.join(root, "step-00000004", "share-00000.dead.bin"), "wb") as f:
+        f.write(b"torn")
+    os.makedirs(os.path.join(root, "step-00000009"))  # from a run that got further, then crashed
+    m = manager(cfg(url, memdir, every_steps=4, async_write=False))
+    assert m.restore() is None  # no manifest: not a checkpoint
+    for step in range(1, 5):
+        m.save(step, make_state(step))
+    entries = durable.list_entries(s, root)
+    assert [(e.step, e.valid) for e in entries] == [(4, True)]
+    assert len(os.listdir(entries[0].path)) == 2  # the manifest and the new share; the torn file is gone
+    m.close()
+
+
+def test_truncated_share_is_invalid_and_skipped(tmp_path, memdir):
+    url = str(tmp_path / "c")
+    m = manager(cfg(url, memdir, every_steps=1, keep_last=3, async_write=False))
+    for step in (1, 2):
+        m.save(step, make_state(step))
+    m.close()
+    s, root = run_root(url)
+    newest = durable.list_entries(s, root)[-1]
+    assert newest.manifest is not None
+    os.truncate(os.path.join(newest.path, newest.manifest["files"][0]["name"]), 5)
+    assert "bytes, manifest says" in (durable.list_entries(s, root)[-1].problem or "")
+    r = manager(cfg(url, memdir)).restore()
+    assert r is not None and r.step == 1
+
+
+def test_model_mismatch_is_a_checkpoint_error(tmp_path, memdir):
+    url = str(tmp_path / "c")
+    m = manager(cfg(url, memdir))
+    m.finalize(3, make_state(3, width=8))
+    with pytest.raises(ModelMismatch, match="different model") as info:
+        manager(cfg(url, memdir)).restore(model=make_state(0, width=5)["model"])
+    assert "\n" not in str(info.value) and isinstance(info.value, CheckpointError)
+
+
+def test_resume_from_used_only_without_own_state(tmp_path, memdir):
+    src = str(tmp_path / "src")
+    manager(cfg(src, memdir)).finalize(5, make_state(5))
+    step_url = os.path.join(src, "run", "step-00000005")
+    r = manager(cfg(str(tmp_path / "dst"), memdir, resume_from=step_url), "new").restore()
+    assert r is not None and r.source == "resume_from" and r.step == 5
+    r = manager(cfg(str(tmp_path / "dst"), memdir, resume_from=os.path.join(src, "run")), "new").restore()
+    assert r is not None and r.step == 5
+    manager(cfg(str(tmp_path / "dst"), memdir), "new").finalize(6, make_state(6))
+    r = manager(cfg(str(tmp_path / "dst"), memdir, resume_from=step_url), "new").restore()
+    assert r is not None and r.source == "durable" and r.step == 6
+    with pytest.raises(CheckpointError, match="no valid checkpoint"):
+        manager(cfg(str(tmp_path / "e"), memdir, resume_from=str(tmp_path / "nothing")), "x").restore()
+
+
+class FailingStorage:
+    """Wraps a storage; the first ``failures`` share writes raise."""
+
+    def __init__(self, inner, failures: int) -> None:
+        self.inner, self.failures, self.calls = inner, failures, 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def write_chunks(self, path, chunks):
+        self.calls += 1
+        if self.calls <= self.failures:
+            raise StorageError(f"cannot write {path}: disk on fire")
+        return self.inner.write_chunks(path, chunks)
+
+
+@pytest.mark.parametrize(
+    ("on_error", "failures", "raises", "committed"),
+    [
+        ("retry", 2, False, True),
+        ("retry", 3, True, False),
+        ("fatal", 1, True, False),
+        ("log", 1, False, False),
+    ],
+)
+def test_write_failures_follow_on_error(tmp_path, memdir, on_error, failures, raises, committed):
+    m = manager(cfg(str(tmp_path / "c"), memdir, every_steps=1, on_error=on_error, retries=3))
+    m.storage = FailingStorage(m.storage, failures)
+    m.save(1, make_state(1))
+    m.wait()
+    if raises:
+        with pytest.raises(WriteFailed, match="disk on fire"):
+            m.save(2, make_state(2))
+    else:
+        m.save(2, make_state(2))
+    m.close()
+    s, root = run_root(str(tmp_path / "c"))
+    assert (1 in [e.step for e in durable.list_entries(s, root) if e.valid]) == committed
+
+
+def test_missing_s3_extra_names_it(monkeypatch):
+    import fsspec
+
+    def boom(*a, **k):
+        raise ImportError("No module named 's3fs'")
+
+    monkeypatch.setattr(fsspec, "filesystem", boom)
+    with pytest.raises(StorageError, match=r"elastic-train\[s3\]"):
+        open_storage("s3://bucket/x")
+
+
+def test_memory_tier_double_buffer_detects_torn_slot(memdir):
+    snap = MemorySnapshot(memdir, "run", 0)
+    for step in (1, 2, 3):
+        snap.save(step, flatten(make_state(step)))
+    snap.wait_idle()
+    reader = MemorySnapshot(memdir, "run", 0)
+    held = reader.newest_valid()
+    assert held is not None and held.step == 3
+    # Tear the newest slot's data (a crash mid-copy) → the previous step is still there.
+    data = snap.data(held.slot, held.nbytes)
+    data[:16] = 7
+    reader2 = MemorySnapshot(memdir, "run", 0)
+    held2 = reader2.newest_valid()
+    assert held2 is not None and held2.step == 2
+    # An interrupted copy also leaves the invalidated header: only the other slot counts.
+    snap.release()
+    assert snapshot_files(memdir, "run") == []
+
+
+def test_memory_tier_reallocates_when_layout_changes(memdir):
+    snap = MemorySnapshot(memdir, "run", 0)
+    snap.save(1, flatten({"a": torch.ones(3)}), background=False)
+    snap.save(2, flatten({"a": torch.ones(3), "b": torch.ones(1000)}), background=False)
+    held = MemorySnapshot(memdir, "run", 0).newest_valid()
+    assert held is not None and held.step == 2 and len(held.specs) == 2
+    snap.release()
+
+
+def test_restore_prefers_newer_memory_snapshot_and_finalize_releases_it(tmp_path, memdir):
+    url = str(tmp_path / "c")
+    m = manager(cfg(url, memdir, every_steps=3, memory_every_steps=1))
+    for step in range(1, 6):
+        m.save(step, make_state(step))
+    m.close()  # an error path: the snapshot stays for the restarted worker
+    assert len(snapshot_files(memdir, "run")) == 1
+    m2 = manager(cfg(url, memdir, every_steps=3, memory_every_steps=1))
+    r = m2.restore()
+    assert r is not None and (r.step, r.source, r.holder_rank) == (5, "memory", 0)
+    assert torch.equal(r.state["model"]["bias"], make_state(5)["model"]["bias"])
+    m2.finalize(6, make_state(6))
+    assert snapshot_files(memdir, "run") == []
+    r = manager(cfg(url, memdir)).restore()
+    assert r is not None and (r.step, r.source) == (6, "durable")
+
+
+def test_close_with_release_and_stale_owner_sweep(tmp_path, memdir):
+    m = manager(cfg(str(tmp_path / "c"), memdir, memory_every_steps=1))
+    m.save(1, make_state(1))
+    m.close(release_memory=True)
+    assert snapshot_files(memdir, "run") == []
+    # A snapshot whose owner process is gone is swept by the next manager on the node.
+    owner = subprocess.Popen([sys.executable, "-c", "pass"])
+    owner.wait()
+    env_before = os.environ.get("ELASTIC_TRAIN_SHM_OWNER")
+    os.environ["ELASTIC_TRAIN_SHM_OWNER"] = str(owner.pid)
+    try:
+        MemorySnapshot(memdir, "run", 0).save(1, flatten(make_state(1)), background=False)
+    finally:
+        if env_before is None:
+            del os.environ["ELASTIC_TRAIN_SHM_OWNER"]
+        else:
+            os.environ["ELASTIC_TRAIN_SHM_OWNER"] = env_before
+    assert len(snapshot_files(memdir, "run")) == 1
+    assert len(sweep_stale(memdir)) == 1 and snapshot_files(memdir, "run") == []
+
+
+def test_manifest_is_json_with_checksums(tmp_path, memdir):
+    manager(cfg(str(tmp_path / "c"), memdir)).finalize(2, make_state(2))
+    m = json.loads((tmp_path / "c" / "run" / "step-00000002" / "manifest.json").read_text())
+    assert m["kind"] == "elastic_train.checkpoint" and m["format"] == 1 and m["step"] == 2
+    assert all(len(f["sha256"]) == 64 and f["size"] > 0 for f in m["files"])
+    assert sum(f["size"] for f in m["files"]) == m["bytes"]
