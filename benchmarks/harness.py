@@ -563,13 +563,13 @@ def speedup(baseline: Mapping[str, Any], ours: Mapping[str, Any]) -> dict[str, A
 
 
 def format_summary(s: Mapping[str, Any]) -> str:
-    """``"3.21 s [2.90-3.40] (3/3)"``, ``"> 90 s (0/3)"`` or ``"not measured"``."""
+    """``"3.21 s [2.90, 3.40] (3/3)"``, ``"> 90 s (0/3)"`` or ``"not measured"``."""
     if not s or s.get("median") is None:
         return "not measured"
     med = f"> {s['median']:.0f} s" if s.get("median_censored") else f"{s['median']:.2f} s"
-    if s.get("n", 0) > 1:
+    if s.get("n", 0) > 1 and s.get("ok", 0) > 0:
         hi = f">{s['max']:.0f}" if s.get("max_censored") else f"{s['max']:.2f}"
-        med += f" [{s['min']:.2f}-{hi}]"
+        med += f" [{s['min']:.2f}, {hi}]"
     return f"{med} ({s.get('ok', 0)}/{s.get('n', 0)})"
 
 

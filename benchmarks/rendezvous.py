@@ -167,7 +167,9 @@ def collect(runs: list[dict[str, Any]], names: list[str]) -> dict[str, Any]:
 
 def print_table(result: dict[str, Any], names: list[str]) -> None:
     print()
-    print(f"{'scenario':<10} {'config':<15} {'seconds: median [min-max] (ok/n)':<38} {'etcd3 faster by':>15}")
+    print(
+        f"{'scenario':<10} {'config':<15} {'seconds: median [min, max] (ok/n)':<38} {'etcd3 faster by':>15}"
+    )
     for scen, block in result["scenarios"].items():
         for name in names:
             if name not in block["results"]:

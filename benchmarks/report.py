@@ -1,0 +1,773 @@
+"""Run every benchmark in benchmarks/ and write docs/benchmarks.md (figures, ratios, targets, machine, plots).
+
+    .venv/bin/python benchmarks/report.py --out docs/benchmarks.md            # what `make bench` runs
+    .venv/bin/python benchmarks/report.py --quick --out /tmp/b.md             # a fast check of the pipeline
+    .venv/bin/python benchmarks/report.py --from-json docs/benchmarks --out docs/benchmarks.md   # re-render
+
+Each benchmark script is run as ``python benchmarks/NAME.py --json FILE [--quick]``. A script that is absent,
+fails or times out gets a "not run" row with the reason, and every target that needed it is "not measured".
+The raw JSON is kept next to the report (``--json-dir``) so a report can be re-rendered or audited.
+
+Reading other benchmarks' JSON is tolerant: a document may carry its own ``targets`` list
+(``[{"name", "figure", "value", "threshold", "met", "why"}]``) and ``figures`` list
+(``[{"name", "value", "unit", ...}]``); otherwise known keys are looked up, and anything missing is
+"not measured", never an error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from harness import format_ratio, format_summary, machine_info
+
+HERE = Path(__file__).resolve().parent
+#: Benchmark scripts, in the order they run and appear.
+BENCHMARKS = ("rendezvous", "rdzv_scale", "checkpoint", "overhead")
+BASELINE_DEFAULTS = ("c10d", "etcd-v2")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Tolerant lookups (pure)
+
+
+def dig(doc: Any, *paths: str) -> Any:
+    """The value at the first dotted path that exists in ``doc`` (dict keys or list indices), else None."""
+    for path in paths:
+        cur = doc
+        for part in path.split("."):
+            if isinstance(cur, Mapping) and part in cur:
+                cur = cur[part]
+            elif isinstance(cur, list) and part.lstrip("-").isdigit() and -len(cur) <= int(part) < len(cur):
+                cur = cur[int(part)]
+            else:
+                cur = None
+                break
+        if cur is not None:
+            return cur
+    return None
+
+
+def median(values: Iterable[float]) -> float | None:
+    """The median of ``values`` (mean of the middle two for an even count), None when empty."""
+    vals = sorted(values)
+    if not vals:
+        return None
+    mid = len(vals) // 2
+    return vals[mid] if len(vals) % 2 else (vals[mid - 1] + vals[mid]) / 2
+
+
+def number(value: Any) -> float | None:
+    """``value`` as a float when it is a number (or a summary dict with a ``median``), else None."""
+    if isinstance(value, Mapping):
+        value = value.get("median", value.get("value"))
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value)
+
+
+def find_records(doc: Any, keys: Iterable[str]) -> list[Mapping[str, Any]]:
+    """Every dict anywhere in ``doc`` that has all of ``keys`` (depth-first, document order)."""
+    wanted = list(keys)
+    found: list[Mapping[str, Any]] = []
+
+    def walk(node: Any) -> None:
+        if isinstance(node, Mapping):
+            if all(k in node for k in wanted):
+                found.append(node)
+            for v in node.values():
+                walk(v)
+        elif isinstance(node, list):
+            for v in node:
+                walk(v)
+
+    walk(doc)
+    return found
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Targets (pure)
+
+
+@dataclass(slots=True)
+class Target:
+    """One target from the issues and how this run did against it."""
+
+    name: str
+    """What is promised, in words."""
+    threshold: str
+    """The bar, e.g. ">= 4x vs c10d and etcd-v2 defaults"."""
+    figure: str = "not measured"
+    """What this run measured."""
+    status: str = "not measured"
+    """``met``, ``missed``, ``inconclusive`` or ``not measured``."""
+    why: str = ""
+    """The reason, in particular for anything not met."""
+
+
+def _ratio_check(ratio: Mapping[str, Any] | None, need: float) -> str:
+    if not ratio:
+        return "not measured"
+    if ratio["ratio"] >= need:
+        return "met"
+    return "inconclusive" if ratio.get("lower_bound") else "missed"
+
+
+def _combine(statuses: list[str]) -> str:
+    for s in ("not measured", "missed", "inconclusive"):
+        if s in statuses:
+            return s
+    return "met"
+
+
+def _phase_note(rdzv: Mapping[str, Any], scenario: str, config: str) -> str:
+    """ "of which: workers started +X s, process group +Y s" from the median phases of a configuration."""
+    phases = dig(rdzv, f"scenarios.{scenario}.results.{config}.phases") or []
+    parts = []
+    for key, label in (("workers_started", "workers started"), ("pg_ready", "process group formed")):
+        med = median(p[key] for p in phases if isinstance(p, Mapping) and p.get(key) is not None)
+        if med is not None:
+            parts.append(f"{label} at {med:.1f} s")
+    return f" ({config}: {', '.join(parts)})" if parts else ""
+
+
+def rendezvous_targets(rdzv: Mapping[str, Any] | None) -> list[Target]:
+    """The three torchrun-level targets of the rendezvous issue, from rendezvous.py's JSON."""
+    launch = Target("launch 3 agents -> first step", ">= 4x faster than c10d and etcd-v2 defaults")
+    kill = Target(
+        "kill -9 one node -> first step at world 2",
+        ">= 10x faster than etcd-v2 defaults, faster than c10d-tuned",
+    )
+    scale = Target("add a 4th node -> first step at world 4", "<= 5 s (etcd3)")
+    if not rdzv:
+        for t in (launch, kill, scale):
+            t.why = "rendezvous benchmark not run"
+        return [launch, kill, scale]
+    ours = rdzv.get("ours", "etcd3")
+    ratios = rdzv.get("ratios", {})
+
+    def summary(scen: str, config: str) -> Mapping[str, Any] | None:
+        s = dig(rdzv, f"scenarios.{scen}.results.{config}.summary")
+        return s if isinstance(s, Mapping) and s.get("median") is not None else None
+
+    # launch: >= 4x vs both defaults
+    own = summary("launch", ours)
+    if own:
+        rs = {b: (ratios.get("launch") or {}).get(b) for b in BASELINE_DEFAULTS}
+        launch.figure = f"{ours} {format_summary(own)}; " + ", ".join(
+            f"{b} {format_summary(summary('launch', b) or {})} ({format_ratio(r)})" for b, r in rs.items()
+        )
+        launch.status = _combine([_ratio_check(r, 4.0) for r in rs.values()])
+        launch.why = _why(launch.status, "launch", rs, dict.fromkeys(rs, 4.0)) + _phase_note(
+            rdzv, "launch", ours
+        )
+    else:
+        launch.why = f"{ours} launch not measured"
+
+    own = summary("kill", ours)
+    if own:
+        r_v2 = (ratios.get("kill") or {}).get("etcd-v2")
+        r_tuned = (ratios.get("kill") or {}).get("c10d-tuned")
+        kill.figure = (
+            f"{ours} {format_summary(own)}; etcd-v2 {format_summary(summary('kill', 'etcd-v2') or {})} "
+            f"({format_ratio(r_v2)}); c10d-tuned {format_summary(summary('kill', 'c10d-tuned') or {})} "
+            f"({format_ratio(r_tuned)})"
+        )
+        faster = "not measured" if not r_tuned else ("met" if r_tuned["ratio"] > 1.0 else "missed")
+        kill.status = _combine([_ratio_check(r_v2, 10.0), faster])
+        needs = {"etcd-v2": 10.0, "c10d-tuned": 1.0}
+        kill.why = _why(kill.status, "kill", {"etcd-v2": r_v2, "c10d-tuned": r_tuned}, needs) + _phase_note(
+            rdzv, "kill", ours
+        )
+    else:
+        kill.why = f"{ours} kill scenario not measured"
+
+    own = summary("scale_up", ours)
+    if own:
+        scale.figure = f"{ours} {format_summary(own)}"
+        scale.status = "missed" if own.get("median_censored") or own["median"] > 5.0 else "met"
+        scale.why = ("median within 5 s" if scale.status == "met" else "median above 5 s") + _phase_note(
+            rdzv, "scale_up", ours
+        )
+    else:
+        scale.why = f"{ours} scale-up not measured"
+    return [launch, kill, scale]
+
+
+def _why(
+    status: str, scen: str, ratios: Mapping[str, Mapping[str, Any] | None], needs: Mapping[str, float]
+) -> str:
+    """Explain a ratio target: which baselines are below their bar, and which ratios are only lower bounds."""
+    missing = [b for b, r in ratios.items() if not r]
+    if missing:
+        return f"no {scen} figure for {', '.join(missing)} in this run"
+    bounds = [b for b, r in ratios.items() if r and r.get("lower_bound")]
+    note = f"{', '.join(bounds)} did not get there within the cap: ratio is a lower bound" if bounds else ""
+    if status == "met":
+        return note or "every ratio at or above its bar"
+    short = [
+        f"{b} {format_ratio(r)} (bar {needs[b]:g}x)" for b, r in ratios.items() if r and r["ratio"] < needs[b]
+    ]
+    why = "below the bar: " + ", ".join(short)
+    if status == "inconclusive":
+        why += "; a longer cap could show more"
+    return why + (f"; {note}" if note else "")
+
+
+def scale_target(doc: Mapping[str, Any] | None) -> list[Target]:
+    """Rendezvous alone at N=256 <= 3 s, and etcd writes per round O(N), from rdzv_scale.py's JSON."""
+    t = Target("rendezvous alone at N=256 participants", "<= 3 s")
+    w = Target("etcd writes per rendezvous round", "O(N): writes/N flat from smallest to largest N")
+    if not doc:
+        t.why = w.why = "rdzv_scale benchmark not run"
+        return [t, w]
+    points = scale_points(doc)
+    at256 = [p for p in points if p["n"] == 256]
+    if at256 and at256[0].get("seconds") is not None:
+        sec = at256[0]["seconds"]
+        t.figure = f"{sec:.2f} s"
+        t.status = "met" if sec <= 3.0 else "missed"
+        t.why = "" if t.status == "met" else f"{sec:.2f} s at N=256"
+    else:
+        t.why = "no N=256 point in rdzv_scale output"
+    writes = [p for p in points if p.get("writes") is not None and p["n"] > 0]
+    if len(writes) >= 2:
+        lo, hi = writes[0], writes[-1]
+        per_lo, per_hi = lo["writes"] / lo["n"], hi["writes"] / hi["n"]
+        w.figure = f"{per_lo:.1f}/participant at N={lo['n']}, {per_hi:.1f} at N={hi['n']}"
+        w.status = "met" if per_hi <= 2.0 * per_lo else "missed"
+        w.why = "" if w.status == "met" else "writes per participant grow with N"
+    else:
+        w.why = "no write counts in rdzv_scale output"
+    return [t, w]
+
+
+def scale_points(doc: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """``[{"n", "seconds", "writes"}]`` sorted by n, from whatever shape rdzv_scale.py writes."""
+    out: dict[int, dict[str, Any]] = {}
+    for key in ("n", "participants", "N", "nodes"):
+        for rec in find_records(doc, [key]):
+            n = number(rec.get(key))
+            if n is None:
+                continue
+            secs = number(
+                dig(rec, "seconds", "median_s", "rdzv_seconds", "time_s", "median", "summary", "wall_s")
+            )
+            writes = number(dig(rec, "writes", "etcd_writes", "ops.writes", "etcd_ops.writes", "puts"))
+            out.setdefault(int(n), {"n": int(n), "seconds": secs, "writes": writes})
+        if out:
+            break
+    return [out[k] for k in sorted(out)]
+
+
+def checkpoint_targets(doc: Mapping[str, Any] | None) -> list[Target]:
+    """Stall <= 1.5x a shared-memory copy; durable throughput >= 80% raw write and >= DCP."""
+    stall = Target("checkpoint stall of the training loop", "<= 1.5x a plain shared-memory copy")
+    thr = Target("durable checkpoint throughput", ">= 80% of raw write and >= torch DCP")
+    if not doc:
+        stall.why = thr.why = "checkpoint benchmark not run"
+        return [stall, thr]
+    s = number(dig(doc, "stall_s", "stall.seconds", "stall.median", "stall_seconds", "figures.stall_s"))
+    c = number(dig(doc, "shm_copy_s", "shm_copy.seconds", "shm_copy.median", "copy_s", "figures.shm_copy_s"))
+    if s is not None and c:
+        stall.figure = f"stall {s:.3f} s vs shm copy {c:.3f} s ({s / c:.2f}x)"
+        stall.status = "met" if s <= 1.5 * c else "missed"
+    else:
+        stall.why = "stall or shm-copy figure not found in checkpoint output"
+    d = number(dig(doc, "durable_mb_s", "durable.mb_s", "throughput.durable", "durable_throughput"))
+    raw = number(dig(doc, "raw_write_mb_s", "raw.mb_s", "throughput.raw", "raw_write_throughput"))
+    dcp = number(dig(doc, "dcp_mb_s", "dcp.mb_s", "throughput.dcp", "dcp_throughput"))
+    if d is not None and raw:
+        thr.figure = f"{d:.0f} MB/s = {d / raw:.0%} of raw write {raw:.0f} MB/s" + (
+            f", DCP {dcp:.0f} MB/s" if dcp is not None else ""
+        )
+        ok = d >= 0.8 * raw and (dcp is None or d >= dcp)
+        thr.status = "met" if ok else "missed"
+        if dcp is None:
+            thr.status = "not measured" if ok else "missed"
+            thr.why = "no DCP figure in checkpoint output"
+    else:
+        thr.why = "durable or raw-write throughput not found in checkpoint output"
+    return [stall, thr]
+
+
+def overhead_targets(doc: Mapping[str, Any] | None) -> list[Target]:
+    """Per-step overhead of elastic_train over a plain DDP loop <= 3%."""
+    t = Target("per-step overhead over plain DDP", "<= 3%")
+    if not doc:
+        t.why = "overhead benchmark not run"
+        return [t]
+    pct = number(dig(doc, "overhead_pct", "overhead.pct", "overhead_percent", "figures.overhead_pct"))
+    if pct is None:
+        frac = number(dig(doc, "overhead", "overhead_fraction"))
+        pct = frac * 100 if frac is not None and frac < 1 else frac
+    if pct is None:
+        t.why = "overhead figure not found in overhead output"
+        return [t]
+    t.figure = f"{pct:.2f}%"
+    t.status = "met" if pct <= 3.0 else "missed"
+    return [t]
+
+
+def self_reported_targets(doc: Mapping[str, Any] | None) -> list[Target]:
+    """Targets a benchmark evaluated itself (its ``targets`` list), as :class:`Target`."""
+    out = []
+    for rec in (doc or {}).get("targets") or []:
+        if not isinstance(rec, Mapping) or "name" not in rec:
+            continue
+        met = rec.get("met")
+        status = rec.get("status") or ("met" if met else "missed" if met is False else "not measured")
+        figure = rec.get("figure") or (str(rec["value"]) if rec.get("value") is not None else "not measured")
+        out.append(
+            Target(str(rec["name"]), str(rec.get("threshold", "")), figure, status, str(rec.get("why", "")))
+        )
+    return out
+
+
+def evaluate_targets(docs: Mapping[str, Mapping[str, Any] | None]) -> list[Target]:
+    """Every target, from each benchmark's JSON (None where the benchmark did not run).
+
+    A benchmark's own ``targets`` list wins over the built-in reading of its figures.
+    """
+    targets = rendezvous_targets(docs.get("rendezvous"))
+    for name, builtin in (
+        ("rdzv_scale", scale_target),
+        ("checkpoint", checkpoint_targets),
+        ("overhead", overhead_targets),
+    ):
+        own = self_reported_targets(docs.get(name))
+        targets.extend(own or builtin(docs.get(name)))
+    return targets
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Running the benchmarks
+
+
+@dataclass(slots=True)
+class RunRecord:
+    """How one benchmark script ran."""
+
+    name: str
+    status: str
+    """``ok``, ``absent``, ``failed``, ``timeout`` or ``from-json``."""
+    command: str = ""
+    seconds: float = 0.0
+    detail: str = ""
+
+
+def run_benchmark(name: str, json_path: Path, *, quick: bool, timeout: float, extra: list[str]) -> RunRecord:
+    script = HERE / f"{name}.py"
+    if not script.exists():
+        return RunRecord(name, "absent", detail=f"benchmarks/{name}.py does not exist")
+    cmd = [sys.executable, str(script), "--json", str(json_path), *(["--quick"] if quick else []), *extra]
+    shown = " ".join(shlex.quote(a) for a in cmd)
+    print(f"== {name}: {shown}", flush=True)
+    started = time.time()
+    json_path.unlink(missing_ok=True)
+    try:
+        proc = subprocess.run(
+            cmd, timeout=timeout, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+    except subprocess.TimeoutExpired as exc:
+        out = exc.stdout if isinstance(exc.stdout, str) else (exc.stdout or b"").decode(errors="replace")
+        print(out[-2000:], flush=True)
+        return RunRecord(name, "timeout", shown, round(time.time() - started, 1), f"over {timeout:.0f} s")
+    print(proc.stdout[-4000:], flush=True)
+    seconds = round(time.time() - started, 1)
+    if proc.returncode != 0 or not json_path.exists():
+        last = [ln for ln in proc.stdout.strip().splitlines() if ln.strip()][-1:] or [""]
+        return RunRecord(name, "failed", shown, seconds, f"exit {proc.returncode}: {last[0][:300]}")
+    return RunRecord(name, "ok", shown, seconds)
+
+
+def load_json(path: Path) -> dict[str, Any] | None:
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Plots
+
+
+def plot_timelines(rdzv: Mapping[str, Any], img_dir: Path) -> list[Path]:
+    """One PNG per scenario: world size of each rank-0 step against seconds since the event, per backend."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    for scen, per_config in (rdzv.get("timelines") or {}).items():
+        names = [n for n, pts in per_config.items() if pts]
+        if not names:
+            continue
+        fig, axes = plt.subplots(len(names), 1, figsize=(9, 1.3 * len(names) + 1), sharex=True, squeeze=False)
+        for ax, name in zip(axes[:, 0], names, strict=True):
+            pts = per_config[name]
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], ".", markersize=3)
+            ax.axvline(0, color="red", linewidth=1)
+            rec = dig(rdzv, f"scenarios.{scen}.results.{name}.samples.0")
+            if rec and rec.get("status") == "ok":
+                ax.axvline(rec["seconds"], color="green", linewidth=1, linestyle="--")
+            phase = dig(rdzv, f"scenarios.{scen}.results.{name}.phases.0") or {}
+            if phase.get("workers_started") is not None:
+                ax.axvline(phase["workers_started"], color="gray", linewidth=1, linestyle=":")
+            ax.set_ylabel(name, rotation=0, ha="right", va="center")
+            ax.set_ylim(0.5, 4.5)
+            ax.set_yticks([1, 2, 3, 4])
+            ax.grid(True, alpha=0.3)
+        title = dig(rdzv, f"scenarios.{scen}.title") or scen
+        axes[0, 0].set_title(
+            f"{title}\nworld size of rank 0's steps; red: event, gray: new workers started, "
+            "green: first step at the new size",
+            fontsize=9,
+        )
+        axes[-1, 0].set_xlabel("seconds since the event (first repeat)")
+        fig.tight_layout()
+        path = img_dir / f"recovery-{scen}.png"
+        fig.savefig(path, dpi=90)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def stall_points(doc: Mapping[str, Any]) -> list[tuple[float, float, float | None]]:
+    """``(state MB, stall s, shm copy s)`` from checkpoint.py's JSON, whatever its record shape."""
+    out = []
+    for size_key in ("state_mb", "mb", "size_mb", "bytes", "state_bytes", "size_bytes"):
+        for rec in find_records(doc, [size_key]):
+            size = number(rec.get(size_key))
+            stall = number(dig(rec, "stall_s", "stall", "stall_seconds", "stall.median"))
+            if size is None or stall is None:
+                continue
+            if "bytes" in size_key:
+                size /= 1e6
+            copy = number(dig(rec, "shm_copy_s", "shm_copy", "copy_s", "shm_copy.median"))
+            out.append((size, stall, copy))
+        if out:
+            break
+    return sorted(out)
+
+
+def plot_stall(doc: Mapping[str, Any], img_dir: Path) -> Path | None:
+    pts = stall_points(doc)
+    if not pts:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label="checkpoint stall")
+    copies = [(p[0], p[2]) for p in pts if p[2] is not None]
+    if copies:
+        ax.plot([c[0] for c in copies], [c[1] for c in copies], "s--", label="plain shm copy")
+        ax.plot([c[0] for c in copies], [1.5 * c[1] for c in copies], ":", label="target: 1.5x shm copy")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("state size (MB)")
+    ax.set_ylabel("seconds")
+    ax.set_title("Checkpoint stall vs state size")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path = img_dir / "checkpoint-stall.png"
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Markdown
+
+
+def render(
+    docs: Mapping[str, Mapping[str, Any] | None],
+    runs: list[RunRecord],
+    targets: list[Target],
+    images: list[Path],
+    *,
+    out: Path,
+    command: str,
+    machine: Mapping[str, Any],
+    json_dir: Path,
+) -> str:
+    """The whole of docs/benchmarks.md as a string."""
+    lines = [
+        "# Benchmarks",
+        "",
+        f"Generated by `benchmarks/report.py` on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}. "
+        "Every figure below comes from one run of this command; each benchmark measures its baselines "
+        "(torchrun's own `c10d` and `etcd-v2` rendezvous, defaults and tuned; raw I/O) in the same run.",
+        "",
+        "```",
+        command,
+        "```",
+        "",
+        "## Machine",
+        "",
+        "| | |",
+        "|---|---|",
+    ]
+    for key in ("cpu", "cores", "ram_gib", "loadavg", "torch", "python", "etcd", "platform"):
+        if key in machine:
+            lines.append(f"| {key} | {machine[key]} |")
+    lines += [
+        "",
+        "A busy or shared machine inflates every figure that includes process start-up (importing torch) "
+        "for all backends alike; ratios are more stable than absolute seconds.",
+        "",
+        "## Targets",
+        "",
+        "| target | bar | measured | status | why |",
+        "|---|---|---|---|---|",
+    ]
+    for t in targets:
+        mark = {"met": "**met**", "missed": "**MISSED**"}.get(t.status, t.status)
+        lines.append(f"| {t.name} | {t.threshold} | {_cell(t.figure)} | {mark} | {_cell(t.why)} |")
+    lines += [
+        "",
+        "## Benchmarks run",
+        "",
+        "| benchmark | status | seconds | command / reason |",
+        "|---|---|---|---|",
+    ]
+    for r in runs:
+        what = f"`{r.command}`" if r.command else ""
+        if r.detail:
+            what = (what + " - " if what else "") + _cell(r.detail)
+        status = "not run" if r.status in ("absent", "failed", "timeout") else r.status
+        if r.status in ("failed", "timeout"):
+            status = f"not run ({r.status})"
+        lines.append(f"| {r.name} | {status} | {r.seconds:.0f} | {what} |")
+    lines.append(f"\nRaw JSON: `{os.path.relpath(json_dir, out.parent)}/`.\n")
+
+    rdzv = docs.get("rendezvous")
+    if rdzv:
+        lines += render_rendezvous(rdzv, images, out)
+    for name in ("rdzv_scale", "checkpoint", "overhead"):
+        doc = docs.get(name)
+        if doc:
+            lines += render_generic(name, doc)
+    stall_img = [p for p in images if p.name == "checkpoint-stall.png"]
+    if stall_img:
+        lines += ["", f"![checkpoint stall vs state size]({os.path.relpath(stall_img[0], out.parent)})", ""]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _cell(text: str) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def render_rendezvous(rdzv: Mapping[str, Any], images: list[Path], out: Path) -> list[str]:
+    ours = rdzv.get("ours", "etcd3")
+    settings = rdzv.get("settings", {})
+    lines = [
+        "## Rendezvous and recovery (torchrun agents, `benchmarks/rendezvous.py`)",
+        "",
+        f"3 torchrun agents on loopback, `--nnodes={settings.get('nnodes', '2:4')} --nproc-per-node=1`, "
+        f"tiny gloo DDP worker stepping every {settings.get('step_interval', 0.1)} s, "
+        f"`--monitor-interval={settings.get('monitor_interval', 0.1)}` (torchrun's default) and "
+        f"`--max-restarts={settings.get('max_restarts', 100)}` for every backend; {rdzv.get('repeats', '?')} "
+        f"repeat(s). Seconds are median [min, max] (runs that got there / runs); `> cap` means the backend "
+        f"did not train at the new size within the cap ({settings.get('cap', '?')} s; SIGSTOP on baselines "
+        f"{settings.get('hang_cap', '?')} s): it failed or stalled. "
+        f"Ratios are baseline median / {ours} median.",
+        "",
+        "Configurations:",
+        "",
+    ]
+    for c in rdzv.get("configs", []):
+        conf = ",".join(f"{k}={v}" for k, v in (c.get("rdzv_conf") or {}).items())
+        env = " ".join(f"{k}={v}" for k, v in (c.get("env") or {}).items())
+        extra = " ".join(x for x in (f"`--rdzv-conf={conf}`" if conf else "", f"`{env}`" if env else "") if x)
+        lines.append(f"- `{c['name']}`: {c.get('description', '')} {extra}".rstrip())
+    for name, why in (rdzv.get("not_run") or {}).items():
+        lines.append(f"- `{name}`: not run ({why})")
+    names = [c["name"] for c in rdzv.get("configs", [])]
+    header = "| scenario | " + " | ".join(f"`{n}`" for n in names) + " |"
+    lines += ["", header, "|---|" + "---|" * len(names)]
+    for scen, block in (rdzv.get("scenarios") or {}).items():
+        cells = []
+        for n in names:
+            res = block.get("results", {}).get(n)
+            if not res:
+                cells.append("not run")
+                continue
+            cell = format_summary(res.get("summary", {}))
+            ratio = (rdzv.get("ratios", {}).get(scen) or {}).get(n)
+            if n != ours and ratio:
+                cell += f"<br>{ours} {format_ratio(ratio)} faster"
+            cells.append(cell)
+        lines.append(f"| {block.get('title', scen)} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "Where the time goes (median seconds from the event to: worker processes started / process group "
+        "formed / first step):",
+        "",
+        "| scenario | config | workers started | process group | first step |",
+        "|---|---|---|---|---|",
+    ]
+    for scen, block in (rdzv.get("scenarios") or {}).items():
+        for n, res in block.get("results", {}).items():
+            med = {}
+            for key in ("workers_started", "pg_ready", "first_step"):
+                m = median(p[key] for p in res.get("phases", []) if p and p.get(key) is not None)
+                med[key] = "-" if m is None else f"{m:.2f}"
+            lines.append(
+                f"| {scen} | `{n}` | {med['workers_started']} | {med['pg_ready']} | {med['first_step']} |"
+            )
+    failures = []
+    for scen, block in (rdzv.get("scenarios") or {}).items():
+        for n, res in block.get("results", {}).items():
+            for s in res.get("samples", []):
+                if s.get("status") not in ("ok", "not_run"):
+                    failures.append(f"- {scen} `{n}`: {s['status']} - {_cell(s.get('detail', ''))[:500]}")
+    if failures:
+        lines += ["", "Runs that did not get there (agent states and last log lines):", "", *failures]
+    for img in images:
+        if img.name.startswith("recovery-"):
+            lines += ["", f"![{img.stem}]({os.path.relpath(img, out.parent)})"]
+    lines.append("")
+    return lines
+
+
+def render_generic(name: str, doc: Mapping[str, Any]) -> list[str]:
+    """A benchmark's ``figures`` list as a table, else its top-level numbers; enough to audit any shape."""
+    lines = [f"## {name} (`benchmarks/{name}.py`)", ""]
+    if doc.get("description"):
+        lines += [str(doc["description"]), ""]
+    figures = doc.get("figures")
+    if isinstance(figures, list) and figures and all(isinstance(f, Mapping) for f in figures):
+        keys: list[str] = []
+        for f in figures:
+            keys += [k for k in f if k not in keys and not isinstance(f[k], (dict, list))]
+        lines += ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+        for f in figures:
+            lines.append("| " + " | ".join(_fmt(f.get(k)) for k in keys) + " |")
+    else:
+        rows = [(k, v) for k, v in _leaves(doc) if not k.startswith(("machine.", "targets."))][:60]
+        lines += ["| figure | value |", "|---|---|"] + [f"| {k} | {_fmt(v)} |" for k, v in rows]
+    lines.append("")
+    return lines
+
+
+def _leaves(doc: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    out: list[tuple[str, Any]] = []
+    if isinstance(doc, Mapping):
+        for k, v in doc.items():
+            out += _leaves(v, f"{prefix}{k}.")
+    elif isinstance(doc, list):
+        if len(doc) <= 20:
+            for i, v in enumerate(doc):
+                out += _leaves(v, f"{prefix}{i}.")
+    elif isinstance(doc, (int, float)) and not isinstance(doc, bool):
+        out.append((prefix.rstrip("."), doc))
+    return out
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return _cell("" if v is None else str(v))
+
+
+# ---------------------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="Run the benchmarks and write docs/benchmarks.md.")
+    p.add_argument("--out", default="docs/benchmarks.md", help="markdown file to write")
+    p.add_argument("--json-dir", default=None, help="where the raw JSON goes (default: <out dir>/benchmarks)")
+    p.add_argument("--img-dir", default=None, help="where the PNG plots go (default: <out dir>/img)")
+    p.add_argument("--quick", action="store_true", help="pass --quick to every benchmark")
+    p.add_argument("--only", default=None, help=f"comma-separated subset of: {', '.join(BENCHMARKS)}")
+    p.add_argument(
+        "--from-json", default=None, help="do not run anything: render from JSON files in this dir"
+    )
+    p.add_argument(
+        "--timeout", type=float, default=None, help="seconds per benchmark (default 5400, quick 600)"
+    )
+    p.add_argument(
+        "--rendezvous-args",
+        default="",
+        help="extra arguments for rendezvous.py, e.g. '--repeats 5 --cap 120'",
+    )
+    args = p.parse_args(argv)
+    if args.only:
+        bad = [n for n in args.only.split(",") if n not in BENCHMARKS]
+        if bad:
+            p.error(f"unknown benchmark(s): {', '.join(bad)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    json_dir = Path(args.from_json or args.json_dir or out.parent / "benchmarks")
+    img_dir = Path(args.img_dir or out.parent / "img")
+    json_dir.mkdir(parents=True, exist_ok=True)
+    img_dir.mkdir(parents=True, exist_ok=True)
+    timeout = args.timeout or (600.0 if args.quick else 5400.0)
+    selected = args.only.split(",") if args.only else list(BENCHMARKS)
+    command = " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv])
+
+    docs: dict[str, dict[str, Any] | None] = {}
+    runs: list[RunRecord] = []
+    for name in BENCHMARKS:
+        path = json_dir / f"{name}.json"
+        if name not in selected:
+            docs[name] = None
+            runs.append(RunRecord(name, "absent", detail="not selected (--only)"))
+            continue
+        if args.from_json:
+            docs[name] = load_json(path)
+            status = "from-json" if docs[name] else "absent"
+            runs.append(RunRecord(name, status, detail="" if docs[name] else f"no {path}"))
+            continue
+        extra = shlex.split(args.rendezvous_args) if name == "rendezvous" else []
+        rec = run_benchmark(name, path, quick=args.quick, timeout=timeout, extra=extra)
+        runs.append(rec)
+        docs[name] = load_json(path) if rec.status == "ok" else None
+        if rec.status == "ok" and docs[name] is None:
+            rec.status, rec.detail = "failed", f"{path} is not a JSON object"
+
+    machine = dict((docs.get("rendezvous") or {}).get("machine") or machine_info())
+    targets = evaluate_targets(docs)
+    images: list[Path] = []
+    if docs.get("rendezvous"):
+        images += plot_timelines(docs["rendezvous"] or {}, img_dir)
+    if docs.get("checkpoint"):
+        stall = plot_stall(docs["checkpoint"] or {}, img_dir)
+        if stall:
+            images.append(stall)
+    text = render(docs, runs, targets, images, out=out, command=command, machine=machine, json_dir=json_dir)
+    out.write_text(text, encoding="utf-8")
+    (json_dir / "targets.json").write_text(
+        json.dumps([asdict(t) for t in targets], indent=1) + "\n", encoding="utf-8"
+    )
+    print(f"wrote {out}")
+    for t in targets:
+        print(f"  {t.status:<13} {t.name}: {t.figure}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,181 @@
+"""Target evaluation and tolerant JSON reading of the benchmark report generator (no benchmark is run)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def _load(name: str) -> ModuleType:
+    """Import benchmarks/NAME.py under a unique module name (tests/chaos has its own report.py)."""
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCHMARKS / f"{name}.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+harness = _load("harness")
+report = _load("report")
+
+
+def block(samples: dict[str, list[float | None]], cap: float = 90.0) -> dict[str, Any]:
+    """A rendezvous.py scenario block from seconds per config (None = timed out)."""
+    results = {}
+    for name, secs in samples.items():
+        ss = [
+            {"status": "ok", "seconds": s, "cap": cap} if s is not None else {"status": "timeout", "cap": cap}
+            for s in secs
+        ]
+        results[name] = {"samples": ss, "summary": harness.summarize(ss), "phases": []}
+    return {"title": "t", "results": results}
+
+
+def rdzv_doc(launch: dict, kill: dict, scale: dict) -> dict[str, Any]:
+    scen = {"launch": block(launch), "kill": block(kill), "scale_up": block(scale)}
+    ratios = {
+        name: {
+            c: harness.speedup(r["summary"], b["results"]["etcd3"]["summary"])
+            for c, r in b["results"].items()
+            if c != "etcd3"
+        }
+        for name, b in scen.items()
+    }
+    return {"ours": "etcd3", "scenarios": scen, "ratios": ratios}
+
+
+def test_dig_and_number() -> None:
+    doc = {"a": {"b": [{"c": 1.5}]}, "s": {"median": 2.0}}
+    assert report.dig(doc, "x.y", "a.b.0.c") == 1.5
+    assert report.dig(doc, "a.b.5.c") is None
+    assert report.number(report.dig(doc, "s")) == 2.0
+    assert report.number(True) is None and report.number("3") is None
+
+
+def test_median() -> None:
+    assert report.median([]) is None
+    assert report.median([3.0, 1.0, 2.0]) == 2.0
+    assert report.median([1.0, 4.0]) == 2.5
+
+
+def test_rendezvous_targets_met() -> None:
+    doc = rdzv_doc(
+        launch={"etcd3": [2.0, 2.2, 2.1], "c10d": [37.0, 38.0, 40.0], "etcd-v2": [39.0, 41.0, 40.0]},
+        kill={"etcd3": [3.0], "etcd-v2": [45.0, None, None], "c10d-tuned": [7.4]},
+        scale={"etcd3": [4.0]},
+    )
+    launch, kill, scale = report.rendezvous_targets(doc)
+    assert launch.status == "met", launch
+    assert kill.status == "met", kill  # etcd-v2 censored at 90 s: >= 30x lower bound
+    assert "lower bound" in kill.why
+    assert scale.status == "met"
+
+
+def test_rendezvous_targets_missed_and_inconclusive() -> None:
+    doc = rdzv_doc(
+        launch={"etcd3": [12.0], "c10d": [37.0], "etcd-v2": [40.0]},
+        kill={"etcd3": [12.0], "etcd-v2": [None], "c10d-tuned": [7.4]},
+        scale={"etcd3": [None]},
+    )
+    launch, kill, scale = report.rendezvous_targets(doc)
+    assert launch.status == "missed" and "below the bar" in launch.why
+    # 90/12 = 7.5x is only a lower bound (inconclusive) but slower than c10d-tuned is a plain miss
+    assert kill.status == "missed"
+    assert scale.status == "missed"
+
+
+def test_rendezvous_targets_inconclusive_when_only_bound_is_short() -> None:
+    doc = rdzv_doc(
+        launch={"etcd3": [2.0], "c10d": [37.0], "etcd-v2": [40.0]},
+        kill={"etcd3": [12.0], "etcd-v2": [None], "c10d-tuned": [13.0]},
+        scale={"etcd3": [2.0]},
+    )
+    assert report.rendezvous_targets(doc)[1].status == "inconclusive"
+
+
+def test_rendezvous_targets_missing_baselines_are_not_measured() -> None:
+    doc = rdzv_doc(
+        launch={"etcd3": [2.0], "c10d-tuned": [9.0]}, kill={"etcd3": [3.0]}, scale={"etcd3": [3.0]}
+    )
+    launch, kill, _ = report.rendezvous_targets(doc)
+    assert launch.status == "not measured" and "c10d" in launch.why
+    assert kill.status == "not measured"
+    assert all(t.status == "not measured" for t in report.rendezvous_targets(None))
+
+
+def test_scale_targets_from_list_shape() -> None:
+    doc = {"results": [{"n": 8, "seconds": 0.2, "writes": 40}, {"n": 256, "seconds": 2.5, "writes": 1300}]}
+    t, w = report.scale_target(doc)
+    assert (t.status, w.status) == ("met", "met")
+    doc["results"][1].update(seconds=3.5, writes=256 * 256)
+    t, w = report.scale_target(doc)
+    assert (t.status, w.status) == ("missed", "missed")
+    assert all(x.status == "not measured" for x in report.scale_target({"other": 1}))
+
+
+def test_checkpoint_and_overhead_targets_tolerate_missing_keys() -> None:
+    stall, thr = report.checkpoint_targets(
+        {"stall_s": 0.12, "shm_copy_s": 0.1, "durable_mb_s": 850, "raw_write_mb_s": 1000, "dcp_mb_s": 700}
+    )
+    assert (stall.status, thr.status) == ("met", "met")
+    stall, thr = report.checkpoint_targets({"stall_s": 0.2, "shm_copy_s": 0.1, "durable_mb_s": 500})
+    assert stall.status == "missed" and thr.status == "not measured"
+    assert report.overhead_targets({"overhead_pct": 1.2})[0].status == "met"
+    assert report.overhead_targets({"overhead": 0.05})[0].status == "missed"
+    assert report.overhead_targets({})[0].status == "not measured"
+    assert report.overhead_targets(None)[0].why == "overhead benchmark not run"
+
+
+def test_self_reported_targets_win() -> None:
+    docs = {
+        "rendezvous": None,
+        "rdzv_scale": None,
+        "checkpoint": {"targets": [{"name": "stall", "threshold": "<= 1.5x", "value": 1.2, "met": True}]},
+        "overhead": None,
+    }
+    targets = report.evaluate_targets(docs)
+    ck = [t for t in targets if t.name == "stall"]
+    assert ck and ck[0].status == "met" and ck[0].figure == "1.2"
+    assert not [t for t in targets if t.name.startswith("checkpoint stall")]
+
+
+def test_stall_points_from_bytes_records() -> None:
+    doc = {
+        "sizes": [
+            {"state_bytes": 2e8, "stall_s": 0.3, "shm_copy_s": 0.2},
+            {"state_bytes": 1e7, "stall_s": 0.02},
+        ]
+    }
+    assert report.stall_points(doc) == [(10.0, 0.02, None), (200.0, 0.3, 0.2)]
+
+
+def test_render_from_json_end_to_end(tmp_path: Path) -> None:
+    doc = rdzv_doc(
+        launch={"etcd3": [2.0], "c10d": [37.0], "etcd-v2": [40.0]},
+        kill={"etcd3": [3.0], "etcd-v2": [45.0], "c10d-tuned": [7.4]},
+        scale={"etcd3": [4.0]},
+    )
+    doc["configs"] = [{"name": n} for n in ("etcd3", "c10d", "etcd-v2", "c10d-tuned")]
+    doc["timelines"] = {"kill": {"etcd3": [[-1.0, 3], [3.0, 2]], "c10d": []}}
+    doc["machine"] = {"cpu": "test cpu", "cores": 2}
+    (tmp_path / "rendezvous.json").write_text(json.dumps(doc))
+    (tmp_path / "overhead.json").write_text(
+        json.dumps({"overhead_pct": 2.0, "figures": [{"name": "x", "value": 1}]})
+    )
+    out = tmp_path / "docs" / "benchmarks.md"
+    assert (
+        report.main(["--from-json", str(tmp_path), "--out", str(out), "--img-dir", str(tmp_path / "img")])
+        == 0
+    )
+    text = out.read_text()
+    assert "test cpu" in text and "| per-step overhead over plain DDP | <= 3% | 2.00% | **met** |" in text
+    assert "checkpoint benchmark not run" in text
+    assert (tmp_path / "img" / "recovery-kill.png").stat().st_size > 1000
+    assert json.loads((tmp_path / "targets.json").read_text())[0]["status"] == "met"
