@@ -37,13 +37,13 @@ StepHook = Callable[[int], None]
 class Checkpointer(Protocol):
     """What the loop needs from :class:`elastic_train.checkpoint.CheckpointManager`."""
 
-    def restore(self) -> Any:
+    def restore(self, model: Mapping[str, Any] | None = None) -> Any:
         """Collective: the newest valid state anywhere (``.step``, ``.state``, ``.source``) or ``None``."""
         ...
 
     def save(self, step: int, state: Mapping[str, Any]) -> None: ...
 
-    def finalize(self, step: int, state: Mapping[str, Any]) -> None: ...
+    def finalize(self, step: int, state: Mapping[str, Any]) -> Any: ...
 
     def close(self) -> None: ...
 
@@ -121,6 +121,7 @@ class Trainer:
         self.sampler = ElasticSampler(len(task.dataset), cfg.global_batch, cfg.seed)
         self.step = 0
         self.ddp: torch.nn.Module | None = None
+        self._committed: Any = None
 
     # -- state -----------------------------------------------------------------------------------------------
 
@@ -158,7 +159,7 @@ class Trainer:
 
     def restore(self) -> None:
         """Collective: load the newest state anywhere, or start fresh; emits ``resumed`` or ``started``."""
-        restored = self.checkpointer.restore()
+        restored = self.checkpointer.restore(model=self.model.state_dict())
         if restored is None:
             log.info("training_started", step=0)
             self.events.emit("started", 0)
@@ -223,6 +224,13 @@ class Trainer:
             seconds=time.perf_counter() - started,
         )
 
+    def _report_commit(self) -> None:
+        """Emit a ``checkpoint`` event for a durable checkpoint committed since the last call."""
+        committed = getattr(self.checkpointer, "last_committed", None)
+        if committed is not None and committed is not self._committed:
+            self._committed = committed
+            self.events.emit("checkpoint", committed.step, seconds=committed.seconds, bytes=committed.bytes)
+
     def run(self) -> int:
         """Train until ``cfg.steps``, saving after every optimizer step; returns the final step."""
         if self.ddp is None:
@@ -231,6 +239,7 @@ class Trainer:
         while self.step < self.cfg.steps:
             result = self.train_step()
             self.checkpointer.save(self.step, self.state())
+            self._report_commit()
             now = time.perf_counter()
             rate = result.samples / max(now - last, 1e-9)
             last = now
@@ -240,6 +249,7 @@ class Trainer:
                     "step_done", step=result.step, loss=round(result.loss, 6), samples_per_s=round(rate, 1)
                 )
         self.checkpointer.finalize(self.step, self.state())
+        self._report_commit()
         self.events.emit("done", self.step)
         log.info("training_done", step=self.step)
         return self.step

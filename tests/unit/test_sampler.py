@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -14,7 +15,7 @@ from elastic_train.train.sampler import ElasticSampler, epoch_permutation, share
 def test_shares_are_contiguous_disjoint_and_cover(size: int, world: int) -> None:
     bounds = [share_bounds(size, world, r) for r in range(world)]
     assert bounds[0][0] == 0 and bounds[-1][1] == size
-    for (_, hi), (lo, _) in zip(bounds, bounds[1:], strict=False):
+    for (_, hi), (lo, _) in itertools.pairwise(bounds):
         assert hi == lo
     lengths = [hi - lo for lo, hi in bounds]
     assert max(lengths) - min(lengths) <= 1

@@ -1,0 +1,67 @@
+"""What torchrun tells a worker through its environment (pure parsing, no side effects)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from elastic_train.errors import ConfigError
+
+#: Global rendezvous round, set by the etcd3 handler in the agent (same name as
+#: ``elastic_train.rendezvous.ENV_ROUND``); falls back to TORCHELASTIC_RESTART_COUNT.
+ENV_ROUND = "ELASTIC_TRAIN_RDZV_ROUND"
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerEnv:
+    """Identity of this worker in the current worker group."""
+
+    rank: int
+    """Global rank."""
+    world_size: int
+    """Number of workers in the group."""
+    local_rank: int
+    """Rank on this node (the CUDA device index)."""
+    round: int
+    """Rendezvous round of the group (increases with every re-rendezvous)."""
+    restart_count: int
+    """How often this node's agent restarted its workers."""
+    run_id: str | None
+    """torchrun's run id (``--rdzv-id``), or ``None`` when not launched by torchrun."""
+    master_addr: str
+    """Address of the rank-0 store the process group bootstraps from."""
+    master_port: int
+    """Port of that store (0: pick one, single-process runs only)."""
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str]) -> WorkerEnv:
+        """Read torchrun's variables; without ``RANK`` this is a single-process world on loopback.
+
+        Raises:
+            ConfigError: a variable is present but not an integer, or rank/world size are inconsistent.
+        """
+
+        def num(name: str, default: int) -> int:
+            raw = environ.get(name)
+            if raw is None or raw == "":
+                return default
+            try:
+                return int(raw)
+            except ValueError as exc:
+                raise ConfigError(f"{name}={raw!r}: expected an integer") from exc
+
+        rank = num("RANK", 0)
+        world_size = num("WORLD_SIZE", 1)
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ConfigError(f"RANK={rank} WORLD_SIZE={world_size}: inconsistent")
+        restart = num("TORCHELASTIC_RESTART_COUNT", 0)
+        return cls(
+            rank=rank,
+            world_size=world_size,
+            local_rank=num("LOCAL_RANK", 0),
+            round=num(ENV_ROUND, restart),
+            restart_count=restart,
+            run_id=environ.get("TORCHELASTIC_RUN_ID") or None,
+            master_addr=environ.get("MASTER_ADDR", "127.0.0.1"),
+            master_port=num("MASTER_PORT", 0),
+        )

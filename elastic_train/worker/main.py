@@ -1,0 +1,73 @@
+"""Worker entry point: parse, load the config, configure logging, run; known errors become one line."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from elastic_train.config import load_job_config, parse_override
+from elastic_train.errors import ElasticTrainError
+from elastic_train.log import bind_context, configure_logging
+
+PROG = "elastic_train.worker"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        sys.stderr.write(f"{PROG}: error: {message}\n")
+        raise SystemExit(2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog=f"python -m {PROG}", description="One elastic training worker (run by torchrun).")
+    p.add_argument("--config", help="job.yaml (default: built-in defaults)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+    p.add_argument("--checkpoint", metavar="URL", help="checkpoint root (checkpoint.url)")
+    p.add_argument("--checkpoint-every", type=int, metavar="N", help="durable checkpoint every N steps")
+    p.add_argument("--resume-from", metavar="URL", help="start from this checkpoint (checkpoint.resume_from)")
+    p.add_argument("--audit", metavar="DIR", help="append per-step sample audit lines here (train.audit_dir)")
+    p.add_argument("--steps", type=int, metavar="N", help="optimizer steps in total (train.steps)")
+    return p
+
+
+def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """Dotted-key overrides: every ``--set`` first, then the dedicated options (which win)."""
+    overrides: dict[str, Any] = dict(parse_override(text) for text in args.set)
+    overrides.update(
+        {
+            "train.steps": args.steps,
+            "train.audit_dir": args.audit,
+            "checkpoint.url": args.checkpoint,
+            "checkpoint.every_steps": args.checkpoint_every,
+            "checkpoint.resume_from": args.resume_from,
+        }
+    )
+    return {k: v for k, v in overrides.items() if v is not None}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    started = time.perf_counter()
+    args = build_parser().parse_args(argv)
+    try:
+        from elastic_train.worker.env import WorkerEnv
+
+        cfg = load_job_config(args.config, overrides_from_args(args))
+        env = WorkerEnv.from_environ(os.environ)
+    except ElasticTrainError as exc:
+        sys.stderr.write(f"{PROG}: error: {exc}\n")
+        return exc.exit_code
+    configure_logging(cfg.logging)
+    bind_context(
+        run_id=env.run_id or cfg.rendezvous.run_id, rank=env.rank, world_size=env.world_size, round=env.round
+    )
+    try:
+        from elastic_train.worker.run import run_worker
+
+        return run_worker(cfg, env, started=started)
+    except ElasticTrainError as exc:
+        sys.stderr.write(f"{PROG}: error: rank {env.rank}: {exc}\n")
+        return exc.exit_code
