@@ -21,8 +21,9 @@ from elastic_train.checkpoint import (
     ModelMismatch,
     StorageError,
     WriteFailed,
+    durable,
 )
-from elastic_train.checkpoint import durable, storage as storage_mod
+from elastic_train.checkpoint import storage as storage_mod
 from elastic_train.checkpoint.codec import flatten
 from elastic_train.checkpoint.memory import MemorySnapshot, snapshot_files, sweep_stale
 from elastic_train.checkpoint.storage import open_storage
