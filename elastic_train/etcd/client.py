@@ -138,6 +138,9 @@ def connect(
         client = MultiEndpointEtcd3Client(
             endpoints=eps, timeout=timeout, user=user, password=password, failover=len(eps) > 1
         )
+        if creds is None:
+            # gRPC refuses call credentials on a plain-text channel; the token travels in the metadata.
+            client.call_credentials = None
         if probe_key is not None:
             client.kvstub.Range(
                 etcdrpc.RangeRequest(key=probe_key.encode()),
@@ -172,9 +175,10 @@ def reauthenticate(client: MultiEndpointEtcd3Client) -> None:
         etcdrpc.AuthenticateRequest(name=user, password=password), client.timeout
     )
     client.metadata = (("token", resp.token),)
-    client.call_credentials = grpc.metadata_call_credentials(
-        etcd3.client.EtcdTokenCallCredentials(resp.token)
-    )
+    if client.call_credentials is not None:
+        client.call_credentials = grpc.metadata_call_credentials(
+            etcd3.client.EtcdTokenCallCredentials(resp.token)
+        )
 
 
 def read_password(cfg: RendezvousConfig) -> str | None:

@@ -1,0 +1,66 @@
+"""``elastic-train status``: live view of a job's rendezvous from etcd."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from elastic_train.errors import ConfigError
+from elastic_train.rendezvous.config import RendezvousConfig, TLSConfig
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "status", help="show a job's rendezvous: round, members, waiting, failures"
+    )
+    p.add_argument("--endpoint", required=True, help="etcd HOST:PORT[,HOST:PORT...]")
+    p.add_argument("--run-id", required=True, help="the job's run id (--rdzv-id)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p.add_argument("--user", default=None, help="etcd user (password from --password-env or --password-file)")
+    p.add_argument(
+        "--password-env", default="ELASTIC_TRAIN_ETCD_PASSWORD", help="env var holding the password"
+    )
+    p.add_argument("--password-file", default=None, help="file holding the password")
+    p.add_argument("--ca-file", default=None, help="CA bundle of the etcd server certificate")
+    p.add_argument("--cert-file", default=None, help="client certificate (mutual TLS)")
+    p.add_argument("--key-file", default=None, help="client certificate key")
+    p.add_argument("--timeout", type=float, default=5.0, help="seconds per etcd request")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from elastic_train.etcd.client import Etcd, connect_config
+    from elastic_train.rendezvous.status import read_status
+
+    try:
+        tls = None
+        if args.ca_file or args.cert_file or args.key_file:
+            tls = TLSConfig(ca_file=args.ca_file, cert_file=args.cert_file, key_file=args.key_file)
+        cfg = RendezvousConfig(
+            endpoint=args.endpoint,
+            run_id=args.run_id,
+            user=args.user,
+            password_env=args.password_env,
+            password_file=args.password_file,
+            tls=tls,
+        )
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+    etcd = Etcd(connect_config(cfg, timeout=args.timeout))
+    try:
+        st = read_status(etcd, args.run_id)
+    finally:
+        etcd.close()
+    if args.json:
+        print(json.dumps(st.to_json(), indent=2))
+        return 0
+    budget = "?" if st.failure_budget is None else str(st.failure_budget)
+    left = "?" if st.failure_budget is None else str(max(0, st.failure_budget - st.failures_used))
+    print(f"run {st.run_id}: {st.state}, round {st.round}, world size {st.world_size}")
+    print(f"failures: {st.failures_used} used of {budget} ({left} left)")
+    for m in st.members:
+        print(f"  rank {m.rank}: {m.node} {m.addr or '-'}{'' if m.alive else '  (lost)'}")
+    print(f"waiting: {', '.join(st.waiting) if st.waiting else 'none'}")
+    if st.message:
+        print(f"closed: {st.message}")
+    return 0

@@ -1,0 +1,168 @@
+"""The etcd3 rendezvous protocol with in-process participants on a real etcd (3.5 and 3.4)."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from elastic_train.etcd.client import Etcd, connect
+from elastic_train.etcd.errors import EtcdError
+from elastic_train.etcd.server import find_etcd_binary
+from elastic_train.rendezvous.errors import FailureBudgetExhausted, RendezvousClosed
+from elastic_train.rendezvous.protocol import Participant, ProtocolSettings
+from elastic_train.rendezvous.status import read_status
+
+
+def settings(**kw) -> ProtocolSettings:
+    base = dict(run_id="proto", min_nodes=2, max_nodes=4, lease_ttl=2.0, settle=0.3, join_timeout=60.0)
+    base.update(kw)
+    return ProtocolSettings(**base)
+
+
+def make(endpoint: str, n: int, **kw) -> list[Participant]:
+    return [
+        Participant(Etcd(connect(endpoint)), settings(**kw), addr="127.0.0.1", node_id=f"n{i}")
+        for i in range(n)
+    ]
+
+
+def join_all(ps: list[Participant]):
+    with ThreadPoolExecutor(len(ps)) as pool:
+        return list(pool.map(lambda p: p.join(), ps))
+
+
+def wait_for(pred, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_round_forms_ranks_stay_and_a_lost_node_counts_one_failure(any_etcd):
+    ps = make(any_etcd.endpoint, 3)
+    try:
+        results = join_all(ps)
+        assert {r.round for r in results} == {1} and {r.world_size for r in results} == {3}
+        order = results[0].members
+        assert sorted(r.rank for r in results) == [0, 1, 2]
+        assert all(p.num_waiting() == 0 for p in ps)
+
+        # the middle-ranked node dies without a word: its lease is revoked as by expiry
+        victim = next(p for p in ps if p.node_id == order[1])
+        victim.leave()
+        survivors = [p for p in ps if p is not victim]
+        assert wait_for(lambda: all(p.num_waiting() > 0 for p in survivors))
+        again = join_all(survivors)
+        assert {r.round for r in again} == {2} and {r.world_size for r in again} == {2}
+        assert again[0].members == [order[0], order[2]]  # survivors keep their relative order
+
+        st = read_status(survivors[0].etcd, "proto")
+        assert (st.round, st.world_size, st.failures_used, st.state) == (2, 2, 1, "running")
+        assert [m.node for m in st.members] == [order[0], order[2]]
+
+        # a newcomer makes the members restart; scale-up is not a failure, the newcomer is appended
+        newcomer = make(any_etcd.endpoint, 1)[0]
+        object.__setattr__(newcomer, "node_id", "late")
+        ps.append(newcomer)
+        with ThreadPoolExecutor(1) as pool:
+            fut = pool.submit(newcomer.join)
+            assert wait_for(lambda: all(p.num_waiting() > 0 for p in survivors))
+            third = join_all(survivors)
+            assert fut.result(timeout=30).members == [order[0], order[2], "late"]
+        assert {r.round for r in third} == {3}
+        assert read_status(survivors[0].etcd, "proto").failures_used == 1
+    finally:
+        for p in ps:
+            p.leave()
+
+
+def test_failure_budget_spent_stops_every_node(etcd_server):
+    ps = make(etcd_server.endpoint, 2, failure_budget=0, min_nodes=2)
+    try:
+        join_all(ps)
+        # both agents' workers failed: they re-join with reason "failure"
+        with ThreadPoolExecutor(2) as pool:
+            futs = [pool.submit(p.join) for p in ps]
+            for f in futs:
+                with pytest.raises(FailureBudgetExhausted, match="failure budget exhausted"):
+                    f.result(timeout=30)
+        st = read_status(ps[0].etcd, "proto")
+        assert st.state == "failed" and st.failures_used == 1 and "budget 0" in st.message
+    finally:
+        for p in ps:
+            p.leave()
+
+
+def test_closed_run_turns_late_nodes_away(etcd_server):
+    ps = make(etcd_server.endpoint, 2)
+    try:
+        join_all(ps)
+        ps[0].close("finished")
+        late = make(etcd_server.endpoint, 1)[0]
+        ps.append(late)
+        with pytest.raises(RendezvousClosed):
+            late.join()
+        assert ps[1].num_waiting() == 0
+        assert read_status(ps[1].etcd, "proto").state == "closed"
+    finally:
+        for p in ps:
+            p.leave()
+
+
+def test_unreachable_endpoint_fails_fast_with_one_line():
+    t0 = time.monotonic()
+    with pytest.raises(EtcdError, match="cannot reach etcd at 127.0.0.1:9") as info:
+        connect("127.0.0.1:9", timeout=2.0)
+    assert "\n" not in str(info.value)
+    assert time.monotonic() - t0 < 10
+
+
+def test_missing_ca_file_is_one_line(etcd_server, tmp_path):
+    from elastic_train.rendezvous.config import TLSConfig
+
+    with pytest.raises(EtcdError, match="ca_file .* cannot be read"):
+        connect(etcd_server.endpoint, tls=TLSConfig(ca_file=str(tmp_path / "nope.pem")))
+
+
+def test_auth_wrong_password_and_user_limited_to_run_prefix(etcd_server):
+    ctl = find_etcd_binary("etcdctl")
+    ep = etcd_server.endpoint
+
+    def etcdctl(*args: str, user: str | None = None) -> None:
+        cmd = [ctl, f"--endpoints={ep}", *([f"--user={user}"] if user else []), *args]
+        subprocess.run(cmd, check=True, capture_output=True, timeout=30, env={"ETCDCTL_API": "3"})
+
+    etcdctl("user", "add", "root", "--new-user-password=rootpw")
+    etcdctl("role", "add", "job")
+    etcdctl("role", "grant-permission", "job", "readwrite", "/elastic_train/secure/", "--prefix=true")
+    etcdctl("user", "add", "trainer", "--new-user-password=s3cret-pw")
+    etcdctl("user", "grant-role", "trainer", "job")
+    etcdctl("auth", "enable", user="root:rootpw")
+
+    t0 = time.monotonic()
+    with pytest.raises(EtcdError, match="authentication failed") as info:
+        connect(ep, user="trainer", password="Xq9-bad-pw")
+    assert "Xq9-bad-pw" not in str(info.value) and time.monotonic() - t0 < 10
+    with pytest.raises(EtcdError, match="requires authentication|not permitted|authentication"):
+        connect(ep, probe_key="/elastic_train/secure/config")
+
+    ps = [
+        Participant(
+            Etcd(connect(ep, user="trainer", password="s3cret-pw", probe_key="/elastic_train/secure/config")),
+            settings(run_id="secure"),
+            addr="127.0.0.1",
+        )
+        for _ in range(2)
+    ]
+    try:
+        assert {r.world_size for r in join_all(ps)} == {2}
+        with pytest.raises(EtcdError, match="not permitted"):
+            ps[0].etcd.put("/elastic_train/other/x", b"1")
+    finally:
+        for p in ps:
+            p.leave()

@@ -1,0 +1,111 @@
+"""Pure decisions of the etcd3 rendezvous: closing rule, rank order, failure accounting, waiting count."""
+
+from __future__ import annotations
+
+import pytest
+
+from elastic_train.rendezvous.decide import (
+    ALL_JOINED_SETTLE,
+    Joiner,
+    assign_ranks,
+    budget_left,
+    count_waiting,
+    decide_close,
+    is_failure_transition,
+)
+
+
+def j(node: str, target: int = 1, reason: str = "start", rev: int = 0) -> Joiner:
+    return Joiner(node, target, reason, rev)
+
+
+def close(joined, live, *, quiet=0.0, prev=True, lo=2, hi=4, settle=1.0):
+    return decide_close(
+        joined=joined,
+        live=live,
+        min_nodes=lo,
+        max_nodes=hi,
+        settle=settle,
+        quiet_for=quiet,
+        has_previous_round=prev,
+    )
+
+
+def test_closes_at_once_at_max_nodes():
+    assert close(["a", "b", "c", "d"], ["a", "b", "c", "d", "e"]).close
+
+
+def test_waits_below_min_nodes_however_quiet():
+    d = close(["a"], ["a"], quiet=100.0)
+    assert not d.close and d.why == "below_min_nodes"
+
+
+def test_waits_for_settle_window_while_a_live_node_has_not_joined():
+    assert not close(["a", "b"], ["a", "b", "c"], quiet=0.5).close
+    assert close(["a", "b"], ["a", "b", "c"], quiet=1.0).close
+
+
+def test_all_live_joined_uses_short_window_only_after_a_first_round():
+    assert close(["a", "b"], ["a", "b"], quiet=ALL_JOINED_SETTLE).close
+    first = close(["a", "b"], ["a", "b"], quiet=ALL_JOINED_SETTLE, prev=False)
+    assert not first.close and first.wait == pytest.approx(1.0 - ALL_JOINED_SETTLE)
+
+
+def test_survivors_keep_order_and_newcomers_follow_by_arrival():
+    joiners = [j("new2", rev=9), j("c"), j("a"), j("new1", rev=5)]
+    assert assign_ranks(["a", "b", "c"], joiners, 8) == ["a", "c", "new1", "new2"]
+
+
+def test_rank_zero_stays_while_alive_and_max_nodes_prefers_survivors():
+    joiners = [j("x", rev=1), j("b"), j("a")]
+    assert assign_ranks(["a", "b"], joiners, 2) == ["a", "b"]
+    assert assign_ranks(["a", "b"], [j("b"), j("x", rev=1)], 4) == ["b", "x"]
+
+
+def test_failure_counts_for_failed_or_lost_reasons_and_dead_members():
+    assert is_failure_transition(
+        ["a", "b"], ["a", "b"], [j("a", reason="failure"), j("b", reason="scale")], ["a", "b"]
+    )
+    assert is_failure_transition(
+        ["a", "b", "c"], ["a", "b"], [j("a", reason="lost"), j("b", reason="lost")], ["a", "b"]
+    )
+    # c vanished although nobody reported it: still a failure
+    assert is_failure_transition(
+        ["a", "b", "c"], ["a", "b"], [j("a", reason="scale"), j("b", reason="scale")], ["a", "b"]
+    )
+
+
+def test_scale_up_is_not_a_failure():
+    joiners = [j("a", reason="scale"), j("b", reason="scale"), j("d", reason="start", rev=7)]
+    assert not is_failure_transition(["a", "b"], ["a", "b", "d"], joiners, ["a", "b", "d"])
+    assert not is_failure_transition([], ["a", "b"], [j("a"), j("b")], ["a", "b"])
+
+
+def test_budget_left_never_negative():
+    assert budget_left(2, 3) == 1
+    assert budget_left(5, 3) == 0
+
+
+def waiting(**kw):
+    args = dict(my_round=3, latest_round=3, members=["a", "b"], live=["a", "b"], joins={}, max_nodes=4)
+    args.update(kw)
+    return count_waiting(**args)
+
+
+def test_nothing_waiting_in_a_steady_round():
+    assert waiting(joins={"a": j("a", target=3), "b": j("b", target=3)}) == 0
+
+
+def test_lost_member_newcomer_and_rejoining_member_are_waiting():
+    assert waiting(live=["a"]) == 1
+    assert waiting(live=["a", "b", "n"], joins={"n": j("n", target=4)}) == 1
+    assert waiting(joins={"b": j("b", target=4, reason="failure")}) == 1
+
+
+def test_newcomer_ignored_at_max_nodes_and_before_first_round():
+    assert waiting(max_nodes=2, live=["a", "b", "n"], joins={"n": j("n", target=4)}) == 0
+    assert waiting(my_round=None, live=["a"]) == 0
+
+
+def test_a_newer_round_without_us_means_restart():
+    assert waiting(latest_round=4) == 1
