@@ -1,7 +1,8 @@
 """A tiny gloo DDP worker for rendezvous tests: trains a linear model, appends one JSON line per step.
 
 Env: RDZV_WORKER_OUT (file to append to; global rank 0 writes ``{"round", "world_size", "step", "time",
-"rank"}``), RDZV_WORKER_STEPS (default 1000000), RDZV_WORKER_STEP_S (sleep per step, default 0.05).
+"rank"}``), RDZV_WORKER_STEPS (default 1000000), RDZV_WORKER_STEP_S (sleep per step, default 0.05),
+RDZV_WORKER_CRASH_AT (exit 1 after that many steps; 0: never).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ def main() -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     out = os.environ.get("RDZV_WORKER_OUT")
     steps = int(os.environ.get("RDZV_WORKER_STEPS", "1000000"))
+    crash_at = int(os.environ.get("RDZV_WORKER_CRASH_AT", "0"))
     pause = float(os.environ.get("RDZV_WORKER_STEP_S", "0.05"))
     rdzv_round = int(
         os.environ.get("ELASTIC_TRAIN_RDZV_ROUND", os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -41,6 +43,8 @@ def main() -> None:
                 os.write(fd, (line + "\n").encode())
             finally:
                 os.close(fd)
+        if step + 1 == crash_at:
+            raise SystemExit(f"rdzv_worker: injected crash at step {step}")
         time.sleep(pause)
     dist.destroy_process_group()
 
