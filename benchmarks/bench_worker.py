@@ -4,11 +4,12 @@ It forms the process group from torchrun's environment, then does small DDP step
 appends one JSON line per event to its own file in ``$BENCH_PROGRESS_DIR`` (one file per process, one
 ``os.write`` per line, so readers never see a torn line)::
 
-    {"event": "start"|"pg"|"step", "time": unix_s, "step": int, "world_size": int, "rank": int,
+    {"event": "start"|"imported"|"pg"|"step", "time": unix_s, "step": int, "world_size": int, "rank": int,
      "node": str, "round": int, "pid": int}
 
-``start`` is written once torch is imported, ``pg`` once the process group and DDP model exist, ``step`` after
-every optimizer step (the all-reduce inside ``backward`` has completed: every rank of the group is past it).
+``start`` marks the process start, ``imported`` the end of importing torch, ``pg`` that the process group
+and DDP model exist, ``step`` the end of every optimizer step (the all-reduce inside ``backward`` has
+completed, so every rank of the group is past it).
 Rank 0 keeps the last step number in ``$BENCH_STATE_FILE`` so a restarted group continues the numbering.
 
 Environment:
@@ -74,7 +75,7 @@ def _write_step(path: str | None, step: int) -> None:
 
 def main() -> int:
     started = time.time()
-    import torch
+    import torch  # the import is a large part of a worker restart: "imported" marks its end
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
@@ -91,6 +92,7 @@ def main() -> int:
 
     progress = Progress(directory, node, rank, world_size, round_)
     progress.emit("start", 0, at=started)
+    progress.emit("imported", 0)
 
     dist.init_process_group("gloo")
     torch.manual_seed(0)

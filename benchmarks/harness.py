@@ -489,22 +489,33 @@ class Job:
 
 
 def phases(records: Iterable[Mapping[str, Any]], world_size: int, after: float) -> dict[str, float | None]:
-    """Where a recovery's time went: seconds from ``after`` to the first worker start, process group, step.
+    """Where a recovery's time went, in seconds from ``after`` at ``world_size``.
 
-    ``workers_started`` ends detection + rendezvous + spawn, ``pg_ready`` adds importing torch and forming
-    the process group, ``first_step`` adds the first DDP step.
+    ``workers_started``: the first new worker process started (detection + rendezvous + spawn);
+    ``all_started``: the last rank's worker started; ``imported``: the last rank finished importing torch;
+    ``pg_ready``: the first rank had its process group and DDP model; ``first_step``: the first step.
     """
-    rs = list(records)
+    firsts: dict[tuple[str, Any], float] = {}
+    for r in records:
+        event = r.get("event")
+        if r.get("world_size") != world_size or float(r["time"]) < after:
+            continue
+        key = (str(event), r.get("rank"))
+        firsts[key] = min(firsts.get(key, float("inf")), float(r["time"]))
 
-    def first(event: str) -> float | None:
-        times = [
-            float(r["time"])
-            for r in rs
-            if r.get("event") == event and r.get("world_size") == world_size and float(r["time"]) >= after
-        ]
-        return round(min(times) - after, 3) if times else None
+    def pick(event: str, last: bool) -> float | None:
+        times = [t for (e, _), t in firsts.items() if e == event]
+        if not times:
+            return None
+        return round((max(times) if last else min(times)) - after, 3)
 
-    return {"workers_started": first("start"), "pg_ready": first("pg"), "first_step": first("step")}
+    return {
+        "workers_started": pick("start", last=False),
+        "all_started": pick("start", last=True),
+        "imported": pick("imported", last=True),
+        "pg_ready": pick("pg", last=False),
+        "first_step": pick("step", last=False),
+    }
 
 
 # ---------------------------------------------------------------------------------------------------------

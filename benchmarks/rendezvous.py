@@ -100,10 +100,17 @@ def handler_available(config: BackendConfig) -> str | None:
     """None when torchrun can load this configuration's handler here, else the reason it cannot."""
     if not config.ours:
         return None
+    from importlib.metadata import entry_points
+
+    import torch.distributed.elastic.rendezvous  # noqa: F401  (registers out-of-tree handlers first)
+
+    found = [ep for ep in entry_points(group="torchrun.handlers") if ep.name == config.backend]
+    if not found:
+        return f"no torchrun.handlers entry point named {config.backend!r} (pip install -e .)"
     try:
-        import elastic_train.rendezvous.registry  # noqa: F401
-    except ImportError as exc:
-        return f"handler not importable: {exc}"
+        found[0].load()
+    except Exception as exc:
+        return f"handler {config.backend!r} does not load: {exc}"
     return None
 
 

@@ -88,6 +88,8 @@ def test_phases_reports_first_of_each_event_after_origin() -> None:
     ]
     assert harness.phases(records, 2, after=10.0) == {
         "workers_started": 0.2,
+        "all_started": 0.5,
+        "imported": None,
         "pg_ready": 2.0,
         "first_step": 2.1,
     }
