@@ -305,7 +305,7 @@ def checkpoint_targets(doc: Mapping[str, Any] | None) -> list[Target]:
     return [stall, thr]
 
 
-def checkpoint_sizes(doc: Mapping[str, Any]) -> list[tuple[float, dict[str, float | None]]]:
+def checkpoint_sizes(doc: Mapping[str, Any]) -> list[tuple[float, dict[str, Any]]]:
     """Per state size (MB): ratios ``stall`` (stall / shm copy), ``raw`` (durable / raw write), ``dcp``.
 
     Reads checkpoint.py's ``results`` list (``size_mb`` with ``ratios`` or the seconds/throughput figures
@@ -315,7 +315,7 @@ def checkpoint_sizes(doc: Mapping[str, Any]) -> list[tuple[float, dict[str, floa
     out = []
     for r in recs:
         size = number(dig(r, "size_mb", "state_mb", "mb")) or 0.0
-        ratios = r.get("ratios") if isinstance(r.get("ratios"), Mapping) else {}
+        ratios: Mapping[str, Any] = r["ratios"] if isinstance(r.get("ratios"), Mapping) else {}
         st = number(ratios.get("stall_over_shm_copy"))
         if st is None:
             s = number(dig(r, "et_stall_s", "stall_s", "stall.seconds"))
@@ -323,7 +323,7 @@ def checkpoint_sizes(doc: Mapping[str, Any]) -> list[tuple[float, dict[str, floa
             st = s / c if s is not None and c else None
         raw = number(ratios.get("durable_over_raw_write"))
         dcp = number(ratios.get("durable_over_dcp"))
-        tp = r.get("throughput_mb_s") if isinstance(r.get("throughput_mb_s"), Mapping) else {}
+        tp: Mapping[str, Any] = r["throughput_mb_s"] if isinstance(r.get("throughput_mb_s"), Mapping) else {}
         d = number(dig(tp, "elastic_train")) or number(dig(r, "durable_mb_s", "durable.mb_s"))
         rw = number(dig(tp, "raw_write")) or number(dig(r, "raw_write_mb_s", "raw.mb_s"))
         dc = number(dig(tp, "dcp")) or number(dig(r, "dcp_mb_s", "dcp.mb_s"))

@@ -120,7 +120,7 @@ def test_scale_targets_from_list_shape() -> None:
     assert all(x.status == "not measured" for x in report.scale_target({"other": 1}))
 
 
-CKPT_SIZE = {
+CKPT_SIZE: dict[str, Any] = {
     "size_mb": 50,
     "shm_copy_s": 0.1,
     "raw_write_s": 0.5,
