@@ -1,0 +1,251 @@
+"""Checkpoint benchmark: training-loop stall per checkpoint and durable throughput, against the limits.
+
+For each state size (model + Adam moments, float32) it measures in one run, median of repeats:
+
+- ``shm_copy``: copying the state into pre-allocated shared memory (the floor for any stall);
+- ``raw_write``: writing the same bytes with os.write + fsync (the floor for durable time);
+- ``torch_save``: torch.save + fsync (synchronous: stall = write);
+- ``dcp``: torch.distributed.checkpoint.save with FsspecWriter (synchronous);
+- ``elastic_train``: CheckpointManager.save with the memory tier on and a durable checkpoint due (stall = the
+  save call; durable = until the commit, manifest and latest included).
+
+Ratios printed: stall / shm copy (target <= 1.5), durable throughput / raw write (target >= 0.8),
+durable throughput / DCP (target >= 1). Usage: ``python benchmarks/checkpoint.py [--quick] [--json FILE]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from elastic_train.checkpoint import CheckpointConfig, CheckpointManager
+from elastic_train.checkpoint.codec import copy_into, flatten
+from elastic_train.log import LoggingConfig, configure_logging
+
+MB = 1_000_000
+
+
+def make_state(total_bytes: int, layers: int = 24) -> dict[str, Any]:
+    """A model + Adam state of about ``total_bytes`` (parameters, exp_avg, exp_avg_sq: 3 x 4 bytes each)."""
+    per = max(1, total_bytes // (12 * layers))
+    params = {f"layers.{i}.weight": torch.randn(per) for i in range(layers)}
+    opt_state = {
+        i: {"step": torch.tensor(10.0), "exp_avg": torch.randn(per), "exp_avg_sq": torch.rand(per)}
+        for i in range(layers)
+    }
+    return {
+        "model": params,
+        "optimizer": {"state": opt_state, "param_groups": [{"lr": 1e-3, "params": list(range(layers))}]},
+        "sampler": {"epoch": 0, "cursor": 1234, "seed": 0},
+        "step": 10,
+    }
+
+
+def timed(fn: Callable[[], Any], repeats: int, setup: Callable[[], Any] | None = None) -> float:
+    times = []
+    for _ in range(repeats):
+        if setup:
+            setup()
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def fsync_path(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def bench_size(size_mb: int, repeats: int, workdir: str) -> dict[str, Any]:
+    state = make_state(size_mb * MB)
+    flat = flatten(state)
+    nbytes = flat.nbytes
+    out: dict[str, Any] = {"size_mb": round(nbytes / MB, 1)}
+
+    # Shared-memory copy (pre-allocated, pages already touched).
+    shm_dir = "/dev/shm" if os.path.isdir("/dev/shm") else workdir
+    shm_path = os.path.join(shm_dir, f"et-bench-{os.getpid()}")
+    fd = os.open(shm_path, os.O_RDWR | os.O_CREAT, 0o600)
+    os.posix_fallocate(fd, 0, nbytes)
+    mm = mmap.mmap(fd, nbytes)
+    os.close(fd)
+    shm_buf = torch.frombuffer(mm, dtype=torch.uint8)
+    copy_into(flat, shm_buf)
+
+    # The durable methods run interleaved (one round of every method per repeat) so that the disk's
+    # fluctuations on a shared machine hit all of them alike; medians per method.
+    buf = torch.empty(nbytes, dtype=torch.uint8)
+    copy_into(flat, buf)
+    raw_path = os.path.join(workdir, "raw.bin")
+    ts_path = os.path.join(workdir, "state.pt")
+    dcp_dir = os.path.join(workdir, "dcp")
+    mv = memoryview(buf.numpy())
+
+    def raw() -> None:
+        fd = os.open(raw_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        view = mv
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+        os.close(fd)
+
+    def tsave() -> None:
+        torch.save(state, ts_path)
+        fsync_path(ts_path)
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+    def dsave() -> None:
+        dcp.save(state, storage_writer=FsspecWriter(dcp_dir, sync_files=True))
+
+    mem_dir = tempfile.mkdtemp(dir=shm_dir, prefix="et-bench-mem-")
+    cfg = CheckpointConfig(
+        url=os.path.join(workdir, "et"), every_steps=1, keep_last=1, memory_every_steps=1, memory_dir=mem_dir
+    )
+    mgr = CheckpointManager(cfg, "bench", rank=0, world_size=1, local_rank=0)
+    step = [0]
+    stalls: list[float] = []
+    durables: list[float] = []
+
+    def ours(timed_run: bool = True) -> None:
+        step[0] += 1
+        t = time.perf_counter()
+        mgr.save(step[0], state)
+        stall = time.perf_counter() - t
+        mgr.wait()
+        assert mgr.last_committed is not None and mgr.last_committed.step == step[0]
+        if timed_run:
+            stalls.append(stall)
+            durables.append(mgr.last_committed.seconds)
+
+    ours(timed_run=False)  # the first save allocates shared memory and staging: not timed
+    samples: dict[str, list[float]] = {"shm_copy_s": [], "raw_write_s": [], "torch_save_s": [], "dcp_s": []}
+    import warnings
+
+    for _ in range(repeats):
+        for key, fn, clean in (
+            ("shm_copy_s", lambda: copy_into(flat, shm_buf), lambda: None),
+            ("raw_write_s", raw, lambda: _rm(raw_path)),
+            ("torch_save_s", tsave, lambda: _rm(ts_path)),
+            ("dcp_s", dsave, lambda: shutil.rmtree(dcp_dir, ignore_errors=True)),
+        ):
+            clean()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                t = time.perf_counter()
+                fn()
+                samples[key].append(time.perf_counter() - t)
+            clean()
+        ours()
+    for key, vals in samples.items():
+        out[key] = statistics.median(vals)
+    shm_buf = torch.empty(0, dtype=torch.uint8)  # drop the view so the mapping can close
+    mm.close()
+    os.unlink(shm_path)
+    # Memory-only steps (no durable checkpoint due): the stall of most steps.
+    mgr.cfg.every_steps = 10**9
+    mem_only = []
+    for _ in range(repeats):
+        step[0] += 1
+        t = time.perf_counter()
+        mgr.save(step[0], state)
+        mem_only.append(time.perf_counter() - t)
+        assert mgr.memory is not None
+        mgr.memory.wait_idle()
+    mgr.close(release_memory=True)
+    shutil.rmtree(mem_dir, ignore_errors=True)
+    shutil.rmtree(os.path.join(workdir, "et"), ignore_errors=True)
+    out["et_stall_s"] = statistics.median(stalls)
+    out["et_memory_step_stall_s"] = statistics.median(mem_only)
+    out["et_durable_s"] = statistics.median(durables)
+    out["samples"] = {**samples, "et_durable_s": durables, "et_stall_s": stalls}
+
+    b = nbytes
+    out["throughput_mb_s"] = {
+        "shm_copy": b / out["shm_copy_s"] / MB,
+        "raw_write": b / out["raw_write_s"] / MB,
+        "torch_save": b / out["torch_save_s"] / MB,
+        "dcp": b / out["dcp_s"] / MB,
+        "elastic_train": b / out["et_durable_s"] / MB,
+    }
+    tp = out["throughput_mb_s"]
+    out["ratios"] = {
+        "stall_over_shm_copy": out["et_stall_s"] / out["shm_copy_s"],
+        "memory_step_stall_over_shm_copy": out["et_memory_step_stall_s"] / out["shm_copy_s"],
+        "durable_over_raw_write": tp["elastic_train"] / tp["raw_write"],
+        "durable_over_dcp": tp["elastic_train"] / tp["dcp"],
+        "durable_over_torch_save": tp["elastic_train"] / tp["torch_save"],
+    }
+    return out
+
+
+def _rm(path: str) -> None:
+    if os.path.exists(path):
+        os.unlink(path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="50 and 200 MB only")
+    ap.add_argument("--sizes", type=int, nargs="*", help="state sizes in MB (default 50 200 1000)")
+    ap.add_argument("--repeats", type=int, default=5, help="repeats per measurement (median)")
+    ap.add_argument("--dir", default=None, help="directory on the disk to measure (default: a temp dir here)")
+    ap.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
+    args = ap.parse_args(argv)
+    configure_logging(LoggingConfig(level="warning"))
+    sizes = args.sizes or ([50, 200] if args.quick else [50, 200, 1000])
+    repeats = args.repeats
+    workdir = tempfile.mkdtemp(prefix="et-ckpt-bench-", dir=args.dir or os.getcwd())
+    results = []
+    try:
+        for size in sizes:
+            r = bench_size(size, repeats, workdir)
+            results.append(r)
+            tp, ra = r["throughput_mb_s"], r["ratios"]
+            print(f"\n== state {r['size_mb']} MB (median of {repeats})")
+            print(
+                f"  stall per checkpoint: elastic_train {r['et_stall_s'] * 1e3:8.1f} ms"
+                f"   memory-only step {r['et_memory_step_stall_s'] * 1e3:8.1f} ms"
+                f"   shm copy {r['shm_copy_s'] * 1e3:8.1f} ms"
+                f"   torch.save {r['torch_save_s'] * 1e3:8.1f} ms   dcp {r['dcp_s'] * 1e3:8.1f} ms"
+            )
+            print("  durable throughput MB/s: " + "  ".join(f"{k} {v:8.0f}" for k, v in tp.items()))
+            print(
+                f"  ratios: stall/shm_copy {ra['stall_over_shm_copy']:.2f} (target <= 1.5)"
+                f"   memory-step/shm_copy {ra['memory_step_stall_over_shm_copy']:.2f}"
+                f"   durable/raw_write {ra['durable_over_raw_write']:.2f} (target >= 0.8)"
+                f"   durable/dcp {ra['durable_over_dcp']:.2f} (target >= 1)"
+                f"   durable/torch.save {ra['durable_over_torch_save']:.2f}"
+            )
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    if args.json:
+        meta = {
+            "benchmark": "checkpoint",
+            "torch": torch.__version__,
+            "cpus": os.cpu_count(),
+            "repeats": repeats,
+        }
+        with open(args.json, "w") as f:
+            json.dump({**meta, "results": results}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
