@@ -133,6 +133,7 @@ class Participant:
         self._started = False
         self._lock = threading.Lock()
         self._waiting_cause: str | None = None
+        self._join_cache: dict[str, tuple[int, Joiner | None]] = {}
 
     # -- lifecycle -------------------------------------------------------------------------------------
 
@@ -193,11 +194,18 @@ class Participant:
     def _joins(self) -> dict[str, Joiner]:
         out = {}
         for node, kv in self.view.under("join/").items():
-            try:
-                d = json.loads(kv.value)
-                out[node] = Joiner(node, int(d["target"]), str(d.get("reason", "start")), kv.create_revision)
-            except (ValueError, KeyError, TypeError):
-                continue
+            cached = self._join_cache.get(node)
+            if cached is not None and cached[0] == kv.mod_revision:
+                joiner = cached[1]
+            else:
+                try:
+                    d = json.loads(kv.value)
+                    joiner = Joiner(node, int(d["target"]), str(d.get("reason", "start")), kv.create_revision)
+                except (ValueError, KeyError, TypeError):
+                    joiner = None
+                self._join_cache[node] = (kv.mod_revision, joiner)
+            if joiner is not None:
+                out[node] = joiner
         return out
 
     def is_closed(self) -> bool:

@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from torch.distributed.elastic.rendezvous.api import RendezvousHandler, RendezvousParameters
 
 from elastic_train.etcd.client import Etcd, connect_config
 from elastic_train.rendezvous.config import RendezvousConfig
 from elastic_train.rendezvous.params import DYNAMIC_KEYS, config_from_params
-from elastic_train.rendezvous.protocol import ProtocolSettings
+
+if TYPE_CHECKING:
+    from elastic_train.rendezvous.protocol import ProtocolSettings
 
 #: torch's DynamicRendezvousHandler shares a TCPStore across rounds unless this is "1" (see docs).
 ENV_DISABLE_SHARED_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
@@ -33,6 +36,8 @@ def open_etcd(cfg: RendezvousConfig, timeout: float = 5.0) -> Etcd:
 
 
 def settings_from_config(cfg: RendezvousConfig) -> ProtocolSettings:
+    from elastic_train.rendezvous.protocol import ProtocolSettings
+
     return ProtocolSettings(
         run_id=cfg.run_id,
         min_nodes=cfg.min_nodes,
