@@ -10,9 +10,7 @@ from elastic_train.rendezvous.config import RendezvousConfig, TLSConfig
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser(
-        "status", help="show a job's rendezvous: round, members, waiting, failures"
-    )
+    p = subparsers.add_parser("status", help="show a job's rendezvous: round, members, waiting, failures")
     p.add_argument("--endpoint", required=True, help="etcd HOST:PORT[,HOST:PORT...]")
     p.add_argument("--run-id", required=True, help="the job's run id (--rdzv-id)")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")

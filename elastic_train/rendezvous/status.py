@@ -63,8 +63,9 @@ def read_status(client: Any, run_id: str) -> JobStatus:
     closed = json.loads(keys["closed"]) if "closed" in keys else None
     rnd = int(rec["round"]) if rec else 0
     members = []
+    nodes = rec.get("nodes", {}) if rec else {}
     for rank, node in enumerate(rec["members"] if rec else []):
-        addr = (rec.get("nodes", {}).get(node) or {}).get("addr")
+        addr = (nodes.get(node) or {}).get("addr")
         members.append(Member(node=node, addr=addr, rank=rank, alive=node in live))
     waiting = []
     for k, v in keys.items():
