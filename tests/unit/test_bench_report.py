@@ -143,6 +143,27 @@ def test_checkpoint_targets_from_results_list() -> None:
     assert report.stall_series({"results": [bare]})["plain shared-memory copy (floor)"] == [(50, 0.1)]
 
 
+def scale_rec(n: int, first: float, fail: float, writes: int) -> dict[str, Any]:
+    return {
+        "n": n,
+        "first_round_s": first,
+        "first_round_ops": {"writes": writes, "reads": 3},
+        "detect_s": 0.01,
+        "failure_round_s": fail,
+        "failure_round_ops": {"writes": writes - 1, "reads": 3},
+    }
+
+
+def test_scale_targets_from_rdzv_scale_shape() -> None:
+    doc = {"scale": [scale_rec(8, 1.1, 1.2, 20), scale_rec(256, 1.5, 3.2, 600)], "bootstrap": [{"n": 2}]}
+    t, w = report.scale_target(doc)
+    assert t.status == "missed" and "3.20 s" in t.why  # the slower (failure) round counts
+    assert w.status == "met"
+    doc["scale"] = [scale_rec(8, 1.1, 1.2, 20), scale_rec(128, 1.3, 1.4, 300)]
+    t, _ = report.scale_target(doc)
+    assert t.status == "not measured" and "N=128" in t.figure
+
+
 def test_checkpoint_and_overhead_targets_tolerate_missing_keys() -> None:
     stall, thr = report.checkpoint_targets(
         {"stall_s": 0.2, "shm_copy_s": 0.1, "durable_mb_s": 50, "raw_write_mb_s": 60}
@@ -179,6 +200,7 @@ def test_render_from_json_end_to_end(tmp_path: Path) -> None:
     doc["machine"] = {"cpu": "test cpu", "cores": 2}
     (tmp_path / "rendezvous.json").write_text(json.dumps(doc))
     (tmp_path / "checkpoint.json").write_text(json.dumps({"repeats": 3, "results": [CKPT_SIZE]}))
+    (tmp_path / "rdzv_scale.json").write_text(json.dumps({"scale": [scale_rec(256, 1.0, 1.1, 600)]}))
     (tmp_path / "overhead.json").write_text(
         json.dumps({"overhead_pct": 2.0, "figures": [{"name": "x", "value": 1}]})
     )
@@ -189,7 +211,7 @@ def test_render_from_json_end_to_end(tmp_path: Path) -> None:
     )
     text = out.read_text()
     assert "test cpu" in text and "| per-step overhead over plain DDP | <= 3% | 2.00% | **met** |" in text
-    assert "rdzv_scale benchmark not run" in text
+    assert "| 256 | 1 | 600 | 3 | 0.01 | 1.1 | 599 | 2.34 |" in text
     assert "| 50 | 1.2 | 0.9 | 1.6 |" in text
     assert (tmp_path / "img" / "checkpoint-stall.png").stat().st_size > 1000
     assert (tmp_path / "img" / "recovery-kill.png").stat().st_size > 1000
