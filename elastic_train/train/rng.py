@@ -38,11 +38,13 @@ def capture() -> dict[str, Any]:
 
 def restore(state: Mapping[str, Any]) -> None:
     """Put the generators back into a :func:`capture`-d state (parts that are missing are left alone)."""
+    # Restored tensors may be views into one checkpoint buffer; set_rng_state needs a tensor that owns its
+    # storage (torch 2.13 crashes with SIGSEGV on a view with a storage offset), hence the clones.
     if state.get("torch") is not None:
-        torch.set_rng_state(state["torch"].cpu())
+        torch.set_rng_state(state["torch"].cpu().clone())
     cuda = state.get("cuda") or []
     if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
-        torch.cuda.set_rng_state_all([t.cpu() for t in cuda])
+        torch.cuda.set_rng_state_all([t.cpu().clone() for t in cuda])
     if state.get("python") is not None:
         version, internal, gauss = state["python"]
         random.setstate((version, tuple(internal), gauss))

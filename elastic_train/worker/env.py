@@ -24,6 +24,10 @@ class WorkerEnv:
     """Rank on this node (the CUDA device index)."""
     round: int
     """Rendezvous round of the group (increases with every re-rendezvous)."""
+    round_is_global: bool
+    """True when ``round`` came from the rendezvous (same on every node), not from a node's restart count."""
+    local_world_size: int
+    """Workers on this node."""
     restart_count: int
     """How often this node's agent restarted its workers."""
     run_id: str | None
@@ -32,6 +36,21 @@ class WorkerEnv:
     """Address of the rank-0 store the process group bootstraps from."""
     master_port: int
     """Port of that store (0: pick one, single-process runs only)."""
+    agent_store: bool
+    """The store at MASTER_ADDR:MASTER_PORT is the agent's own, kept across worker groups."""
+
+    @property
+    def group_generation(self) -> str | None:
+        """A key prefix unique to this worker group and known to all its members (``None``: none is).
+
+        The round when the rendezvous provides it; on a single node (all workers from one agent) the agent's
+        restart count serves as well.
+        """
+        if self.round_is_global:
+            return f"round-{self.round}"
+        if self.local_world_size == self.world_size:
+            return f"restart-{self.restart_count}"
+        return None
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str]) -> WorkerEnv:
@@ -60,8 +79,11 @@ class WorkerEnv:
             world_size=world_size,
             local_rank=num("LOCAL_RANK", 0),
             round=num(ENV_ROUND, restart),
+            round_is_global=bool(environ.get(ENV_ROUND)),
+            local_world_size=num("LOCAL_WORLD_SIZE", world_size),
             restart_count=restart,
             run_id=environ.get("TORCHELASTIC_RUN_ID") or None,
             master_addr=environ.get("MASTER_ADDR", "127.0.0.1"),
             master_port=num("MASTER_PORT", 0),
+            agent_store=environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
         )

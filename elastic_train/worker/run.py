@@ -52,7 +52,15 @@ def init_process_group(cfg: JobConfig, env: WorkerEnv) -> Any:
         assert env.world_size == 1, "MASTER_PORT is required for a multi-process group"
         os.environ["MASTER_PORT"] = str(_free_port(env.master_addr))
     kwargs: dict[str, Any] = {"device_id": device} if backend == "nccl" else {}
-    dist.init_process_group(backend, init_method="env://", rank=env.rank, world_size=env.world_size, **kwargs)
+    generation = env.group_generation
+    if env.agent_store and generation is not None:
+        # torch's dynamic rendezvous hands workers the agent's TCPStore, which outlives worker groups: keys of
+        # an earlier group (gloo peer addresses) would be read by the next one; a per-group prefix avoids it.
+        store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=False)
+        kwargs["store"] = dist.PrefixStore(f"elastic_train/{generation}/", store)
+    else:
+        kwargs["init_method"] = "env://"
+    dist.init_process_group(backend, rank=env.rank, world_size=env.world_size, **kwargs)
     return device
 
 

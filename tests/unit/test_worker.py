@@ -35,6 +35,22 @@ def test_env_from_torchrun_variables() -> None:
     assert (env.run_id, env.master_addr, env.master_port) == ("job-1", "127.0.0.2", 29500)
 
 
+def test_group_generation_names_the_worker_group() -> None:
+    base = {
+        "RANK": "0",
+        "WORLD_SIZE": "2",
+        "TORCHELASTIC_RESTART_COUNT": "3",
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+    }
+    single_node = WorkerEnv.from_environ({**base, "LOCAL_WORLD_SIZE": "2"})
+    assert single_node.agent_store and single_node.group_generation == "restart-3"
+    assert WorkerEnv.from_environ({**base, "LOCAL_WORLD_SIZE": "1"}).group_generation is None
+    assert (
+        WorkerEnv.from_environ({**base, "LOCAL_WORLD_SIZE": "1", ENV_ROUND: "7"}).group_generation
+        == "round-7"
+    )
+
+
 def test_env_round_falls_back_to_restart_count_and_defaults_to_single_process() -> None:
     assert (
         WorkerEnv.from_environ({"RANK": "0", "WORLD_SIZE": "2", "TORCHELASTIC_RESTART_COUNT": "3"}).round == 3

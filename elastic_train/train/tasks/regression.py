@@ -34,16 +34,13 @@ class TensorSamples:
 
 
 def make_data(n_samples: int, dim: int, data_seed: int, dtype: torch.dtype) -> TensorSamples:
-    """``y = sin(x·w) + 0.5·(x·v)² + noise`` for Gaussian ``x``."""
+    """``y = sin(2·x·w) + 0.5·x·v + noise`` for Gaussian ``x`` (bounded nonlinearity, well-conditioned)."""
     gen = torch.Generator().manual_seed(data_seed)
     x = torch.randn(n_samples, dim, generator=gen, dtype=torch.float64)
     w = torch.randn(dim, generator=gen, dtype=torch.float64) / dim**0.5
     v = torch.randn(dim, generator=gen, dtype=torch.float64) / dim**0.5
-    y = (
-        torch.sin(x @ w)
-        + 0.5 * (x @ v) ** 2
-        + 0.05 * torch.randn(n_samples, generator=gen, dtype=torch.float64)
-    )
+    noise = 0.05 * torch.randn(n_samples, generator=gen, dtype=torch.float64)
+    y = torch.sin(2 * (x @ w)) + 0.5 * (x @ v) + noise
     return TensorSamples(x.to(dtype), y.unsqueeze(1).to(dtype))
 
 
