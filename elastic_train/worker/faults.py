@@ -3,13 +3,15 @@
 ``ELASTIC_TRAIN_TEST_FAULT="RANK@STEP[:RESTART][,...]"`` makes global rank ``RANK`` exit abruptly
 (``os._exit(FAULT_EXIT_CODE)``, no clean-up, like a crash) right before the optimizer step of ``STEP``,
 but only in the worker generation whose ``TORCHELASTIC_RESTART_COUNT`` is ``RESTART`` (default 0), so
-the restarted worker does not die again.
+the restarted worker does not die again. ``ELASTIC_TRAIN_TEST_STEP_DELAY=SECONDS`` slows every step down so a
+test can act on a job while it trains.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -17,6 +19,8 @@ from elastic_train.errors import ConfigError
 
 #: Environment variable holding the planned faults.
 ENV_FAULT = "ELASTIC_TRAIN_TEST_FAULT"
+#: Environment variable: seconds every step sleeps (tests that kill or add nodes mid-training).
+ENV_STEP_DELAY = "ELASTIC_TRAIN_TEST_STEP_DELAY"
 #: Exit code of a worker killed by a planned fault.
 FAULT_EXIT_CODE = 86
 
@@ -58,3 +62,18 @@ def fault_hook(text: str | None, *, rank: int, restart_count: int) -> Callable[[
             os._exit(FAULT_EXIT_CODE)
 
     return hook
+
+
+def delay_hook(text: str | None) -> Callable[[int], None] | None:
+    """A step hook that sleeps ``float(text)`` seconds, or ``None`` when unset.
+
+    Raises:
+        ConfigError: the value is not a number.
+    """
+    if not text:
+        return None
+    try:
+        seconds = float(text)
+    except ValueError as exc:
+        raise ConfigError(f"{ENV_STEP_DELAY}={text!r}: expected seconds") from exc
+    return lambda step: time.sleep(seconds)

@@ -84,7 +84,7 @@ def run_worker(cfg: JobConfig, env: WorkerEnv, *, started: float) -> int:
     from elastic_train.train.audit import AuditWriter, write_meta
     from elastic_train.train.events import EventWriter
     from elastic_train.train.loop import Trainer
-    from elastic_train.worker.faults import ENV_FAULT, fault_hook
+    from elastic_train.worker.faults import ENV_FAULT, ENV_STEP_DELAY, delay_hook, fault_hook
 
     timings["import_s"] = time.perf_counter() - t
     t = time.perf_counter()
@@ -115,7 +115,14 @@ def run_worker(cfg: JobConfig, env: WorkerEnv, *, started: float) -> int:
                 global_batch=cfg.train.global_batch,
                 seed=cfg.train.seed,
             )
-    hook = fault_hook(os.environ.get(ENV_FAULT), rank=env.rank, restart_count=env.restart_count)
+    hooks = [
+        hook
+        for hook in (
+            fault_hook(os.environ.get(ENV_FAULT), rank=env.rank, restart_count=env.restart_count),
+            delay_hook(os.environ.get(ENV_STEP_DELAY)),
+        )
+        if hook is not None
+    ]
     trainer = Trainer(
         cfg.train,
         task,
@@ -126,7 +133,7 @@ def run_worker(cfg: JobConfig, env: WorkerEnv, *, started: float) -> int:
         checkpointer=manager,
         events=events,
         audit=audit,
-        hooks=[hook] if hook else [],
+        hooks=hooks,
     )
     try:
         t = time.perf_counter()
