@@ -6,11 +6,16 @@ import argparse
 import os
 import sys
 import time
+from typing import TYPE_CHECKING, Any
 
 from elastic_train.cli.options import add_job_options, collect_overrides
 from elastic_train.config import load_job_config
 from elastic_train.errors import ConfigError
 from elastic_train.launch.faults import KINDS, Fault, parse_fault, validate_plan
+
+if TYPE_CHECKING:
+    from elastic_train.config import JobConfig
+    from elastic_train.launch.local import LocalJob
 
 EPILOG = """examples:
   elastic-train local --nodes 3 --min-nodes 2 --max-nodes 4 --kill-node 1@step=30 --add-node @step=70
@@ -29,7 +34,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--config", help="job.yaml (default: built-in defaults)")
-    p.add_argument("--nodes", type=int, default=3, help="nodes started at the beginning (default 3)")
+    p.add_argument(
+        "--nodes",
+        dest="initial_nodes",
+        type=int,
+        default=3,
+        help="nodes started at the beginning (default 3)",
+    )
     p.add_argument("--min-nodes", type=int, help="fewest nodes the job trains with")
     p.add_argument("--max-nodes", type=int, help="most nodes the job trains with")
     for kind in KINDS:
@@ -52,26 +63,28 @@ def run(args: argparse.Namespace) -> int:
     from elastic_train.launch.local import LocalJob, LocalOptions, render_table, write_summary
 
     faults = plan_faults(args)
-    if args.nodes < 1:
-        raise ConfigError(f"--nodes {args.nodes}: must be >= 1")
+    if args.initial_nodes < 1:
+        raise ConfigError(f"--nodes {args.initial_nodes}: must be >= 1")
     overrides = collect_overrides(args)
     base = load_job_config(args.config, overrides)
     adds = sum(f.kind == "add-node" for f in faults)
     if "rendezvous.run_id" not in overrides:
         overrides["rendezvous.run_id"] = f"{base.rendezvous.run_id}-{time.strftime('%Y%m%d-%H%M%S')}"
     overrides["rendezvous.min_nodes"] = args.min_nodes or (
-        base.rendezvous.min_nodes if args.config else max(1, args.nodes - 1)
+        base.rendezvous.min_nodes if args.config else max(1, args.initial_nodes - 1)
     )
-    overrides["rendezvous.max_nodes"] = args.max_nodes or max(base.rendezvous.max_nodes, args.nodes + adds)
+    overrides["rendezvous.max_nodes"] = args.max_nodes or max(
+        base.rendezvous.max_nodes, args.initial_nodes + adds
+    )
     workdir = args.workdir or os.path.join("runs", str(overrides["rendezvous.run_id"]))
     if "train.audit_dir" not in overrides and not base.train.audit_dir:
         overrides["train.audit_dir"] = os.path.abspath(os.path.join(workdir, "audit"))
     cfg = load_job_config(args.config, overrides)
-    if args.nodes > cfg.rendezvous.max_nodes:
-        raise ConfigError(f"--nodes {args.nodes}: more than max nodes ({cfg.rendezvous.max_nodes})")
-    validate_plan(faults, args.nodes, cfg.train.steps)
+    if args.initial_nodes > cfg.rendezvous.max_nodes:
+        raise ConfigError(f"--nodes {args.initial_nodes}: more than max nodes ({cfg.rendezvous.max_nodes})")
+    validate_plan(faults, args.initial_nodes, cfg.train.steps)
 
-    job = LocalJob(cfg, LocalOptions(config_path=args.config, overrides=overrides, nodes=args.nodes,
+    job = LocalJob(cfg, LocalOptions(config_path=args.config, overrides=overrides, nodes=args.initial_nodes,
                                      faults=faults, workdir=workdir, timeout=args.timeout))  # fmt: skip
     summary = job.run()
     summary.exactly_once = _check_exactly_once(cfg, job)
@@ -92,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
-def _check_exactly_once(cfg, job) -> dict | None:  # type: ignore[no-untyped-def]
+def _check_exactly_once(cfg: JobConfig, job: LocalJob) -> dict[str, Any] | None:
     from elastic_train.train.audit import check_exactly_once
 
     audit_dir = cfg.train.audit_dir

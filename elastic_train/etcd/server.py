@@ -116,6 +116,7 @@ class EmbeddedEtcd:
         self.peer_port = free_port(host)
         self._own_dir = data_dir is None
         self.data_dir = data_dir or tempfile.mkdtemp(prefix="elastic-train-etcd-")
+        os.makedirs(self.data_dir, exist_ok=True)
         self.enable_v2 = enable_v2
         self.extra_args = list(extra_args or [])
         self.proc: subprocess.Popen[bytes] | None = None

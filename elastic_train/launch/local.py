@@ -12,6 +12,7 @@ import contextlib
 import glob
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -125,6 +126,8 @@ class LocalJob:
         )
         log_path = os.path.join(self.opts.workdir, f"node-{index}.log")
         with open(log_path, "ab") as logf:
+            logf.write(f"$ {shlex.join(cmd)}\n".encode())
+            logf.flush()
             proc = subprocess.Popen(
                 cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                 start_new_session=True,

@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import shlex
 from collections.abc import Mapping
-from typing import Any
-
-from torch.distributed.elastic.rendezvous.api import RendezvousParameters
+from typing import TYPE_CHECKING, Any
 
 from elastic_train.errors import ConfigError
 from elastic_train.etcd.client import read_password
 from elastic_train.rendezvous.config import RendezvousConfig, TLSConfig
+
+if TYPE_CHECKING:
+    # Not imported at run time: importing torch's rendezvous package loads the torchrun.handlers entry
+    # points, which import this module again (a cycle when this module is imported first).
+    from torch.distributed.elastic.rendezvous.api import RendezvousParameters
 
 #: Our --rdzv-conf keys (``timeout`` is torchrun's name for the join timeout; torchrun always passes it).
 CONF_KEYS = (

@@ -37,16 +37,15 @@ def build_parser() -> argparse.ArgumentParser:
 def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """Dotted-key overrides: every ``--set`` first, then the dedicated options (which win)."""
     overrides: dict[str, Any] = dict(parse_override(text) for text in args.set)
-    overrides.update(
-        {
-            "train.steps": args.steps,
-            "train.audit_dir": args.audit,
-            "checkpoint.url": args.checkpoint,
-            "checkpoint.every_steps": args.checkpoint_every,
-            "checkpoint.resume_from": args.resume_from,
-        }
-    )
-    return {k: v for k, v in overrides.items() if v is not None}
+    dedicated = {
+        "train.steps": args.steps,
+        "train.audit_dir": args.audit,
+        "checkpoint.url": args.checkpoint,
+        "checkpoint.every_steps": args.checkpoint_every,
+        "checkpoint.resume_from": args.resume_from,
+    }
+    overrides.update({k: v for k, v in dedicated.items() if v is not None})
+    return overrides
 
 
 def main(argv: Sequence[str] | None = None) -> int:
