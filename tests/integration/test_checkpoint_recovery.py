@@ -77,23 +77,25 @@ def finish(procs: list[subprocess.Popen], out: Path, timeout: float = 180) -> li
 
 
 def wait_line(proc: subprocess.Popen, word: str, timeout: float = 120) -> None:
+    """Read the worker's stdout (raw, unbuffered on our side) until ``word`` appears."""
     import selectors
-
-    sel = selectors.DefaultSelector()
-    assert proc.stdout is not None
-    sel.register(proc.stdout, selectors.EVENT_READ)
     import time
 
+    assert proc.stdout is not None
+    fd = proc.stdout.fileno()
+    sel = selectors.DefaultSelector()
+    sel.register(fd, selectors.EVENT_READ)
+    seen = b""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if sel.select(timeout=1):
-            line = proc.stdout.readline()
-            if word.encode() in line:
+            chunk = os.read(fd, 65536)
+            seen += chunk
+            if word.encode() in seen:
                 return
-            if not line and proc.poll() is not None:
+            if not chunk and proc.poll() is not None:
                 break
-    _, err = proc.communicate(timeout=5) if proc.poll() is not None else (b"", b"")
-    raise AssertionError(f"worker never printed {word}: {err.decode()[-2000:]}")
+    raise AssertionError(f"worker never printed {word}: {seen.decode(errors='replace')[-2000:]}")
 
 
 def test_kill_mid_save_never_loads_torn_checkpoint(tmp_path, memdir, reaper):
