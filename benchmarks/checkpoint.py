@@ -16,6 +16,7 @@ durable throughput / DCP (target >= 1). Usage: ``python benchmarks/checkpoint.py
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import mmap
 import os
@@ -157,7 +158,7 @@ def bench_size(size_mb: int, repeats: int, workdir: str) -> dict[str, Any]:
         out[key] = statistics.median(vals)
     shm_buf = torch.empty(0, dtype=torch.uint8)  # drop the view so the mapping can close
     mm.close()
-    os.unlink(shm_path)
+    _rm(shm_path)
     # Memory-only steps (no durable checkpoint due): the stall of most steps.
     mgr.cfg.every_steps = 10**9
     mem_only = []
@@ -196,7 +197,7 @@ def bench_size(size_mb: int, repeats: int, workdir: str) -> dict[str, Any]:
 
 
 def _rm(path: str) -> None:
-    if os.path.exists(path):
+    with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
 
 
