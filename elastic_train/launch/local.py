@@ -39,6 +39,8 @@ log = get_logger(__name__)
 ENV_EVENTS = "ELASTIC_TRAIN_EVENTS"
 #: Seconds between two looks at the event stream and the processes.
 POLL_INTERVAL = 0.1
+#: Seconds between two reads of the rendezvous state while a fault waits to be detected.
+STATUS_INTERVAL = 0.1
 #: Prefix of the shared-memory segments of a run (removed at the end, leftovers of killed nodes included).
 SHM_PREFIX = "elastic_train-"
 
@@ -93,6 +95,8 @@ class LocalJob:
         self.t0 = 0.0
         self.done_event: dict[str, Any] | None = None
         self._last_scan = 0.0
+        self._last_status = 0.0
+        self._status_client: Any = None
 
     # -- actions ------------------------------------------------------------------------------------------
 
@@ -192,8 +196,6 @@ class LocalJob:
             for f in self.opts.faults:
                 if f.fired_at is None or f.fired_round is None or rnd <= f.fired_round:
                     continue
-                if f.detected_at is None:
-                    f.detected_at = float(e["time"])
                 if kind == "resumed" and f.resumed_from is None:
                     f.resumed_from = e.get("from_step")
                     f.source = e.get("source")
@@ -232,6 +234,34 @@ class LocalJob:
         elif kind == "done":
             self.done_event = e
 
+    def watch_rendezvous(self) -> None:
+        """Mark faults detected once etcd shows the rendezvous reacting (new round, joiner, lost member)."""
+        pending = [
+            f for f in self.opts.faults
+            if f.fired_at is not None and f.detected_at is None and f.fired_round is not None
+        ]  # fmt: skip
+        now = time.monotonic()
+        if not pending or now - self._last_status < STATUS_INTERVAL or self.etcd is None:
+            return
+        self._last_status = now
+        from elastic_train.etcd.client import connect
+        from elastic_train.etcd.errors import EtcdError
+        from elastic_train.rendezvous.status import read_status
+
+        try:
+            if self._status_client is None:
+                self._status_client = connect(self.etcd.endpoint, timeout=2.0)
+            status = read_status(self._status_client, self.run_id)
+        except EtcdError:
+            return
+        seen = time.time()
+        for f in pending:
+            assert f.fired_round is not None
+            if status.round > f.fired_round or status.state in ("restarting", "failed"):
+                f.detected_at = seen
+                self._print(f"   {f.label}: rendezvous reacted after {seen - (f.fired_at or seen):.2f}s "
+                            f"({status.state}, round {status.round})")  # fmt: skip
+
     def _all_exited(self) -> bool:
         return all(n.proc.poll() is not None or n.killed or n.stopped for n in self.nodes)
 
@@ -258,6 +288,7 @@ class LocalJob:
                 for f in self.opts.faults:
                     if f.fired_at is None and self.completed_step >= f.step and self.step_events:
                         self.fire(f)
+                self.watch_rendezvous()
                 now = time.monotonic()
                 if now - self._last_scan > 1.0:
                     self._last_scan = now
@@ -298,6 +329,9 @@ class LocalJob:
                     p.send_signal(signal.SIGCONT)
                     p.kill()
         psutil.wait_procs(list(self.known_procs.values()), timeout=10)
+        if self._status_client is not None:
+            with contextlib.suppress(Exception):
+                self._status_client.close()
         if self.etcd is not None:
             self.etcd.stop()
             self.etcd = None

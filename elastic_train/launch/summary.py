@@ -91,6 +91,9 @@ def render_table(summary: Summary) -> str:
     if summary.exactly_once is not None:
         eo = summary.exactly_once
         verdict = "OK" if eo.get("ok") else "VIOLATED"
-        lines += ["", f"exactly-once: {verdict} ({eo.get('checked_steps', 0)} steps checked)"]
+        lines += [
+            "",
+            f"exactly-once: {verdict} ({eo.get('steps', 0)} steps, {eo.get('samples', 0)} samples checked)",
+        ]
         lines += [f"  {p}" for p in eo.get("problems", [])[:10]]
     return "\n".join(lines)
