@@ -173,6 +173,9 @@ def test_checkpoint_and_overhead_targets_tolerate_missing_keys() -> None:
     assert report.overhead_targets({"overhead_pct": 1.2})[0].status == "met"
     assert report.overhead_targets({"overhead": 0.05})[0].status == "missed"
     assert report.overhead_targets({})[0].status == "not measured"
+    t = report.overhead_targets({"plain_step_s": 0.030, "ours_step_s": 0.0314, "ratio": 1.0476})[0]
+    assert t.status == "missed" and t.figure.startswith("+4.76%")
+    assert report.overhead_targets({"plain_step_s": 0.030, "ours_step_s": 0.0303})[0].status == "met"
     assert report.overhead_targets(None)[0].why == "overhead benchmark not run"
 
 
@@ -210,7 +213,7 @@ def test_render_from_json_end_to_end(tmp_path: Path) -> None:
         == 0
     )
     text = out.read_text()
-    assert "test cpu" in text and "| per-step overhead over plain DDP | <= 3% | 2.00% | **met** |" in text
+    assert "test cpu" in text and "| per-step overhead over plain DDP | <= 3% | +2.00% | **met** |" in text
     assert "| 256 | 1 | 600 | 3 | 0.01 | 1.1 | 599 | 2.34 |" in text
     assert "| 50 | 1.2 | 0.9 | 1.6 |" in text
     assert (tmp_path / "img" / "checkpoint-stall.png").stat().st_size > 1000
