@@ -181,6 +181,17 @@ class Trainer:
         self.ddp = DistributedDataParallel(self.model, device_ids=device_ids, **no_sync_buffers)
         return self.ddp
 
+    def _seed_step(self, step: int) -> None:
+        """Seed the generators the step may draw from (dropout …) as a function of (seed, step, rank).
+
+        Only the CPU and this device's generators: ``torch.manual_seed`` would touch every device type and
+        costs more than a small step's whole bookkeeping.
+        """
+        seed = step_seed(self.cfg.seed, step, self.rank)
+        torch.default_generator.manual_seed(seed)
+        if self.device.type == "cuda":
+            torch.cuda.default_generators[self.device.index or 0].manual_seed(seed)
+
     def train_step(self) -> StepResult:
         """One optimizer step over the next ``G`` samples of the global order."""
         assert self.ddp is not None, "call wrap() first"
@@ -189,7 +200,7 @@ class Trainer:
         plan = self.sampler.plan(self.world_size, self.rank)
         if self.audit is not None:
             self.audit.write(epoch=plan.epoch, step=step, indices=plan.indices)
-        torch.manual_seed(step_seed(self.cfg.seed, step, self.rank))
+        self._seed_step(step)
         scale = loss_scale(plan.size, self.world_size)
         chunks = micro_batches(plan.indices, self.cfg.micro_batch)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)

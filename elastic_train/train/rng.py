@@ -19,7 +19,8 @@ def capture() -> dict[str, Any]:
     """The current state of the torch (CPU and CUDA), Python and numpy generators."""
     state: dict[str, Any] = {
         "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        # is_initialized() is cheap and False until CUDA is used, when there is no CUDA RNG state to keep.
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else [],
         "python": random.getstate(),
         "numpy": None,
     }

@@ -1,0 +1,198 @@
+"""Overhead of elastic_train's training loop over a plain DDP loop on the same task and world size.
+
+Both loops train the same task (built from the same seed) in the same gloo process group, in interleaved
+blocks of steps so that load from other processes on the machine hits both alike. The plain loop is what a
+user would write: a fixed shuffled order split over the ranks, ``loss.mean().backward()``,
+``optimizer.step()``; its DDP wrapper uses the same settings as ours (no per-forward buffer broadcast), so the
+ratio measures the loop, not a DDP option. Ours is :meth:`elastic_train.train.loop.Trainer.train_step`
+(global cursor, sample-count weighting, micro-batch accounting, RNG seeding, loss all-reduce) plus building
+the checkpoint state dict; with ``--with-memory-tier`` also the real CheckpointManager copying the state into
+shared memory every step.
+
+Prints the median seconds per step of each and the ratio (target: ours / plain <= 1.03).
+
+    .venv/bin/python benchmarks/overhead.py --quick --json overhead.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class _NoCheckpoint:
+    def restore(self, model: Any = None) -> None:
+        return None
+
+    def save(self, step: int, state: Any) -> None:
+        pass
+
+    def finalize(self, step: int, state: Any) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _worker(rank: int, args: argparse.Namespace, port: int, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from elastic_train.train import rng
+    from elastic_train.train.api import load_task
+    from elastic_train.train.config import TrainConfig
+    from elastic_train.train.events import EventWriter
+    from elastic_train.train.loop import Trainer
+    from elastic_train.train.sampler import epoch_permutation, share_bounds
+
+    torch.set_num_threads(args.threads)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.world)
+    world, g = args.world, args.global_batch
+    task_args = json.loads(args.task_args)
+
+    # -- plain DDP ------------------------------------------------------------------------------------------
+    rng.seed_all(0)
+    plain = load_task(args.task, task_args)
+    params = inspect.signature(DistributedDataParallel.__init__).parameters
+    key = "forward_sync_buffers" if "forward_sync_buffers" in params else "broadcast_buffers"
+    plain_ddp = DistributedDataParallel(plain.model, **{key: False})
+    perm = epoch_permutation(0, 0, len(plain.dataset)).tolist()
+    cursor = 0
+
+    def plain_step() -> None:
+        nonlocal cursor
+        if cursor + g > len(perm):
+            cursor = 0
+        lo, hi = share_bounds(g, world, rank)
+        batch = plain.make_batch(perm[cursor + lo : cursor + hi])
+        cursor += g
+        loss = plain.loss_fn(plain_ddp, batch).mean()
+        loss.backward()
+        plain.optimizer.step()
+        plain.optimizer.zero_grad(set_to_none=True)
+        if plain.scheduler is not None:
+            plain.scheduler.step()
+
+    # -- ours -----------------------------------------------------------------------------------------------
+    rng.seed_all(0)
+    cfg = TrainConfig(task=args.task, steps=10**9, global_batch=g, micro_batch=0, seed=0)
+    checkpointer: Any = _NoCheckpoint()
+    if args.with_memory_tier:
+        from elastic_train.checkpoint import CheckpointConfig, CheckpointManager
+
+        checkpointer = CheckpointManager(
+            CheckpointConfig(url=tempfile.mkdtemp(), every_steps=0, memory_every_steps=1),
+            f"overhead-{os.getpid()}",
+            rank=rank,
+            world_size=world,
+            local_rank=rank,
+            group=dist.group.WORLD,
+        )
+    trainer = Trainer(
+        cfg,
+        load_task(args.task, task_args),
+        rank=rank,
+        world_size=world,
+        round=0,
+        device=torch.device("cpu"),
+        checkpointer=checkpointer,
+        events=EventWriter(None, round=0, world_size=world),
+    )
+    trainer.wrap()
+
+    def our_step() -> None:
+        trainer.train_step()
+        checkpointer.save(trainer.step, trainer.state())
+
+    times: dict[str, list[float]] = {"plain": [], "ours": []}
+    for _ in range(args.warmup):
+        plain_step()
+        our_step()
+    for block in range(args.blocks):
+        order = [("plain", plain_step), ("ours", our_step)]
+        for name, fn in order if block % 2 == 0 else reversed(order):
+            dist.barrier()
+            t = time.perf_counter()
+            for _ in range(args.block_steps):
+                fn()
+            dist.barrier()
+            times[name].append((time.perf_counter() - t) / args.block_steps)
+    if args.with_memory_tier:
+        checkpointer.close(release_memory=True)
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(times, f)
+    dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--task", default="charlm", help="built-in task or module:function (default charlm)")
+    p.add_argument("--task-args", default="{}", help="JSON keyword arguments of the task factory")
+    p.add_argument("--world", type=int, default=2, help="world size (processes on this machine)")
+    p.add_argument("--global-batch", type=int, default=48)
+    p.add_argument("--blocks", type=int, default=8, help="interleaved measurement blocks per loop")
+    p.add_argument("--block-steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    p.add_argument(
+        "--with-memory-tier", action="store_true", help="also copy state to shared memory per step"
+    )
+    p.add_argument("--quick", action="store_true", help="fewer blocks (under a minute)")
+    p.add_argument("--json", metavar="FILE", help="write the results here")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.blocks, args.block_steps, args.warmup = 4, 6, 3
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "times.json")
+        mp.spawn(_worker, args=(args, _free_port(), out), nprocs=args.world, join=True)
+        with open(out) as f:
+            times = json.load(f)
+    plain, ours = statistics.median(times["plain"]), statistics.median(times["ours"])
+    ratio = ours / plain
+    label = "ours+memory tier" if args.with_memory_tier else "ours"
+    blocks = f"{args.blocks}x{args.block_steps}"
+    print(f"task={args.task} world={args.world} global_batch={args.global_batch} blocks={blocks}")
+    print(f"plain DDP step   : {plain * 1e3:8.2f} ms (median of blocks)")
+    print(f"{label:<17}: {ours * 1e3:8.2f} ms")
+    print(f"ratio            : {ratio:8.4f}  ({(ratio - 1) * 100:+.2f}% overhead; target <= +3%)")
+    if args.json:
+        result = {
+            "benchmark": "overhead",
+            "task": args.task,
+            "world_size": args.world,
+            "global_batch": args.global_batch,
+            "memory_tier": args.with_memory_tier,
+            "plain_step_s": plain,
+            "ours_step_s": ours,
+            "ratio": ratio,
+            "target_ratio": 1.03,
+            "blocks": times,
+        }
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
