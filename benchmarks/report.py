@@ -125,7 +125,7 @@ def _ratio_check(ratio: Mapping[str, Any] | None, need: float) -> str:
 
 
 def _combine(statuses: list[str]) -> str:
-    for s in ("not measured", "missed", "inconclusive"):
+    for s in ("missed", "not measured", "inconclusive"):
         if s in statuses:
             return s
     return "met"
@@ -210,19 +210,22 @@ def _why(
 ) -> str:
     """Explain a ratio target: which baselines are below their bar, and which ratios are only lower bounds."""
     missing = [b for b, r in ratios.items() if not r]
-    if missing:
-        return f"no {scen} figure for {', '.join(missing)} in this run"
     bounds = [b for b, r in ratios.items() if r and r.get("lower_bound")]
-    note = f"{', '.join(bounds)} did not get there within the cap: ratio is a lower bound" if bounds else ""
-    if status == "met":
-        return note or "every ratio at or above its bar"
     short = [
-        f"{b} {format_ratio(r)} (bar {needs[b]:g}x)" for b, r in ratios.items() if r and r["ratio"] < needs[b]
+        f"{b} {format_ratio(r)} (bar {needs[b]:g}x)"
+        for b, r in ratios.items()
+        if r and (r["ratio"] < needs[b] or (needs[b] == 1.0 and r["ratio"] == 1.0))
     ]
-    why = "below the bar: " + ", ".join(short)
+    parts = []
+    if short:
+        parts.append("below the bar: " + ", ".join(short))
+    if missing:
+        parts.append(f"no {scen} figure for {', '.join(missing)} in this run")
+    if bounds:
+        parts.append(f"{', '.join(bounds)} did not get there within the cap: ratio is a lower bound")
     if status == "inconclusive":
-        why += "; a longer cap could show more"
-    return why + (f"; {note}" if note else "")
+        parts.append("a longer cap could show more")
+    return "; ".join(parts) or "every ratio at or above its bar"
 
 
 def scale_target(doc: Mapping[str, Any] | None) -> list[Target]:

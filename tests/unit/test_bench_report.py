@@ -107,6 +107,12 @@ def test_rendezvous_targets_missing_baselines_are_not_measured() -> None:
     launch, kill, _ = report.rendezvous_targets(doc)
     assert launch.status == "not measured" and "c10d" in launch.why
     assert kill.status == "not measured"
+    doc = rdzv_doc(
+        launch={"etcd3": [2.0]}, kill={"etcd3": [12.0], "c10d-tuned": [8.0]}, scale={"etcd3": [3.0]}
+    )
+    kill = report.rendezvous_targets(doc)[1]
+    assert kill.status == "missed"  # slower than c10d-tuned is a miss whatever etcd-v2 would show
+    assert "c10d-tuned 0.7x" in kill.why and "no kill figure for etcd-v2" in kill.why
     assert all(t.status == "not measured" for t in report.rendezvous_targets(None))
 
 
