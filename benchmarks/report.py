@@ -723,21 +723,22 @@ def render_rendezvous(rdzv: Mapping[str, Any], images: list[Path], out: Path) ->
         lines.append(f"| {block.get('title', scen)} | " + " | ".join(cells) + " |")
     lines += [
         "",
-        "Where the time goes (median seconds from the event to: worker processes started / process group "
-        "formed / first step):",
+        "Where the time goes: median seconds from the event to the first new worker process starting "
+        "(detection + rendezvous + spawn), the last rank's worker starting, the last rank done importing "
+        "torch, the first rank with its process group and DDP model (store bootstrap + gloo mesh), and the "
+        "first step.",
         "",
-        "| scenario | config | workers started | process group | first step |",
-        "|---|---|---|---|---|",
+        "| scenario | config | first worker | all started | torch imported | process group | first step |",
+        "|---|---|---|---|---|---|---|",
     ]
+    keys = ("workers_started", "all_started", "imported", "pg_ready", "first_step")
     for scen, block in (rdzv.get("scenarios") or {}).items():
         for n, res in block.get("results", {}).items():
-            med = {}
-            for key in ("workers_started", "pg_ready", "first_step"):
+            cells = []
+            for key in keys:
                 m = median(p[key] for p in res.get("phases", []) if p and p.get(key) is not None)
-                med[key] = "-" if m is None else f"{m:.2f}"
-            lines.append(
-                f"| {scen} | `{n}` | {med['workers_started']} | {med['pg_ready']} | {med['first_step']} |"
-            )
+                cells.append("-" if m is None else f"{m:.2f}")
+            lines.append(f"| {scen} | `{n}` | " + " | ".join(cells) + " |")
     failures = []
     for scen, block in (rdzv.get("scenarios") or {}).items():
         for n, res in block.get("results", {}).items():
