@@ -447,26 +447,40 @@ class RunRecord:
 
 
 def run_benchmark(name: str, json_path: Path, *, quick: bool, timeout: float, extra: list[str]) -> RunRecord:
+    """Run ``benchmarks/NAME.py --json FILE``; its output goes to ``NAME.log`` next to the JSON and is echoed.
+
+    On timeout the script gets SIGTERM (so it can clean up its processes) and SIGKILL 60 s later.
+    """
     script = HERE / f"{name}.py"
     if not script.exists():
         return RunRecord(name, "absent", detail=f"benchmarks/{name}.py does not exist")
     cmd = [sys.executable, str(script), "--json", str(json_path), *(["--quick"] if quick else []), *extra]
     shown = " ".join(shlex.quote(a) for a in cmd)
-    print(f"== {name}: {shown}", flush=True)
+    log_path = json_path.with_suffix(".log")
+    print(f"== {name}: {shown}  (output: {log_path})", flush=True)
     started = time.time()
     json_path.unlink(missing_ok=True)
-    try:
-        proc = subprocess.run(
-            cmd, timeout=timeout, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-        )
-    except subprocess.TimeoutExpired as exc:
-        out = exc.stdout if isinstance(exc.stdout, str) else (exc.stdout or b"").decode(errors="replace")
-        print(out[-2000:], flush=True)
-        return RunRecord(name, "timeout", shown, round(time.time() - started, 1), f"over {timeout:.0f} s")
-    print(proc.stdout[-4000:], flush=True)
+    with open(log_path, "wb") as logf:
+        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        try:
+            proc.wait(timeout=timeout)
+            timed_out = False
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            proc.terminate()
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
     seconds = round(time.time() - started, 1)
+    kept = [ln for ln in log_path.read_text(encoding="utf-8", errors="replace").splitlines() if ln.strip()]
+    kept = [ln for ln in kept if not ln.startswith(("W1", "I1", "E1"))]  # torch's glog-style agent lines
+    print("\n".join(kept[-40:]), flush=True)
+    if timed_out:
+        return RunRecord(name, "timeout", shown, seconds, f"over {timeout:.0f} s")
     if proc.returncode != 0 or not json_path.exists():
-        last = [ln for ln in proc.stdout.strip().splitlines() if ln.strip()][-1:] or [""]
+        last = kept[-1:] or [""]
         return RunRecord(name, "failed", shown, seconds, f"exit {proc.returncode}: {last[0][:300]}")
     return RunRecord(name, "ok", shown, seconds)
 
@@ -892,7 +906,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--from-json", default=None, help="do not run anything: render from JSON files in this dir"
     )
     p.add_argument(
-        "--timeout", type=float, default=None, help="seconds per benchmark (default 5400, quick 600)"
+        "--timeout", type=float, default=None, help="seconds per benchmark (default 10800, quick 600)"
     )
     p.add_argument(
         "--rendezvous-args",
@@ -915,7 +929,7 @@ def main(argv: list[str] | None = None) -> int:
     img_dir = Path(args.img_dir or out.parent / "img")
     json_dir.mkdir(parents=True, exist_ok=True)
     img_dir.mkdir(parents=True, exist_ok=True)
-    timeout = args.timeout or (600.0 if args.quick else 5400.0)
+    timeout = args.timeout or (600.0 if args.quick else 10800.0)
     selected = args.only.split(",") if args.only else list(BENCHMARKS)
     command = " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv])
 

@@ -225,3 +225,26 @@ def test_render_from_json_end_to_end(tmp_path: Path) -> None:
     assert (tmp_path / "img" / "checkpoint-stall.png").stat().st_size > 1000
     assert (tmp_path / "img" / "recovery-kill.png").stat().st_size > 1000
     assert json.loads((tmp_path / "targets.json").read_text())[0]["status"] == "met"
+
+
+def test_run_benchmark_ok_failed_absent_timeout(tmp_path: Path, monkeypatch: Any) -> None:
+    monkeypatch.setattr(report, "HERE", tmp_path)
+    (tmp_path / "good.py").write_text(
+        "import json, sys\nprint('figure 1')\n"
+        "json.dump({'x': 1}, open(sys.argv[sys.argv.index('--json') + 1], 'w'))\n"
+    )
+    (tmp_path / "bad.py").write_text("import sys\nprint('boom: it broke')\nsys.exit(3)\n")
+    (tmp_path / "slow.py").write_text("import time\ntime.sleep(30)\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    rec = report.run_benchmark("good", out / "good.json", quick=True, timeout=60, extra=[])
+    assert rec.status == "ok" and "--quick" in rec.command
+    assert report.load_json(out / "good.json") == {"x": 1}
+    assert "figure 1" in (out / "good.log").read_text()
+    rec = report.run_benchmark("bad", out / "bad.json", quick=False, timeout=60, extra=[])
+    assert rec.status == "failed" and rec.detail == "exit 3: boom: it broke"
+    assert (
+        report.run_benchmark("nope", out / "nope.json", quick=False, timeout=60, extra=[]).status == "absent"
+    )
+    rec = report.run_benchmark("slow", out / "slow.json", quick=False, timeout=0.5, extra=[])
+    assert rec.status == "timeout" and rec.seconds < 20
