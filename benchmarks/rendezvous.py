@@ -30,6 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from harness import (
     CONFIGS,
+    MAX_RESTARTS,
+    MONITOR_INTERVAL,
     BackendConfig,
     Job,
     Outcome,
@@ -189,6 +191,27 @@ def print_table(result: dict[str, Any], names: list[str]) -> None:
     print()
 
 
+def write_json(path: str, args: argparse.Namespace, meta: dict[str, Any], runs: list[dict[str, Any]]) -> None:
+    """Write the results so far (rewritten after every job, so an interrupted run still leaves data)."""
+    active = [n for n in args.config_names if n not in meta["not_run"]]
+    timelines: dict[str, dict[str, Any]] = {}
+    for r in runs:
+        if "timeline" in r and r["repeat"] == 0:
+            timelines.setdefault(JOBS[r["job"]], {})[r["config"]] = r["timeline"]
+    doc = {
+        **meta,
+        "seconds": round(time.time() - meta["started"], 1),
+        "complete": len(runs) == meta["planned_jobs"],
+        "loadavg_end": [round(x, 2) for x in os.getloadavg()],
+        **collect(runs, active),
+        "timelines": timelines,
+        "runs": [{k: v for k, v in r.items() if k != "timeline"} for r in runs],
+    }
+    tmp = f"{path}.tmp"
+    Path(tmp).write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the jobs' cleanup on SIGTERM too
@@ -201,23 +224,50 @@ def main(argv: list[str] | None = None) -> int:
     for name, why in skipped.items():
         print(f"{name}: not run ({why})", flush=True)
     active = [c for c in configs if c.name not in skipped]
-    started = time.time()
+    plan = [
+        (repeat, job_kind, config)
+        for repeat in range(args.repeats)
+        for job_kind in args.jobs
+        for config in active
+        if config.ours or job_kind in args.baseline_jobs
+    ]
+    meta: dict[str, Any] = {
+        "benchmark": "rendezvous",
+        "schema": 1,
+        "quick": args.quick,
+        "repeats": args.repeats,
+        "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
+        "machine": machine_info(),
+        "started": time.time(),
+        "planned_jobs": len(plan),
+        "settings": {
+            "nnodes": "2:4",
+            "nproc_per_node": 1,
+            "cap": args.cap,
+            "hang_cap": args.hang_cap,
+            "step_interval": args.step_interval,
+            "monitor_interval": MONITOR_INTERVAL,
+            "max_restarts": MAX_RESTARTS,
+            "jobs": args.jobs,
+            "baseline_jobs": args.baseline_jobs,
+        },
+        "ours": OURS,
+        "configs": [c.to_json() for c in configs],
+        "not_run": skipped,
+    }
+    started = meta["started"]
     runs: list[dict[str, Any]] = []
-    for repeat in range(args.repeats):
-        for job_kind in args.jobs:
-            for config in active:
-                if not config.ours and job_kind not in args.baseline_jobs:
-                    continue
-                run = run_job(config, job_kind, args)
-                run["repeat"] = repeat
-                runs.append(run)
-                figures = ", ".join(
-                    f"{k} {v['seconds']:.2f} s" if v["status"] == "ok" else f"{k} {v['status']}"
-                    for k, v in run["samples"].items()
-                )
-                print(
-                    f"[{time.time() - started:6.0f}s] repeat {repeat} {config.name:<14} {figures}", flush=True
-                )
+    for repeat, job_kind, config in plan:
+        run = run_job(config, job_kind, args)
+        run["repeat"] = repeat
+        runs.append(run)
+        figures = ", ".join(
+            f"{k} {v['seconds']:.2f} s" if v["status"] == "ok" else f"{k} {v['status']}"
+            for k, v in run["samples"].items()
+        )
+        print(f"[{time.time() - started:6.0f}s] repeat {repeat} {config.name:<14} {figures}", flush=True)
+        if args.json_path:
+            write_json(args.json_path, args, meta, runs)
 
     result = collect(runs, [c.name for c in active])
     print_table(result, [c.name for c in active])
@@ -226,38 +276,8 @@ def main(argv: list[str] | None = None) -> int:
             for s in res["samples"]:
                 if s["status"] not in ("ok", "not_run") and s.get("detail"):
                     print(f"{scen} {name} {s['status']}: {s['detail'][:400]}")
-    if args.json_path:
-        timelines: dict[str, dict[str, Any]] = {}
-        for r in runs:
-            if "timeline" in r and r["repeat"] == 0:
-                timelines.setdefault(JOBS[r["job"]], {})[r["config"]] = r["timeline"]
-        doc = {
-            "benchmark": "rendezvous",
-            "schema": 1,
-            "quick": args.quick,
-            "repeats": args.repeats,
-            "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
-            "machine": machine_info(),
-            "seconds": round(time.time() - started, 1),
-            "settings": {
-                "nnodes": "2:4",
-                "nproc_per_node": 1,
-                "cap": args.cap,
-                "hang_cap": args.hang_cap,
-                "step_interval": args.step_interval,
-                "monitor_interval": 0.1,
-                "max_restarts": 100,
-                "jobs": args.jobs,
-                "baseline_jobs": args.baseline_jobs,
-            },
-            "ours": OURS,
-            "configs": [c.to_json() for c in configs],
-            "not_run": skipped,
-            **result,
-            "timelines": timelines,
-            "runs": [{k: v for k, v in r.items() if k != "timeline"} for r in runs],
-        }
-        Path(args.json_path).write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
+    if args.json_path and not runs:
+        write_json(args.json_path, args, meta, runs)
     return 0
 
 

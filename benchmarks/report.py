@@ -708,6 +708,15 @@ def render_rendezvous(rdzv: Mapping[str, Any], images: list[Path], out: Path) ->
         "has up to three samples per repeat.",
         "",
     ]
+    if rdzv.get("complete") is False:
+        lines += [
+            f"**Partial run**: {len(rdzv.get('runs') or [])} of {rdzv.get('planned_jobs', '?')} jobs "
+            "finished before the benchmark stopped; the figures below cover those only.",
+            "",
+        ]
+    if rdzv.get("loadavg_end") is not None:
+        load0 = (rdzv.get("machine") or {}).get("loadavg")
+        lines += [f"Load average at start {load0}, at end {rdzv['loadavg_end']}.", ""]
     jobs, baseline_jobs = settings.get("jobs"), settings.get("baseline_jobs")
     if baseline_jobs is not None and jobs is not None and baseline_jobs != jobs:
         lines += [f"Quick mode: the baselines ran only the {', '.join(baseline_jobs)} job(s).", ""]
@@ -949,9 +958,13 @@ def main(argv: list[str] | None = None) -> int:
         extra = shlex.split(args.rendezvous_args) if name == "rendezvous" else []
         rec = run_benchmark(name, path, quick=args.quick, timeout=timeout, extra=extra)
         runs.append(rec)
-        docs[name] = load_json(path) if rec.status == "ok" else None
+        docs[name] = load_json(path)
         if rec.status == "ok" and docs[name] is None:
             rec.status, rec.detail = "failed", f"{path} is not a JSON object"
+        elif rec.status != "ok" and docs[name] is not None:
+            # a benchmark that writes as it goes (rendezvous.py) leaves partial results: show them as such
+            rec.detail += "; partial results shown"
+            rec.status = f"partial ({rec.status})"
 
     machine = dict((docs.get("rendezvous") or {}).get("machine") or machine_info())
     targets = evaluate_targets(docs)

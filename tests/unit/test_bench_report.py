@@ -248,3 +248,10 @@ def test_run_benchmark_ok_failed_absent_timeout(tmp_path: Path, monkeypatch: Any
     )
     rec = report.run_benchmark("slow", out / "slow.json", quick=False, timeout=0.5, extra=[])
     assert rec.status == "timeout" and rec.seconds < 20
+
+
+def test_partial_rendezvous_run_is_flagged() -> None:
+    doc = rdzv_doc(launch={"etcd3": [2.0]}, kill={"etcd3": [3.0]}, scale={"etcd3": [3.0]})
+    doc.update(complete=False, planned_jobs=9, runs=[{}, {}], configs=[{"name": "etcd3"}])
+    text = "\n".join(report.render_rendezvous(doc, [], Path("docs/benchmarks.md")))
+    assert "**Partial run**: 2 of 9 jobs" in text
