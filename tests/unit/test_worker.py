@@ -186,3 +186,42 @@ def test_worker_import_is_cheap() -> None:
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.stdout.strip() == "[]"
+
+
+def _field_docs(cls: type) -> dict[str, str]:
+    """The docstring under each field of a dataclass, from its source."""
+    import ast
+    import inspect
+    import itertools
+    import textwrap
+
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body  # type: ignore[attr-defined]
+    docs = {}
+    for node, nxt in itertools.pairwise(body):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+        ):
+            docs[node.target.id] = str(nxt.value.value).strip()  # type: ignore[union-attr]
+    return docs
+
+
+def test_docs_config_reference_matches_train_config() -> None:
+    import dataclasses
+
+    from elastic_train.train.config import TrainConfig
+
+    text = (ROOT / "docs" / "training.md").read_text()
+    table = text.split("## Configuration reference (`train:`)", 1)[1]
+    rows = {}
+    for line in table.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and cells[0].startswith("`") and cells[0] != "`key`":
+            rows[cells[0].strip("`")] = (cells[1].strip("`"), cells[2])
+    docs = _field_docs(TrainConfig)
+    expected = {}
+    for f in dataclasses.fields(TrainConfig):
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        expected[f.name] = (str(default), docs[f.name])
+    assert rows == expected
