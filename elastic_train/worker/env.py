@@ -6,10 +6,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from elastic_train.errors import ConfigError
+from elastic_train.rendezvous import ENV_ROUND  # the global round, set by the etcd3 handler in the agent
 
-#: Global rendezvous round, set by the etcd3 handler in the agent (same name as
-#: ``elastic_train.rendezvous.ENV_ROUND``); falls back to TORCHELASTIC_RESTART_COUNT.
-ENV_ROUND = "ELASTIC_TRAIN_RDZV_ROUND"
+__all__ = ["ENV_ROUND", "WorkerEnv"]
 
 
 @dataclass(frozen=True, slots=True)
