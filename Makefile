@@ -22,7 +22,8 @@ test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 demo: setup
-	$(VENV)/bin/elastic-train local --config examples/job.yaml --summary demo-summary.json
+	$(VENV)/bin/elastic-train local --config examples/job.yaml --nodes 3 --kill-node 1@step=80 --add-node @step=150 \
+		--summary demo-summary.json
 
 lint: setup
 	$(VENV)/bin/ruff check elastic_train tests benchmarks

@@ -24,6 +24,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--local-addr", help="address this node advertises (default: loopback for a loopback etcd)"
     )
     add_job_options(p)
+    p.add_argument(
+        "--worker-start",
+        choices=["forkserver", "exec"],
+        default=os.environ.get("ELASTIC_TRAIN_WORKER_START", "forkserver"),
+        help="forkserver: fork workers from a per-node process that already imported torch (fast restarts); "
+        "exec: a fresh interpreter per worker (default: forkserver)",
+    )
     p.add_argument("--dry-run", action="store_true", help="print the torchrun command and exit")
     p.set_defaults(func=run)
 
@@ -40,4 +47,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     launch_run.prepare_environment(cfg, local_addr, os.environ)
     launch_run.preflight(cfg.rendezvous)
-    return launch_run.launch(argv)
+    forkserver = launch_run.start_forkserver(os.environ) if args.worker_start == "forkserver" else None
+    try:
+        return launch_run.launch(argv)
+    finally:
+        launch_run.stop_forkserver(forkserver)

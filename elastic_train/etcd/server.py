@@ -7,11 +7,8 @@ when the owning process leaves the ``with`` block, returns from a test, or dies 
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import tempfile
@@ -21,14 +18,13 @@ import urllib.request
 from pathlib import Path
 
 from elastic_train.etcd.errors import EtcdError
+from elastic_train.launch.procs import die_with_parent
 from elastic_train.log import get_logger
 
 #: Environment variable naming an etcd binary to use instead of the bundled or PATH one.
 ENV_ETCD_BINARY = "ETCD_BINARY"
 
 log = get_logger(__name__)
-
-_PR_SET_PDEATHSIG = 1
 
 
 def find_etcd_binary(name: str = "etcd") -> str:
@@ -75,12 +71,6 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
-
-
-def _die_with_parent() -> None:
-    """Runs in the child before exec: ask the kernel to SIGTERM it when its parent dies."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 class EmbeddedEtcd:
@@ -172,7 +162,7 @@ class EmbeddedEtcd:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
-                preexec_fn=_die_with_parent,
+                preexec_fn=die_with_parent,
                 env=env,
             )
         deadline = time.monotonic() + timeout

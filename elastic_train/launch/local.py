@@ -9,7 +9,6 @@ gone when it returns — also on Ctrl-C or an error.
 from __future__ import annotations
 
 import contextlib
-import glob
 import json
 import os
 import shlex
@@ -41,8 +40,6 @@ ENV_EVENTS = "ELASTIC_TRAIN_EVENTS"
 POLL_INTERVAL = 0.1
 #: Seconds between two reads of the rendezvous state while a fault waits to be detected.
 STATUS_INTERVAL = 0.1
-#: Prefix of the shared-memory segments of a run (removed at the end, leftovers of killed nodes included).
-SHM_PREFIX = "elastic_train-"
 
 
 @dataclass(kw_only=True, slots=True)
@@ -119,6 +116,9 @@ class LocalJob:
         ]  # fmt: skip
         cmd += worker_overrides_argv(self.opts.overrides)
         env = dict(os.environ)
+        # All nodes share this machine's cores: one intra-op thread pool per worker would oversubscribe them.
+        workers = rdzv.max_nodes * rdzv.nproc_per_node
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // workers)))
         env.update(
             {
                 ENV_EVENTS: self.events_path,
@@ -335,7 +335,10 @@ class LocalJob:
         if self.etcd is not None:
             self.etcd.stop()
             self.etcd = None
-        for path in glob.glob(f"/dev/shm/{SHM_PREFIX}{self.run_id}-*"):
+        from elastic_train.checkpoint.memory import snapshot_files
+
+        # Snapshots of nodes that were killed are never released by their workers.
+        for path in snapshot_files(self.cfg.checkpoint.memory_dir, self.run_id):
             with contextlib.suppress(OSError):
                 os.unlink(path)
 

@@ -8,10 +8,19 @@ processes this program started, never by name.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import signal
 import time
 
 import psutil
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """``preexec_fn`` for helper processes: the kernel sends SIGTERM when the parent dies (Linux)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def tree(pid: int) -> list[psutil.Process]:

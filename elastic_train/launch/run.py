@@ -10,22 +10,30 @@ import ipaddress
 import json
 import os
 import socket
+import subprocess
 import sys
+import tempfile
 from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 from elastic_train.config import JobConfig
 from elastic_train.launch import ENV_NODE_ID
+from elastic_train.launch.procs import die_with_parent
 from elastic_train.log import get_logger
 from elastic_train.rendezvous.config import RendezvousConfig
 
 log = get_logger(__name__)
+
 
 #: torchrun's own restart counter is per agent; the job-wide failure budget lives in etcd instead
 #: (rendezvous.failure_budget), so the per-agent counter is set out of the way.
 AGENT_MAX_RESTARTS = 1_000_000
 #: Seconds between the agent's health checks of its workers (torchrun's default, stated explicitly).
 MONITOR_INTERVAL = 0.1
+#: How workers start: ``forkserver`` (forked from a per-node process with torch imported) or ``exec``.
+WORKER_START = ("forkserver", "exec")
+#: Environment override of the worker start method.
+ENV_WORKER_START = "ELASTIC_TRAIN_WORKER_START"
 #: Loopback interface name for gloo when the job runs on loopback addresses.
 LOOPBACK_IFNAME = "lo"
 
@@ -102,6 +110,36 @@ def preflight(cfg: RendezvousConfig) -> None:
 
     client = connect_config(cfg)
     client.close()
+
+
+def start_forkserver(environ: MutableMapping[str, str]) -> subprocess.Popen[bytes]:
+    """Start this node's worker fork server and point workers at it (through ``environ``).
+
+    It imports torch while the agent meets the others in the rendezvous; a worker started before it listens
+    waits for it (see :mod:`elastic_train.worker.forkserver`).
+    """
+    from elastic_train.worker.forkserver import ENV_PID, ENV_SOCKET
+
+    path = os.path.join(tempfile.gettempdir(), f"elastic_train-fs-{os.getpid()}.sock")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "elastic_train.worker.forkserver", "--socket", path],
+        stdin=subprocess.DEVNULL,
+        preexec_fn=die_with_parent,
+    )
+    environ[ENV_SOCKET] = path
+    environ[ENV_PID] = str(proc.pid)
+    log.debug("forkserver_started", pid=proc.pid, socket=path)
+    return proc
+
+
+def stop_forkserver(proc: subprocess.Popen[bytes] | None) -> None:
+    if proc is not None and proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def launch(argv: list[str]) -> int:

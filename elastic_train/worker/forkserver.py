@@ -1,0 +1,331 @@
+"""A per-node fork server that starts workers with torch already imported.
+
+On a small job most of a recovery is worker start-up: a fresh interpreter importing torch, torch.distributed
+and DDP takes 1.5 s or more per worker, every time the group restarts. ``elastic-train run`` therefore starts
+one fork server per node (a plain exec'd process, never a fork of the agent, whose gRPC threads must not be
+duplicated), which imports everything a worker needs once and then forks a worker on request.
+
+torchrun still starts ``python -m elastic_train.worker`` as usual. When :data:`ENV_SOCKET` is set, that
+process is a thin *stand-in*: it hands its argv, environment, working directory and stdio to the fork server,
+which forks the real worker. The stand-in forwards signals to the worker and exits with the worker's status,
+so the agent's view (a PID per worker, its exit code, SIGTERM/SIGKILL on stop) is unchanged. If the stand-in
+dies (SIGKILL), the server kills its worker; if the server dies, stand-ins kill their workers and fail.
+
+The server never runs a tensor operation, so torch's intra-op thread pool (OpenMP) is not started before a
+fork; the only native thread a preloaded torch has is OpenBLAS's, which re-initialises itself in the child
+through its own fork handlers.
+
+Wire format on the Unix socket: the stand-in sends one length-prefixed JSON request with fds 0, 1, 2 attached
+(SCM_RIGHTS); the server answers ``{"pid": N}`` and later ``{"exit": CODE}`` (negative: killed by signal).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import select
+import signal
+import socket
+import struct
+import sys
+import traceback
+from collections.abc import Sequence
+from typing import Any
+
+#: Unix socket of this node's fork server; when set, ``python -m elastic_train.worker`` is a stand-in.
+ENV_SOCKET = "ELASTIC_TRAIN_FORKSERVER"
+#: Modules the server imports before forking (everything a worker needs except the user's task module).
+PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "torch.nn.parallel",
+    "torch.optim",
+    "torch._dynamo",  # imported lazily by the first Optimizer(): over a second on its own
+    "elastic_train.train.tasks.charlm",
+    "elastic_train.train.tasks.regression",
+    "elastic_train.worker.main",
+    "elastic_train.worker.run",
+    "elastic_train.train.loop",
+    "elastic_train.checkpoint",
+)
+#: PID of that fork server; a stand-in waits for the socket only while this process lives.
+ENV_PID = "ELASTIC_TRAIN_FORKSERVER_PID"
+#: Seconds a stand-in waits for a fork server that is still importing before starting the worker itself.
+CONNECT_WAIT = 60.0
+#: Snapshot owner for workers: the agent, as if the worker were its child (see checkpoint.memory).
+ENV_SHM_OWNER = "ELASTIC_TRAIN_SHM_OWNER"
+_LEN = struct.Struct("!I")
+_FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+
+
+def _send(sock: socket.socket, obj: dict[str, Any], fds: Sequence[int] = ()) -> None:
+    data = json.dumps(obj).encode()
+    payload = _LEN.pack(len(data)) + data
+    if fds:
+        sent = socket.send_fds(sock, [payload], list(fds))
+        payload = payload[sent:]
+    if payload:
+        sock.sendall(payload)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = b""
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise EOFError("connection closed")
+        buf += chunk
+    return buf
+
+
+def _recv(sock: socket.socket) -> dict[str, Any]:
+    (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size))
+    result: dict[str, Any] = json.loads(_recv_exact(sock, n))
+    return result
+
+
+# -- stand-in (the process torchrun sees) ----------------------------------------------------------------
+
+
+def run_standin(path: str, argv: Sequence[str]) -> int:
+    """Have the fork server start the worker, mirror its life, return its exit code.
+
+    Falls back to running the worker in this process when the server cannot be reached.
+    """
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        _connect(sock, path, os.environ.get(ENV_PID))
+        env = dict(os.environ)
+        env.pop(ENV_SOCKET, None)
+        env.pop(ENV_PID, None)
+        env.setdefault(ENV_SHM_OWNER, str(os.getppid()))
+        _send(sock, {"argv": list(argv), "env": env, "cwd": os.getcwd()}, [0, 1, 2])
+        pid = int(_recv(sock)["pid"])
+    except (OSError, EOFError, ValueError, KeyError) as exc:
+        sock.close()
+        sys.stderr.write(f"elastic_train.worker: fork server unavailable ({exc}); starting directly\n")
+        from elastic_train.worker.main import main
+
+        return main(list(argv))
+
+    def forward(signum: int, _frame: object) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signum)
+
+    for sig in _FORWARDED:
+        signal.signal(sig, forward)
+    try:
+        while True:
+            try:
+                return int(_recv(sock)["exit"])
+            except InterruptedError:
+                continue
+    except (OSError, EOFError, ValueError, KeyError):
+        # The server went away: the worker must not outlive its stand-in's knowledge of it.
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        sys.stderr.write("elastic_train.worker: fork server lost; worker killed\n")
+        return 1
+    finally:
+        sock.close()
+
+
+def _connect(sock: socket.socket, path: str, server_pid: str | None) -> None:
+    """Connect, waiting while the server (started in parallel with the rendezvous) is still importing."""
+    import time
+
+    deadline = time.monotonic() + CONNECT_WAIT
+    while True:
+        try:
+            sock.connect(path)
+            return
+        except (FileNotFoundError, ConnectionRefusedError):
+            alive = server_pid is not None and os.path.exists(f"/proc/{server_pid}")
+            if not alive or time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)
+
+
+def exit_like(code: int) -> None:
+    """Exit this process the way the worker did (re-raising its signal when it was killed by one)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if code < 0:
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    sys.exit(code)
+
+
+# -- server ----------------------------------------------------------------------------------------------
+
+
+class ForkServer:
+    """Single-threaded accept/fork/reap loop; forking only ever happens with this one thread alive."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        self.listener.bind(path)
+        os.chmod(path, 0o600)
+        self.listener.listen(64)
+        self.children: dict[int, socket.socket] = {}  # worker pid -> its stand-in's connection
+        self.conns: dict[socket.socket, int] = {}
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
+        signal.signal(signal.SIGCHLD, lambda *_: _poke(self._wake_w))
+        self.running = True
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._stop)
+
+    def _stop(self, *_: object) -> None:
+        self.running = False
+        _poke(self._wake_w)
+
+    def serve(self) -> None:
+        while self.running:
+            watched: list[Any] = [self.listener, self._wake_r, *self.conns]
+            ready, _, _ = select.select(watched, [], [], 1.0)
+            for r in ready:
+                if r is self.listener:
+                    self._accept()
+                elif r == self._wake_r:
+                    with contextlib.suppress(BlockingIOError):
+                        os.read(self._wake_r, 4096)
+                elif isinstance(r, socket.socket):
+                    self._on_standin_readable(r)
+            self._reap()
+        self.close()
+
+    def _accept(self) -> None:
+        conn, _ = self.listener.accept()
+        try:
+            conn.settimeout(10.0)
+            msg, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+            (n,) = _LEN.unpack(msg[: _LEN.size])
+            body = msg[_LEN.size :]
+            if len(body) < n:
+                body += _recv_exact(conn, n - len(body))
+            request = json.loads(body[:n])
+            conn.settimeout(None)
+        except (OSError, ValueError, EOFError):
+            conn.close()
+            return
+        pid = os.fork()
+        if pid == 0:  # the worker
+            code = 1
+            try:
+                self.listener.close()
+                for c in self.conns:
+                    c.close()
+                conn.close()
+                os.close(self._wake_r)
+                os.close(self._wake_w)
+                code = _become_worker(request, fds)
+            except SystemExit as exc:
+                code = exc.code if isinstance(exc.code, int) else 1
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                with contextlib.suppress(Exception):
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+                os._exit(code)
+        for fd in fds:
+            os.close(fd)
+        self.children[pid] = conn
+        self.conns[conn] = pid
+        with contextlib.suppress(OSError):
+            _send(conn, {"pid": pid})
+
+    def _on_standin_readable(self, conn: socket.socket) -> None:
+        # A stand-in never sends after its request: readable means it closed (it died): kill its worker.
+        pid = self.conns.get(conn)
+        with contextlib.suppress(OSError):
+            if conn.recv(1):
+                return
+        if pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        self._forget(conn)
+
+    def _forget(self, conn: socket.socket) -> None:
+        pid = self.conns.pop(conn, None)
+        if pid is not None:
+            self.children.pop(pid, None)
+        conn.close()
+
+    def _reap(self) -> None:
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            conn = self.children.get(pid)
+            if conn is not None:
+                with contextlib.suppress(OSError):
+                    _send(conn, {"exit": os.waitstatus_to_exitcode(status)})
+                self._forget(conn)
+
+    def close(self) -> None:
+        for pid in list(self.children):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        for conn in list(self.conns):
+            self._forget(conn)
+        self.listener.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+
+
+def _poke(fd: int) -> None:
+    with contextlib.suppress(BlockingIOError, OSError):
+        os.write(fd, b"x")
+
+
+def _become_worker(request: dict[str, Any], fds: list[int]) -> int:
+    """In the forked child: take over the stand-in's stdio, environment, cwd and argv; run the worker."""
+    for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_DFL)
+    for target, fd in zip((0, 1, 2), fds, strict=False):
+        os.dup2(fd, target)
+        os.close(fd)
+    sys.stdin = io.TextIOWrapper(os.fdopen(0, "rb", buffering=0), errors="replace")
+    sys.stdout = io.TextIOWrapper(os.fdopen(1, "wb", buffering=0), write_through=True, errors="replace")
+    sys.stderr = io.TextIOWrapper(os.fdopen(2, "wb", buffering=0), write_through=True, errors="replace")
+    os.environ.clear()
+    os.environ.update(request["env"])
+    os.chdir(request["cwd"])
+    argv = list(request["argv"])
+    sys.argv = [sys.argv[0], *argv]
+    from elastic_train.worker.main import main
+
+    return main(argv)
+
+
+def serve(path: str) -> None:
+    """Import what workers need, then listen on ``path`` and serve until SIGTERM."""
+    import importlib
+
+    for name in PRELOAD:
+        importlib.import_module(name)
+    ForkServer(path).serve()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m elastic_train.worker.forkserver")
+    p.add_argument("--socket", required=True, help="Unix socket path to listen on")
+    args = p.parse_args(argv)
+    serve(args.socket)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

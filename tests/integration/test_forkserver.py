@@ -1,0 +1,97 @@
+"""The worker fork server: stdio, exit codes and signals pass through the stand-in; nothing outlives it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from elastic_train.worker.forkserver import ENV_PID, ENV_SOCKET
+
+
+@pytest.fixture
+def forkserver(tmp_path: Path, reaper) -> Iterator[dict[str, str]]:
+    sock = str(tmp_path / "fs.sock")
+    proc = reaper.popen([sys.executable, "-m", "elastic_train.worker.forkserver", "--socket", sock])
+    env = dict(os.environ, **{ENV_SOCKET: sock, ENV_PID: str(proc.pid)}, GLOO_SOCKET_IFNAME="lo")
+    yield env
+    proc.terminate()
+    proc.wait(timeout=20)
+    assert not os.path.exists(sock), "the server removes its socket on exit"
+
+
+def _worker_children(server_pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(server_pid).children()
+    except psutil.NoSuchProcess:
+        return []
+
+
+def test_standin_passes_stdio_and_exit_code(forkserver: dict[str, str], tmp_path: Path) -> None:
+    bad = tmp_path / "job.yaml"
+    bad.write_text("train: {stepz: 3}\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "elastic_train.worker", "--config", str(bad)],
+        env=forkserver,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "train.stepz: unknown key (did you mean steps?)" in proc.stderr
+    assert "fork server unavailable" not in proc.stderr
+
+
+def test_worker_trains_and_signals_are_forwarded(forkserver: dict[str, str], tmp_path: Path) -> None:
+    env = dict(forkserver, ELASTIC_TRAIN_EVENTS=str(tmp_path / "events.jsonl"))
+    args = [
+        sys.executable, "-m", "elastic_train.worker", "--set", "train.task=regression",
+        "--set", "train.steps=100000", "--checkpoint", str(tmp_path / "ckpt"), "--checkpoint-every", "0",
+    ]  # fmt: skip
+    standin = subprocess.Popen(
+        args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
+    )
+    try:
+        deadline = time.monotonic() + 120
+        events = tmp_path / "events.jsonl"
+        while time.monotonic() < deadline and '"step"' not in (events.read_text() if events.exists() else ""):
+            assert standin.poll() is None, standin.stderr.read() if standin.stderr else ""
+            time.sleep(0.1)
+        server_pid = int(forkserver[ENV_PID])
+        workers = _worker_children(server_pid)
+        assert len(workers) == 1, "the worker is a child of the fork server, not a fresh interpreter"
+        worker = workers[0]
+        standin.send_signal(signal.SIGTERM)
+        code = standin.wait(timeout=60)
+        assert code != 0, "the stand-in reports how the worker ended"
+        assert not worker.is_running() or worker.status() == psutil.STATUS_ZOMBIE
+    finally:
+        if standin.poll() is None:
+            standin.kill()
+            standin.wait()
+
+
+def test_sigkill_of_standin_kills_worker(forkserver: dict[str, str], tmp_path: Path) -> None:
+    env = dict(forkserver, ELASTIC_TRAIN_EVENTS=str(tmp_path / "events.jsonl"))
+    args = [
+        sys.executable, "-m", "elastic_train.worker", "--set", "train.task=regression",
+        "--set", "train.steps=100000", "--checkpoint", str(tmp_path / "ckpt"), "--checkpoint-every", "0",
+    ]  # fmt: skip
+    standin = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server_pid = int(forkserver[ENV_PID])
+    deadline = time.monotonic() + 120
+    while not _worker_children(server_pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    workers = _worker_children(server_pid)
+    assert workers, "a worker was forked"
+    standin.kill()
+    standin.wait()
+    _, alive = psutil.wait_procs(workers, timeout=20)
+    assert not alive, "a worker must not outlive its stand-in"
