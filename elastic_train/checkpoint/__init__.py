@@ -5,6 +5,8 @@ See docs/checkpoints.md for the layout, the manifest format and the recovery dec
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from elastic_train.checkpoint.config import CheckpointConfig
 from elastic_train.checkpoint.errors import (
     CheckpointCorrupt,
@@ -14,7 +16,21 @@ from elastic_train.checkpoint.errors import (
     StorageError,
     WriteFailed,
 )
-from elastic_train.checkpoint.manager import CheckpointManager, Committed, Restored
+
+if TYPE_CHECKING:
+    from elastic_train.checkpoint.manager import CheckpointManager, Committed, Restored
+
+_LAZY = ("CheckpointManager", "Committed", "Restored")
+
+
+def __getattr__(name: str) -> Any:
+    # The manager needs torch; importing the package (config, errors) must not, so the CLI and the
+    # config loader stay fast.
+    if name in _LAZY:
+        from elastic_train.checkpoint import manager
+
+        return getattr(manager, name)
+    raise AttributeError(name)
 
 __all__ = [
     "CheckpointConfig",
