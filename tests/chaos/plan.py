@@ -1,0 +1,87 @@
+"""Seeded random fault plans for the chaos suite (pure: a seed always gives the same plan).
+
+The plan keeps the job able to continue: node faults only while more than ``min_nodes`` are alive, a hung node
+is resumed later in the plan, joins only below ``max_nodes``. Faults are spaced so each recovery is measured
+before the next fault lands.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from elastic_train.launch.faults import Fault
+
+#: Every kind the chaos suite injects; the last three are chaos-only actions (see test_chaos.py).
+CHAOS_KINDS = (
+    "kill-worker",
+    "kill-node",
+    "hang-node",
+    "add-node",
+    "restart-etcd",
+    "kill-during-checkpoint",
+    "corrupt-checkpoint",
+    "storage-outage",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class PlanSpec:
+    steps: int
+    initial_nodes: int
+    min_nodes: int
+    max_nodes: int
+    faults: int
+    checkpoint_every: int
+    first_step: int = 6
+    spacing: int = 8
+
+
+def make_plan(seed: int, spec: PlanSpec) -> list[Fault]:
+    """A list of faults for one chaos run; node indices follow launch order (joiners get new indices)."""
+    rng = random.Random(seed)
+    alive = list(range(spec.initial_nodes))
+    next_index = spec.initial_nodes
+    hung: list[int] = []
+    plan: list[Fault] = []
+    step = spec.first_step + rng.randrange(3)
+    while len(plan) < spec.faults and step < spec.steps - spec.spacing:
+        if hung and rng.random() < 0.6:
+            node = hung.pop()
+            plan.append(Fault(kind="resume-node", node=node, step=step))
+            alive.append(node)
+            step += spec.spacing + rng.randrange(3)
+            continue
+        can_lose = len(alive) > spec.min_nodes
+        can_add = len(alive) + len(hung) < spec.max_nodes
+        kinds = ["kill-worker", "restart-etcd", "corrupt-checkpoint", "storage-outage"]
+        if can_lose:
+            kinds += ["kill-node", "hang-node", "kill-during-checkpoint"]
+        if can_add:
+            kinds += ["add-node", "add-node"]
+        kind = rng.choice(kinds)
+        if kind in ("kill-node", "hang-node", "kill-during-checkpoint"):
+            node = rng.choice(alive)
+            alive.remove(node)
+            if kind == "hang-node":
+                hung.append(node)
+            if kind == "kill-during-checkpoint":
+                # the step right after a durable checkpoint is due: its async write is in flight
+                step = max(step, ((step // spec.checkpoint_every) + 1) * spec.checkpoint_every)
+                if step >= spec.steps - spec.spacing:
+                    break
+            plan.append(Fault(kind=kind, node=node, step=step))
+        elif kind == "kill-worker":
+            plan.append(Fault(kind=kind, node=rng.choice(alive), step=step))
+        elif kind == "add-node":
+            plan.append(Fault(kind=kind, step=step))
+            alive.append(next_index)
+            next_index += 1
+        else:
+            plan.append(Fault(kind=kind, step=step))
+        step += spec.spacing + rng.randrange(3)
+    for node in hung:  # a hung node never left hanging: it comes back before the end
+        if step < spec.steps - 2:
+            plan.append(Fault(kind="resume-node", node=node, step=step))
+            step += spec.spacing
+    return plan
