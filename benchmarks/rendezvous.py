@@ -12,6 +12,22 @@ three samples per repeat. A baseline that does not get there within the cap is a
 error. Configurations run interleaved within a repeat so that machine noise spreads over all of them.
 
     .venv/bin/python benchmarks/rendezvous.py --quick --json out.json
+
+JSON (``--json FILE``, rewritten after every job; ``complete`` is false until the last one)::
+
+    {"benchmark": "rendezvous", "schema": 1, "quick", "repeats", "command", "machine": {cpu, cores, ram_gib,
+     loadavg, torch, python, etcd, platform}, "loadavg_end", "started", "seconds", "planned_jobs", "complete",
+     "settings": {nnodes, cap, hang_cap, step_interval, monitor_interval, max_restarts, jobs, baseline_jobs},
+     "ours": "etcd3", "configs": [{name, backend, rdzv_conf, env, ours, description}], "not_run": {name: why},
+     "scenarios": {SCENARIO: {"title", "results": {CONFIG: {"samples": [{status, seconds, cap, detail}],
+                   "summary": {n, ok, median, median_censored, min, max, max_censored, cap},
+                   "phases": [{workers_started, all_started, imported, pg_ready, first_step}]}}}},
+     "ratios": {SCENARIO: {BASELINE: {"ratio": baseline median / etcd3 median, "lower_bound"} | null}},
+     "timelines": {SCENARIO: {CONFIG: [[seconds since event, world size], ...]}},   # first repeat, rank 0
+     "runs": [{config, job, repeat, samples, victim, store_host, phases, launch_phases}]}
+
+SCENARIO is one of launch, kill, scale_up, hang; a sample's status is ok, timeout (not within the cap),
+failed (every agent exited) or not_run (its launch failed).
 """
 
 from __future__ import annotations
@@ -74,7 +90,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--cap", type=float, default=90.0, help="seconds before a scenario counts as failed/stalled"
     )
-    p.add_argument("--hang-cap", type=float, default=60.0, help="cap for the SIGSTOP scenario on baselines")
+    p.add_argument(
+        "--hang-cap", type=float, default=60.0, help="cap for the SIGSTOP scenario on every config but etcd3"
+    )
     p.add_argument("--step-interval", type=float, default=0.1, help="seconds between worker steps")
     p.add_argument("--json", dest="json_path", default=None, help="write the results as JSON to this file")
     p.add_argument("--keep", action="store_true", help="keep job directories (logs, progress) for debugging")
@@ -120,7 +138,7 @@ def handler_available(config: BackendConfig) -> str | None:
 def run_job(config: BackendConfig, job_kind: str, args: argparse.Namespace) -> dict[str, Any]:
     """One job: launch 3 agents, then the job's fault or scale event. Returns samples, timeline, phases."""
     scenario = JOBS[job_kind]
-    cap = args.hang_cap if scenario == "hang" and not config.ours else args.cap
+    cap = args.hang_cap if scenario == "hang" and config.name != OURS else args.cap
     out: dict[str, Any] = {"config": config.name, "job": job_kind, "samples": {}}
     with Job(config, step_interval=args.step_interval, keep=args.keep) as job:
         out["workdir"] = job.workdir if args.keep else None
