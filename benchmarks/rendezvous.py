@@ -300,4 +300,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from elastic_train.errors import ElasticTrainError
+
+    try:
+        sys.exit(main())
+    except ElasticTrainError as exc:  # e.g. no etcd binary: one clear line, not a traceback
+        print(f"rendezvous benchmark: {exc}", file=sys.stderr)
+        sys.exit(exc.exit_code)
