@@ -277,6 +277,7 @@ class Job:
         keep: bool = False,
         etcd_binary: str | None = None,
     ) -> None:
+        self.etcd = EmbeddedEtcd(binary=etcd_binary, enable_v2=True)  # first: it raises if there is no etcd
         self.config = config
         self.nnodes = nnodes
         self.step_interval = step_interval
@@ -286,7 +287,6 @@ class Job:
         self.progress_dir = os.path.join(self.workdir, "progress")
         os.makedirs(self.progress_dir, exist_ok=True)
         self.run_id = f"bench-{uuid.uuid4().hex[:10]}"
-        self.etcd = EmbeddedEtcd(binary=etcd_binary, enable_v2=True)
         self.store_port = free_port()
         self.nodes: dict[str, Node] = {}
         self.reader = ProgressReader(self.progress_dir)
