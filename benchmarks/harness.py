@@ -295,7 +295,11 @@ class Job:
     # -- life cycle -------------------------------------------------------------------------------------
 
     def __enter__(self) -> Job:
-        self.etcd.start()
+        try:
+            self.etcd.start()
+        except BaseException:
+            self.close()
+            raise
         return self
 
     def __exit__(self, *exc: object) -> None:
