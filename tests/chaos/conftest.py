@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -9,11 +10,12 @@ import pytest
 #: Seeds run by a plain ``make test`` (CI): seed 0; ``make chaos SEEDS=20`` runs seeds 0..19.
 DEFAULT_SEEDS = "1"
 
-RESULTS: list[dict[str, Any]] = []
+RESULTS_KEY = pytest.StashKey[list[dict[str, Any]]]()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--chaos-seeds", default=DEFAULT_SEEDS, help="N (seeds 0..N-1) or a comma list")
+    parser.addoption("--chaos-json", default=None, help="also write every run's faults and invariants here")
 
 
 def seeds_from(text: str) -> list[int]:
@@ -27,10 +29,21 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         metafunc.parametrize("chaos_seed", seeds_from(metafunc.config.getoption("--chaos-seeds")))
 
 
-def pytest_terminal_summary(terminalreporter: Any) -> None:
-    if not RESULTS:
+@pytest.fixture
+def chaos_results(request: pytest.FixtureRequest) -> list[dict[str, Any]]:
+    """Where each chaos run records its faults and invariant results for the closing table."""
+    return request.config.stash.setdefault(RESULTS_KEY, [])
+
+
+def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    results = config.stash.get(RESULTS_KEY, [])
+    if not results:
         return
     from tests.chaos.report import render
 
     terminalreporter.write_sep("=", "chaos summary")
-    terminalreporter.write_line(render(RESULTS))
+    terminalreporter.write_line(render(results))
+    path = config.getoption("--chaos-json")
+    if path:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(results, f, indent=1)

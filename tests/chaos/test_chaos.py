@@ -31,7 +31,6 @@ from elastic_train.launch.faults import Fault
 from elastic_train.launch.local import LocalJob, LocalOptions, Node
 from elastic_train.train.audit import check_exactly_once
 from tests.chaos.chaos_task import ENV_FLAG
-from tests.chaos.conftest import RESULTS
 from tests.chaos.plan import PlanSpec, make_plan
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.timeout(600)]
@@ -125,7 +124,9 @@ def corrupt_newest(ckpt_root: str, run_id: str, fault: Fault) -> None:
     fault.extra.update(step=entry.step, file=share["name"])
 
 
-def test_chaos_invariants(chaos_seed: int, tmp_path: Path, reference: dict[str, torch.Tensor]) -> None:
+def test_chaos_invariants(
+    chaos_seed: int, tmp_path: Path, reference: dict[str, torch.Tensor], chaos_results: list[dict[str, Any]]
+) -> None:
     run_id = f"chaos-{chaos_seed}"
     ckpt_url = f"flaky://{tmp_path / 'ckpt'}"
     plan = make_plan(chaos_seed, SPEC)
@@ -202,7 +203,7 @@ def test_chaos_invariants(chaos_seed: int, tmp_path: Path, reference: dict[str, 
     inv["no_orphans"] = not [p.pid for p in job.known_procs.values() if _running(p)]
     inv["no_shm_leak"] = not snapshot_files(cfg.checkpoint.memory_dir, run_id)
 
-    RESULTS.append(
+    chaos_results.append(
         {
             "seed": chaos_seed,
             "faults": [f.to_json() for f in plan],
