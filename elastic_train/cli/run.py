@@ -47,8 +47,9 @@ def run(args: argparse.Namespace) -> int:
         return 0
     launch_run.prepare_environment(cfg, local_addr, os.environ)
     launch_run.preflight(cfg.rendezvous)
-    forkserver = launch_run.start_forkserver(os.environ) if args.worker_start == "forkserver" else None
+    forkserver = launch_run.ForkServerSupervisor(os.environ) if args.worker_start == "forkserver" else None
     try:
         return launch_run.launch(argv)
     finally:
-        launch_run.stop_forkserver(forkserver)
+        if forkserver is not None:
+            forkserver.stop()

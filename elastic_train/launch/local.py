@@ -344,8 +344,9 @@ class LocalJob:
 
 
 def _is_worker(p: psutil.Process) -> bool:
+    """A process torchrun started as a worker (``python -m elastic_train.worker``; not the fork server)."""
     try:
-        return "elastic_train.worker" in " ".join(p.cmdline())
+        return "elastic_train.worker" in p.cmdline()
     except (psutil.NoSuchProcess, psutil.AccessDenied):
         return False
 

@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Mapping, MutableMapping
 from typing import Any
 
@@ -112,34 +113,59 @@ def preflight(cfg: RendezvousConfig) -> None:
     client.close()
 
 
-def start_forkserver(environ: MutableMapping[str, str]) -> subprocess.Popen[bytes]:
-    """Start this node's worker fork server and point workers at it (through ``environ``).
+class ForkServerSupervisor:
+    """Runs this node's worker fork server for the agent's lifetime, restarting it if it dies.
 
     It imports torch while the agent meets the others in the rendezvous; a worker started before it listens
-    waits for it (see :mod:`elastic_train.worker.forkserver`).
+    waits for it (see :mod:`elastic_train.worker.forkserver`). Workers learn its socket and PID from the
+    environment they inherit from the agent, so a restarted server is used by the next worker group.
     """
-    from elastic_train.worker.forkserver import ENV_PID, ENV_SOCKET
 
-    path = os.path.join(tempfile.gettempdir(), f"elastic_train-fs-{os.getpid()}.sock")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "elastic_train.worker.forkserver", "--socket", path],
-        stdin=subprocess.DEVNULL,
-        preexec_fn=die_with_parent,
-    )
-    environ[ENV_SOCKET] = path
-    environ[ENV_PID] = str(proc.pid)
-    log.debug("forkserver_started", pid=proc.pid, socket=path)
-    return proc
+    def __init__(self, environ: MutableMapping[str, str]) -> None:
+        from elastic_train.worker.forkserver import ENV_PID, ENV_SOCKET
 
+        self.environ = environ
+        self.path = os.path.join(tempfile.gettempdir(), f"elastic_train-fs-{os.getpid()}.sock")
+        self._env_pid = ENV_PID
+        environ[ENV_SOCKET] = self.path
+        self._stopping = threading.Event()
+        self.proc = self._start()
+        self.restarts = 0
+        self._thread = threading.Thread(target=self._watch, name="forkserver-supervisor", daemon=True)
+        self._thread.start()
 
-def stop_forkserver(proc: subprocess.Popen[bytes] | None) -> None:
-    if proc is not None and proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    def _start(self) -> subprocess.Popen[bytes]:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "elastic_train.worker.forkserver", "--socket", self.path],
+            stdin=subprocess.DEVNULL,
+            preexec_fn=die_with_parent,
+        )
+        self.environ[self._env_pid] = str(proc.pid)
+        log.debug("forkserver_started", pid=proc.pid, socket=self.path)
+        return proc
+
+    def _watch(self) -> None:
+        while not self._stopping.is_set():
+            code = self.proc.wait()
+            if self._stopping.is_set():
+                return
+            self.restarts += 1
+            log.warning("forkserver_exited", code=code, restarts=self.restarts)
+            try:
+                self.proc = self._start()
+            except OSError as exc:  # keep the agent going: stand-ins then start workers themselves
+                log.error("forkserver_restart_failed", error=str(exc))
+                return
+
+    def stop(self) -> None:
+        self._stopping.set()
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
 
 
 def launch(argv: list[str]) -> int:

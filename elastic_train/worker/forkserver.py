@@ -142,10 +142,20 @@ def _connect(sock: socket.socket, path: str, server_pid: str | None) -> None:
             sock.connect(path)
             return
         except (FileNotFoundError, ConnectionRefusedError):
-            alive = server_pid is not None and os.path.exists(f"/proc/{server_pid}")
-            if not alive or time.monotonic() > deadline:
+            if not _alive(server_pid) or time.monotonic() > deadline:
                 raise
             time.sleep(0.02)
+
+
+def _alive(pid: str | None) -> bool:
+    """Whether ``pid`` is a running process (a zombie that nobody reaped yet is not)."""
+    if not pid:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
 
 
 def exit_like(code: int) -> None:

@@ -95,3 +95,31 @@ def test_sigkill_of_standin_kills_worker(forkserver: dict[str, str], tmp_path: P
     standin.wait()
     _, alive = psutil.wait_procs(workers, timeout=20)
     assert not alive, "a worker must not outlive its stand-in"
+
+
+def test_supervisor_restarts_a_dead_server(tmp_path: Path) -> None:
+    from elastic_train.launch.run import ForkServerSupervisor
+
+    environ: dict[str, str] = {}
+    sup = ForkServerSupervisor(environ)
+    try:
+        first = int(environ[ENV_PID])
+        os.kill(first, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while environ[ENV_PID] == str(first) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert environ[ENV_PID] != str(first), "a new server replaces the dead one"
+        bad = tmp_path / "job.yaml"
+        bad.write_text("train: {steps: 0}\n")
+        proc = subprocess.run(
+            [sys.executable, "-m", "elastic_train.worker", "--config", str(bad)],
+            env=dict(os.environ, **environ),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert proc.returncode == 2 and "train.steps: 0 must be >= 1" in proc.stderr
+        assert "fork server unavailable" not in proc.stderr
+    finally:
+        sup.stop()
+    assert sup.proc.poll() is not None
