@@ -32,6 +32,7 @@ def __getattr__(name: str) -> Any:
         return getattr(manager, name)
     raise AttributeError(name)
 
+
 __all__ = [
     "CheckpointConfig",
     "CheckpointCorrupt",

@@ -32,6 +32,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "exec: a fresh interpreter per worker (default: forkserver)",
     )
     p.add_argument("--dry-run", action="store_true", help="print the torchrun command and exit")
+    p.add_argument(
+        "--entry",
+        nargs=argparse.REMAINDER,
+        metavar="SCRIPT|-m MODULE ...",
+        help="run your own torchrun training script (and its arguments: everything after --entry) instead of "
+        "elastic_train.worker, with the etcd3 rendezvous and fork-server worker starts",
+    )
     p.set_defaults(func=run)
 
 
@@ -41,7 +48,9 @@ def run(args: argparse.Namespace) -> int:
     overrides = collect_overrides(args)
     cfg = load_job_config(args.config, overrides)
     local_addr = args.local_addr or launch_run.default_local_addr(cfg.rendezvous)
-    argv = launch_run.torchrun_argv(cfg, config_path=args.config, overrides=overrides, local_addr=local_addr)
+    argv = launch_run.torchrun_argv(
+        cfg, config_path=args.config, overrides=overrides, local_addr=local_addr, entry=args.entry
+    )
     if args.dry_run:
         print(shlex.join([sys.executable, "-m", "torch.distributed.run", *argv]))
         return 0

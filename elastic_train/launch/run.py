@@ -73,6 +73,7 @@ def torchrun_argv(
     config_path: str | None,
     overrides: Mapping[str, Any],
     local_addr: str | None,
+    entry: list[str] | None = None,
 ) -> list[str]:
     """The torchrun arguments (without the program name) that run this job's node.
 
@@ -81,6 +82,8 @@ def torchrun_argv(
         config_path: the job.yaml the workers read, or ``None`` for defaults.
         overrides: the dotted-key overrides the workers must apply too.
         local_addr: address this node advertises to the others (``None``: torchrun's default).
+        entry: a user's own worker instead of ``elastic_train.worker``: ``[SCRIPT, ARGS...]`` or
+            ``["-m", MODULE, ARGS...]``; it gets no job config, only torchrun's environment.
     """
     from elastic_train.rendezvous.params import torchrun_args
 
@@ -88,6 +91,8 @@ def torchrun_argv(
     argv += [f"--max-restarts={AGENT_MAX_RESTARTS}", f"--monitor-interval={MONITOR_INTERVAL}"]
     if local_addr:
         argv.append(f"--local-addr={local_addr}")
+    if entry:
+        return [*argv, "-m", "elastic_train.standin", *entry]
     argv += ["-m", "elastic_train.worker"]
     if config_path:
         argv += ["--config", os.path.abspath(config_path)]

@@ -89,8 +89,13 @@ def _recv(sock: socket.socket) -> dict[str, Any]:
 # -- stand-in (the process torchrun sees) ----------------------------------------------------------------
 
 
-def run_standin(path: str, argv: Sequence[str]) -> int:
+def run_standin(path: str, argv: Sequence[str], entry: Sequence[str] = ()) -> int:
     """Have the fork server start the worker, mirror its life, return its exit code.
+
+    Args:
+        path: the server's socket.
+        argv: the worker's arguments.
+        entry: what the worker runs: empty for ``elastic_train.worker``, ``["-m", MODULE]`` or ``[SCRIPT]``.
 
     Falls back to running the worker in this process when the server cannot be reached.
     """
@@ -101,14 +106,13 @@ def run_standin(path: str, argv: Sequence[str]) -> int:
         env.pop(ENV_SOCKET, None)
         env.pop(ENV_PID, None)
         env.setdefault(ENV_SHM_OWNER, str(os.getppid()))
-        _send(sock, {"argv": list(argv), "env": env, "cwd": os.getcwd()}, [0, 1, 2])
+        request = {"argv": list(argv), "entry": list(entry), "env": env, "cwd": os.getcwd()}
+        _send(sock, request, [0, 1, 2])
         pid = int(_recv(sock)["pid"])
     except (OSError, EOFError, ValueError, KeyError) as exc:
         sock.close()
-        sys.stderr.write(f"elastic_train.worker: fork server unavailable ({exc}); starting directly\n")
-        from elastic_train.worker.main import main
-
-        return main(list(argv))
+        sys.stderr.write(f"elastic_train: fork server unavailable ({exc}); starting the worker directly\n")
+        return run_entry(list(entry), list(argv))
 
     def forward(signum: int, _frame: object) -> None:
         with contextlib.suppress(ProcessLookupError):
@@ -311,11 +315,32 @@ def _become_worker(request: dict[str, Any], fds: list[int]) -> int:
     os.environ.clear()
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
-    argv = list(request["argv"])
-    sys.argv = [sys.argv[0], *argv]
-    from elastic_train.worker.main import main
+    return run_entry(list(request.get("entry") or []), list(request["argv"]))
 
-    return main(argv)
+
+def run_entry(entry: list[str], argv: list[str]) -> int:
+    """Run the worker ``entry`` (see :func:`run_standin`) with ``argv`` in this process; its exit code."""
+    import runpy
+
+    if not entry:
+        sys.argv = [sys.argv[0], *argv]
+        from elastic_train.worker.main import main
+
+        return main(argv)
+    try:
+        if entry[0] == "-m":
+            sys.argv = [entry[1], *argv]
+            runpy.run_module(entry[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = [entry[0], *argv]
+            sys.path.insert(0, os.path.dirname(os.path.abspath(entry[0])))
+            runpy.run_path(entry[0], run_name="__main__")
+    except SystemExit as exc:
+        if exc.code is None or isinstance(exc.code, int):
+            return exc.code or 0
+        sys.stderr.write(f"{exc.code}\n")
+        return 1
+    return 0
 
 
 def serve(path: str) -> None:
