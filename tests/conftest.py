@@ -9,6 +9,7 @@ import subprocess
 from collections.abc import Iterator
 
 import pytest
+import structlog
 
 from elastic_train.etcd.server import EmbeddedEtcd, etcd_version, find_etcd_binary
 from elastic_train.launch.procs import kill_tree
@@ -75,3 +76,15 @@ def reaper() -> Iterator[Reaper]:
         yield r
     finally:
         r.reap()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_logging() -> Iterator[None]:
+    """Undo any logging set-up a test (or a CLI main() it ran) made: its stream is closed after the test."""
+    yield
+    import logging
+
+    structlog.reset_defaults()
+    structlog.contextvars.clear_contextvars()
+    for handler in list(logging.root.handlers):
+        logging.root.removeHandler(handler)
