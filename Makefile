@@ -31,7 +31,7 @@ lint: setup
 	$(VENV)/bin/mypy
 
 bench: setup
-	$(PY) benchmarks/report.py --out docs/benchmarks.md
+	$(PY) benchmarks/report.py --out docs/benchmarks.md --rendezvous-args "--repeats 2 --cap 60" $(BENCH_ARGS)
 
 chaos: setup
 	$(PY) -m pytest tests/chaos -m chaos --chaos-seeds=$(SEEDS) -p no:randomly -s

@@ -61,6 +61,9 @@ class BackendConfig:
     """True for elastic_train's handlers, False for torch's baselines."""
     description: str = ""
     """One line for the report."""
+    launcher: str = "torchrun"
+    """``torchrun`` (plain torchrun command) or ``elastic-train`` (``elastic-train run --entry``: the etcd3
+    rendezvous plus the per-node worker fork server, i.e. the product as users run it)."""
 
     @property
     def endpoint_kind(self) -> str:
@@ -75,6 +78,7 @@ class BackendConfig:
             "env": dict(self.env),
             "ours": self.ours,
             "description": self.description,
+            "launcher": self.launcher,
         }
 
 
@@ -82,7 +86,17 @@ CONFIGS: dict[str, BackendConfig] = {
     c.name: c
     for c in (
         BackendConfig(
-            name="etcd3", backend="etcd3", ours=True, description="ours: etcd v3 handler, defaults"
+            name="etcd3",
+            backend="etcd3",
+            ours=True,
+            launcher="elastic-train",
+            description="ours as shipped: elastic-train run (etcd v3 handler + worker fork server), defaults",
+        ),
+        BackendConfig(
+            name="etcd3-torchrun",
+            backend="etcd3",
+            ours=True,
+            description="ours: etcd v3 handler under plain torchrun (fresh interpreter per worker), defaults",
         ),
         BackendConfig(
             name="etcd3-dynamic",
@@ -330,7 +344,13 @@ class Job:
         return self.etcd.endpoint
 
     def command(self) -> list[str]:
-        """The torchrun command line every agent of this job runs."""
+        """The command line every agent of this job runs."""
+        if self.config.launcher == "elastic-train":
+            return [
+                sys.executable, "-m", "elastic_train", "--log-format", "json", "run",
+                f"--nodes={self.nnodes}", f"--endpoint={self.endpoint}", f"--run-id={self.run_id}",
+                "--local-addr=127.0.0.1", "--entry", WORKER,
+            ]  # fmt: skip
         cmd = [
             sys.executable, "-m", "torch.distributed.run",
             f"--nnodes={self.nnodes}",

@@ -68,7 +68,12 @@ SCENARIOS = {
 }
 #: The configuration every ratio is taken against.
 OURS = "etcd3"
-DEFAULT_CONFIGS = ["etcd3", "etcd3-dynamic", "c10d", "c10d-tuned", "etcd-v2", "etcd-v2-tuned"]
+DEFAULT_CONFIGS = [
+    "etcd3", "etcd3-torchrun", "etcd3-dynamic", "c10d", "c10d-tuned", "etcd-v2", "etcd-v2-tuned",
+]  # fmt: skip
+#: Configurations with torchrun's default timings (30 s last call, etc.): each job takes a minute or more and
+#: often ends at the cap, so ``--slow-repeats`` (default 1) bounds how often they run.
+SLOW_CONFIGS = ("etcd3-dynamic", "c10d", "etcd-v2", "etcd")
 QUICK_CONFIGS = ["etcd3", "c10d-tuned"]
 #: Jobs per repeat: name -> the scenario it runs after ``launch``.
 JOBS = {"scale": "scale_up", "kill": "kill", "hang": "hang"}
@@ -93,6 +98,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--hang-cap", type=float, default=60.0, help="cap for the SIGSTOP scenario on every config but etcd3"
     )
+    p.add_argument(
+        "--slow-repeats",
+        type=int,
+        default=None,
+        help=f"repeats for the default-timing configurations {', '.join(SLOW_CONFIGS)} (default: 1, "
+        "or --repeats if smaller)",
+    )
     p.add_argument("--step-interval", type=float, default=0.1, help="seconds between worker steps")
     p.add_argument("--json", dest="json_path", default=None, help="write the results as JSON to this file")
     p.add_argument("--keep", action="store_true", help="keep job directories (logs, progress) for debugging")
@@ -101,6 +113,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.repeats = 1 if args.quick else 3
     if args.repeats < 1:
         p.error("--repeats must be at least 1")
+    args.slow_repeats = min(args.repeats, 1 if args.slow_repeats is None else args.slow_repeats)
     names = args.configs.split(",") if args.configs else (QUICK_CONFIGS if args.quick else DEFAULT_CONFIGS)
     unknown = [n for n in names if n not in CONFIGS]
     if unknown:
@@ -247,7 +260,8 @@ def main(argv: list[str] | None = None) -> int:
         for repeat in range(args.repeats)
         for job_kind in args.jobs
         for config in active
-        if config.ours or job_kind in args.baseline_jobs
+        if (config.ours or job_kind in args.baseline_jobs)
+        and (repeat < args.slow_repeats or config.name not in SLOW_CONFIGS)
     ]
     meta: dict[str, Any] = {
         "benchmark": "rendezvous",
@@ -268,6 +282,8 @@ def main(argv: list[str] | None = None) -> int:
             "max_restarts": MAX_RESTARTS,
             "jobs": args.jobs,
             "baseline_jobs": args.baseline_jobs,
+            "slow_repeats": args.slow_repeats,
+            "slow_configs": list(SLOW_CONFIGS),
         },
         "ours": OURS,
         "configs": [c.to_json() for c in configs],

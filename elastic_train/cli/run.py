@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
         print(shlex.join([sys.executable, "-m", "torch.distributed.run", *argv]))
         return 0
     launch_run.prepare_environment(cfg, local_addr, os.environ)
-    launch_run.preflight(cfg.rendezvous)
+    launch_run.preflight(cfg)
     forkserver = launch_run.ForkServerSupervisor(os.environ) if args.worker_start == "forkserver" else None
     try:
         return launch_run.launch(argv)

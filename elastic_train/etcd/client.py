@@ -19,6 +19,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+# gRPC's C core logs a failed TLS handshake (and other transport trouble) to stderr itself; the failure
+# reaches the user once, as an EtcdError line. Set before grpc is imported; an explicit setting wins.
+os.environ.setdefault("GRPC_VERBOSITY", "NONE")
+
 import etcd3
 import grpc
 from etcd3 import etcdrpc

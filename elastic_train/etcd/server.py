@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import socket
+import ssl
 import subprocess
 import tempfile
 import time
@@ -87,6 +88,8 @@ class EmbeddedEtcd:
         data_dir: data directory (default: a temporary directory removed on :meth:`stop`).
         binary: etcd binary (default: :func:`find_etcd_binary`).
         enable_v2: also serve the v2 API (etcd 3.4/3.5 only; for torch's own ``etcd``/``etcd-v2`` backends).
+        tls: ``(cert_file, key_file, ca_file)``: serve clients over TLS with this certificate (for tests of
+            TLS set-ups; production etcd is configured by its operators).
         extra_args: more etcd flags.
     """
 
@@ -98,6 +101,7 @@ class EmbeddedEtcd:
         data_dir: str | None = None,
         binary: str | None = None,
         enable_v2: bool = False,
+        tls: tuple[str, str, str] | None = None,
         extra_args: list[str] | None = None,
     ) -> None:
         self.host = host
@@ -108,6 +112,7 @@ class EmbeddedEtcd:
         self.data_dir = data_dir or tempfile.mkdtemp(prefix="elastic-train-etcd-")
         os.makedirs(self.data_dir, exist_ok=True)
         self.enable_v2 = enable_v2
+        self.tls = tls
         self.extra_args = list(extra_args or [])
         self.proc: subprocess.Popen[bytes] | None = None
         self._log_path = os.path.join(self.data_dir, "etcd.log")
@@ -119,7 +124,7 @@ class EmbeddedEtcd:
 
     @property
     def url(self) -> str:
-        return f"http://{self.endpoint}"
+        return f"{'https' if self.tls else 'http'}://{self.endpoint}"
 
     @property
     def pid(self) -> int | None:
@@ -144,6 +149,9 @@ class EmbeddedEtcd:
         ]  # fmt: skip
         if self.enable_v2:
             cmd.append("--enable-v2=true")
+        if self.tls:
+            cert, key, _ca = self.tls
+            cmd += ["--cert-file", cert, "--key-file", key]
         return cmd + self.extra_args
 
     def start(self, timeout: float = 30.0) -> EmbeddedEtcd:
@@ -179,8 +187,9 @@ class EmbeddedEtcd:
 
     def healthy(self) -> bool:
         """True when the server answers ``/health`` with a healthy status."""
+        context = ssl.create_default_context(cafile=self.tls[2]) if self.tls else None
         try:
-            with urllib.request.urlopen(f"{self.url}/health", timeout=1.0) as resp:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=1.0, context=context) as resp:
                 return b'"true"' in resp.read()
         except (urllib.error.URLError, OSError, ValueError):
             return False

@@ -106,15 +106,20 @@ def prepare_environment(cfg: JobConfig, local_addr: str | None, environ: Mutable
         environ.setdefault("GLOO_SOCKET_IFNAME", LOOPBACK_IFNAME)
 
 
-def preflight(cfg: RendezvousConfig) -> None:
-    """Reach etcd once with the job's credentials, so a bad endpoint, password or CA fails in one line now.
+def preflight(cfg: JobConfig) -> None:
+    """Check what can be checked before any process starts, so a mistake is one line now, not a crash loop.
+
+    The checkpoint URL must name an installed filesystem, and etcd must answer with the job's credentials.
 
     Raises:
+        StorageError: unknown protocol or missing optional filesystem package.
         EtcdError: unreachable, authentication or TLS failure.
     """
+    from elastic_train.checkpoint.storage import open_storage
     from elastic_train.etcd.client import connect_config
 
-    client = connect_config(cfg)
+    open_storage(cfg.checkpoint.url, cfg.checkpoint.storage_options)
+    client = connect_config(cfg.rendezvous)
     client.close()
 
 

@@ -156,9 +156,10 @@ def test_worker_crashes_at_fixed_world_size_are_bit_identical(
     for key, value in reference.items():
         assert torch.equal(weights[key], value), f"{key} differs after restarts"
     report = assert_exactly_once(work)
-    assert report.redone_steps == {7: 2, 15: 2}
+    # The surviving rank may or may not finish the crashing step's optimizer step (and snapshot it) before its
+    # next collective fails: either way exactly one step is redone per crash, from the memory tier.
     resumed = [e for e in read_events(str(work / "events.jsonl")) if e["event"] == "resumed"]
-    assert [(e["source"], e["from_step"], e["round"]) for e in resumed] == [
-        ("memory", 6, 1),
-        ("memory", 14, 2),
-    ]
+    assert [(e["source"], e["round"]) for e in resumed] == [("memory", 1), ("memory", 2)]
+    first, second = (e["from_step"] for e in resumed)
+    assert first in (6, 7) and second in (14, 15)
+    assert report.redone_steps == {first + 1: 2, second + 1: 2}
