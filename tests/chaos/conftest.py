@@ -16,6 +16,7 @@ RESULTS_KEY = pytest.StashKey[list[dict[str, Any]]]()
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--chaos-seeds", default=DEFAULT_SEEDS, help="N (seeds 0..N-1) or a comma list")
     parser.addoption("--chaos-json", default=None, help="also write every run's faults and invariants here")
+    parser.addoption("--chaos-md", default=None, help="also write the table as a markdown report here")
 
 
 def seeds_from(text: str) -> list[int]:
@@ -47,3 +48,9 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
     if path:
         with open(path, "w", encoding="utf-8") as f:
             json.dump(results, f, indent=1)
+    md = config.getoption("--chaos-md")
+    if md:
+        from tests.chaos.report import markdown
+
+        with open(md, "w", encoding="utf-8") as f:
+            f.write(markdown(results, command=" ".join(["pytest", *config.invocation_params.args])))
