@@ -133,6 +133,8 @@ def main() -> int:
         for n in sizes:
             r = scale_round(etcd.endpoint, n, clients_per=8, settle=args.settle)
             results["scale"].append(r)
+            if args.json:  # written as it goes: a size that never finishes leaves the smaller ones
+                Path(args.json).write_text(json.dumps(results, indent=2))
             w1, w2 = r["first_round_ops"]["writes"], r["failure_round_ops"]["writes"]
             print(f"{n:>5} {r['first_round_s']:>9.2f} {w1:>7} {r['first_round_ops']['reads']:>6} "
                   f"{r['failure_round_s']:>12.2f} {r['detect_s']:>9.3f} {w2:>7} {w2 / n:>9.2f}",
