@@ -116,9 +116,18 @@ def preflight(cfg: JobConfig) -> None:
         EtcdError: unreachable, authentication or TLS failure.
     """
     from elastic_train.checkpoint.storage import open_storage
+    from elastic_train.errors import ElasticTrainError
     from elastic_train.etcd.client import connect_config
 
-    open_storage(cfg.checkpoint.url, cfg.checkpoint.storage_options)
+    try:
+        open_storage(cfg.checkpoint.url, cfg.checkpoint.storage_options)
+    except ElasticTrainError:
+        # A task module may register its own fsspec filesystem when imported (workers import it); give it
+        # that chance before calling the URL bad.
+        module = cfg.train.task.partition(":")[0] if ":" in cfg.train.task else None
+        if module is None or not _import_quietly(module):
+            raise
+        open_storage(cfg.checkpoint.url, cfg.checkpoint.storage_options)
     client = connect_config(cfg.rendezvous)
     client.close()
 
@@ -176,6 +185,16 @@ class ForkServerSupervisor:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+
+def _import_quietly(module: str) -> bool:
+    import importlib
+
+    try:
+        importlib.import_module(module)
+    except Exception:  # the workers report a broken task module themselves, with its own error
+        return False
+    return True
 
 
 def launch(argv: list[str]) -> int:
