@@ -66,12 +66,22 @@ class Committed:
     seconds: float
 
 
+#: Attempts for the final checkpoint (whatever ``on_error`` says): it is the job's result.
+FINAL_ATTEMPTS = 8
+
+
+def retry_delay(attempt: int) -> float:
+    """Seconds to wait after failed attempt ``attempt`` (1-based): 0.5, 1, 2, 4, 8, then 10."""
+    return float(min(10.0, 0.5 * 2 ** (attempt - 1)))
+
+
 @dataclass(slots=True)
 class _Job:
     step: int
     flat: Flat
     slot: int | None
     started: float
+    final: bool = False
 
 
 class CheckpointManager:
@@ -128,6 +138,7 @@ class CheckpointManager:
         self._staging: torch.Tensor | None = None
         self._last_durable_time = time.monotonic()
         self._last_durable_step: int | None = None
+        self._durable_ok_step: int | None = None
         self.last_committed: Committed | None = None
         self._failure: CheckpointError | None = None
         self._cond = threading.Condition()
@@ -192,6 +203,8 @@ class CheckpointManager:
                 raise ModelMismatch(f"checkpoint at step {step} ({source}) is from a different model: {why}")
         state = unflatten(skeleton, [tensor_at(buf, s) for s in specs])
         self._last_durable_time = time.monotonic()
+        if source == "durable":
+            self._durable_ok_step = step
         log.info("restored", source=source, step=step, holder=holder, bytes=int(buf.numel()))
         return Restored(
             step=step, state=state, source=source, holder_rank=holder if source == "memory" else None
@@ -278,7 +291,7 @@ class CheckpointManager:
             due = bool(flag.item())
         return due and step != self._last_durable_step
 
-    def _submit(self, step: int, flat: Flat, slot: int | None) -> None:
+    def _submit(self, step: int, flat: Flat, slot: int | None, *, final: bool = False) -> None:
         self.wait()
         self._raise_pending()
         if self._staging is None or self._staging.numel() < flat.nbytes:
@@ -287,7 +300,7 @@ class CheckpointManager:
             copy_into(flat, self._staging)
         elif self.memory is not None:
             self.memory.pin(slot)
-        job = _Job(step, flat, slot, time.monotonic())
+        job = _Job(step, flat, slot, time.monotonic(), final)
         self._last_durable_time = time.monotonic()
         self._last_durable_step = step
         if not self.cfg.async_write:
@@ -328,20 +341,25 @@ class CheckpointManager:
                     self._staging[:n].copy_(self.memory.data(job.slot, n))
                 finally:
                     self.memory.unpin(job.slot)
-            attempts = self.cfg.retries if self.cfg.on_error == "retry" else 1
+            # The final checkpoint is the result of the job: it is always retried, and never lost silently.
+            retrying = self.cfg.on_error == "retry" or job.final
+            attempts = max(self.cfg.retries, FINAL_ATTEMPTS if job.final else 1) if retrying else 1
             error = None
             for attempt in range(1, attempts + 1):
                 error = self._write_once(job)
-                if error is None:
+                if error is None:  # the outcome is broadcast: every rank records the same step
+                    self._durable_ok_step = job.step
                     return
                 log.warning(
                     "checkpoint_write_failed", step=job.step, attempt=attempt, attempts=attempts, error=error
                 )
+                if attempt < attempts:  # storage outages are usually short: back off (same on every rank)
+                    time.sleep(retry_delay(attempt))
             failure = WriteFailed(f"durable checkpoint of step {job.step} failed: {error}")
         except Exception as exc:  # a bug or a broken process group: report it, never die silently
             log.error("checkpoint_writer_crashed", step=job.step, error=repr(exc))
             failure = WriteFailed(f"durable checkpoint of step {job.step} failed: {exc!r}")
-        if self.cfg.on_error == "log":
+        if self.cfg.on_error == "log" and not job.final:
             log.error("checkpoint_lost", step=job.step, error=str(failure))
         else:
             self._failure = failure
@@ -442,8 +460,8 @@ class CheckpointManager:
         self._check_open()
         try:
             self._raise_pending()
-            if step != self._last_durable_step:
-                self._submit(step, flatten(state), None)
+            if step != self._durable_ok_step:  # also when the regular checkpoint of this step failed
+                self._submit(step, flatten(state), None, final=True)
             self.wait()
             self._raise_pending()
         finally:

@@ -285,3 +285,29 @@ def test_manifest_is_json_with_checksums(tmp_path, memdir):
     assert m["kind"] == "elastic_train.checkpoint" and m["format"] == 1 and m["step"] == 2
     assert all(len(f["sha256"]) == 64 and f["size"] > 0 for f in m["files"])
     assert sum(f["size"] for f in m["files"]) == m["bytes"]
+
+
+def test_final_checkpoint_is_retried_and_never_silently_lost(tmp_path, memdir, monkeypatch):
+    from elastic_train.checkpoint import manager as manager_module
+
+    monkeypatch.setattr(manager_module, "retry_delay", lambda attempt: 0.0)
+    # on_error=log: the regular checkpoint of step 2 fails and is only logged ...
+    m = manager(cfg(str(tmp_path / "c"), memdir, every_steps=2, on_error="log", retries=1))
+    m.storage = FailingStorage(m.storage, 1)
+    m.save(1, make_state(1))
+    m.save(2, make_state(2))
+    m.wait()
+    s, root = run_root(str(tmp_path / "c"))
+    assert [e.step for e in durable.list_entries(s, root) if e.valid] == []
+    # ... but the final one of the same step is written anyway, through further failures.
+    m.storage = FailingStorage(m.storage.inner, 3)
+    committed = m.finalize(2, make_state(2))
+    assert committed is not None and committed.step == 2
+    assert [e.step for e in durable.list_entries(s, root) if e.valid] == [2]
+
+    # A final checkpoint that cannot be written at all fails the job, whatever on_error says.
+    m2 = manager(cfg(str(tmp_path / "d"), memdir, every_steps=0, on_error="log", retries=1), "other")
+    m2.storage = FailingStorage(m2.storage, 10**6)
+    m2.save(1, make_state(1))
+    with pytest.raises(WriteFailed, match="disk on fire"):
+        m2.finalize(1, make_state(1))
