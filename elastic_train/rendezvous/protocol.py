@@ -41,6 +41,8 @@ from elastic_train.rendezvous.view import LeaseKeeper, RunView
 log = get_logger(__name__)
 
 ROOT = "/elastic_train/"
+#: Seconds a finishing node keeps trying to write the run's ``closed`` mark while etcd is unreachable.
+CLOSE_PATIENCE = 30.0
 
 
 def run_prefix(run_id: str) -> str:
@@ -406,10 +408,25 @@ class Participant:
 
     # -- closing -----------------------------------------------------------------------------------------
 
-    def close(self, reason: str = "finished", message: str = "") -> None:
-        """Mark the run closed (first writer wins; later rounds are refused)."""
+    def close(self, reason: str = "finished", message: str = "", *, patience: float = CLOSE_PATIENCE) -> None:
+        """Mark the run closed (first writer wins; later rounds are refused).
+
+        Retried for up to ``patience`` seconds while etcd is unreachable (it may be restarting): without the
+        mark, a node that starts after the others finished would wait for peers until its join timeout.
+        """
         value = json.dumps({"reason": reason, "message": message, "by": self.node_id}).encode()
-        try:
-            self.etcd.txn([cmp_version(self.prefix + "closed", 0)], [op_put(self.prefix + "closed", value)])
-        except EtcdError as exc:
-            log.warning("rendezvous_close_failed", error=str(exc))
+        deadline = time.monotonic() + patience
+        delay = 0.2
+        while True:
+            try:
+                self.etcd.txn(
+                    [cmp_version(self.prefix + "closed", 0)], [op_put(self.prefix + "closed", value)]
+                )
+                return
+            except EtcdError as exc:
+                if time.monotonic() + delay > deadline:
+                    log.warning("rendezvous_close_failed", error=str(exc))
+                    return
+                log.info("rendezvous_close_retrying", error=str(exc), in_s=delay)
+                time.sleep(delay)
+                delay = min(delay * 2, 5.0)

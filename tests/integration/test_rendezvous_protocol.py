@@ -114,6 +114,29 @@ def test_closed_run_turns_late_nodes_away(etcd_server):
             p.leave()
 
 
+def test_close_outlasts_an_etcd_restart(etcd_server):
+    """A job that finishes while etcd restarts still closes the run, so late nodes are turned away."""
+    import threading
+
+    ps = make(etcd_server.endpoint, 2)
+    try:
+        join_all(ps)
+        etcd_server.kill()
+        closer = threading.Thread(target=ps[0].close, kwargs={"reason": "finished", "patience": 30.0})
+        closer.start()
+        time.sleep(1.0)
+        etcd_server.start()
+        closer.join(timeout=40)
+        assert not closer.is_alive()
+        late = make(etcd_server.endpoint, 1)[0]
+        ps.append(late)
+        with pytest.raises(RendezvousClosed):
+            late.join()
+    finally:
+        for p in ps:
+            p.leave()
+
+
 def test_unreachable_endpoint_fails_fast_with_one_line():
     t0 = time.monotonic()
     with pytest.raises(EtcdError, match="cannot reach etcd at 127.0.0.1:9") as info:
