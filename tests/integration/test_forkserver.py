@@ -123,3 +123,30 @@ def test_supervisor_restarts_a_dead_server(tmp_path: Path) -> None:
     finally:
         sup.stop()
     assert sup.proc.poll() is not None
+
+
+SCRIPT = """
+import os, sys
+import torch  # preloaded in the server: free
+print("argv", sys.argv[1:], __name__, flush=True)
+sys.exit(int(os.environ.get("EXIT_WITH", "0")))
+"""
+
+
+@pytest.mark.parametrize("with_server", [True, False])
+def test_standin_runs_any_script(forkserver: dict[str, str], tmp_path: Path, with_server: bool) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    env = dict(forkserver, EXIT_WITH="3")
+    if not with_server:
+        env.pop(ENV_SOCKET)
+    proc = subprocess.run(
+        [sys.executable, "-m", "elastic_train.standin", str(script), "--lr", "0.1"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 3, proc.stderr
+    assert "argv ['--lr', '0.1'] __main__" in proc.stdout
+    assert "fork server unavailable" not in proc.stderr
