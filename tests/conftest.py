@@ -79,6 +79,15 @@ def reaper() -> Iterator[Reaper]:
 
 
 @pytest.fixture(autouse=True)
+def _no_leaked_snapshots() -> Iterator[None]:
+    """Remove shared-memory snapshots left by processes a test killed (their owner agent is gone)."""
+    yield
+    from elastic_train.checkpoint.memory import sweep_stale
+
+    sweep_stale("/dev/shm")
+
+
+@pytest.fixture(autouse=True)
 def _fresh_logging() -> Iterator[None]:
     """Undo any logging set-up a test (or a CLI main() it ran) made: its stream is closed after the test."""
     yield
