@@ -82,7 +82,9 @@ def markdown(results: list[dict[str, Any]], *, command: str) -> str:
             "",
             "Recovery: from a membership fault (kill, hang, resume, join) to the first step completed in a "
             "later rendezvous round. etcd restarts, storage outages and corruption need no new round: "
-            "training goes on through them.",
+            "training goes on through them. A join (or a hang of a node that is still starting) that lands "
+            "in the last seconds of a 90-step run can end with the job before any new round forms: those are "
+            "the injected faults without a recovery.",
             "",
         ]
     )
