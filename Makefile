@@ -22,7 +22,7 @@ test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 demo: setup
-	$(VENV)/bin/elastic-train local --config examples/job.yaml --nodes 3 --kill-node 1@step=80 --add-node @step=150 \
+	$(VENV)/bin/elastic-train local --config examples/job.yaml --nodes 3 --kill-node 1@step=100 --add-node @step=200 \
 		--summary demo-summary.json
 
 lint: setup
