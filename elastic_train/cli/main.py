@@ -16,8 +16,8 @@ from elastic_train.log import LoggingConfig, configure_logging
 PROG = "elastic-train"
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse that exits with code 2 and one line on a usage error."""
+class OneLineParser(argparse.ArgumentParser):
+    """argparse that exits with code 2 and one line on a usage error (no usage dump)."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
         sys.stderr.write(f"{self.prog}: error: {message}\n")
@@ -25,14 +25,14 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
+    parser = OneLineParser(
         prog=PROG,
         description="Fault-tolerant elastic training for PyTorch on an etcd v3 rendezvous.",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {elastic_train.__version__}")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     parser.add_argument("--log-format", default="auto", choices=["auto", "json", "console"])
-    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineParser)
     for info in sorted(pkgutil.iter_modules(cli_pkg.__path__), key=lambda m: m.name):
         if info.name.startswith("_") or info.name == "main":
             continue

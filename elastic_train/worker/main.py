@@ -9,6 +9,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from elastic_train.cli.main import OneLineParser
 from elastic_train.config import load_job_config, parse_override
 from elastic_train.errors import ElasticTrainError
 from elastic_train.log import bind_context, configure_logging
@@ -16,14 +17,8 @@ from elastic_train.log import bind_context, configure_logging
 PROG = "elastic_train.worker"
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # type: ignore[override]
-        sys.stderr.write(f"{PROG}: error: {message}\n")
-        raise SystemExit(2)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog=f"python -m {PROG}", description="One elastic training worker (run by torchrun).")
+    p = OneLineParser(prog=f"python -m {PROG}", description="One elastic training worker (run by torchrun).")
     p.add_argument("--config", help="job.yaml (default: built-in defaults)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
     p.add_argument("--checkpoint", metavar="URL", help="checkpoint root (checkpoint.url)")
