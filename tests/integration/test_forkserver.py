@@ -27,6 +27,20 @@ def forkserver(tmp_path: Path, reaper) -> Iterator[dict[str, str]]:
     assert not os.path.exists(sock), "the server removes its socket on exit"
 
 
+@pytest.fixture
+def run_id(request: pytest.FixtureRequest) -> Iterator[str]:
+    """A run id of the test's own; its snapshots (kept on purpose when a worker is killed) are removed after.
+
+    Their owner is this pytest process (the stand-in's parent), so the stale-owner sweep cannot take them.
+    """
+    from elastic_train.checkpoint.memory import snapshot_files
+
+    rid = f"fs-{request.node.name.split('[')[0][-40:].replace('_', '-')}-{os.getpid()}"
+    yield rid
+    for path in snapshot_files("/dev/shm", rid):
+        os.unlink(path)
+
+
 def _worker_children(server_pid: int) -> list[psutil.Process]:
     try:
         return psutil.Process(server_pid).children()
@@ -49,11 +63,14 @@ def test_standin_passes_stdio_and_exit_code(forkserver: dict[str, str], tmp_path
     assert "fork server unavailable" not in proc.stderr
 
 
-def test_worker_trains_and_signals_are_forwarded(forkserver: dict[str, str], tmp_path: Path) -> None:
+def test_worker_trains_and_signals_are_forwarded(
+    forkserver: dict[str, str], tmp_path: Path, run_id: str
+) -> None:
     env = dict(forkserver, ELASTIC_TRAIN_EVENTS=str(tmp_path / "events.jsonl"))
     args = [
         sys.executable, "-m", "elastic_train.worker", "--set", "train.task=regression",
         "--set", "train.steps=100000", "--checkpoint", str(tmp_path / "ckpt"), "--checkpoint-every", "0",
+        "--set", f"rendezvous.run_id={run_id}",
     ]  # fmt: skip
     standin = subprocess.Popen(
         args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
@@ -78,11 +95,12 @@ def test_worker_trains_and_signals_are_forwarded(forkserver: dict[str, str], tmp
             standin.wait()
 
 
-def test_sigkill_of_standin_kills_worker(forkserver: dict[str, str], tmp_path: Path) -> None:
+def test_sigkill_of_standin_kills_worker(forkserver: dict[str, str], tmp_path: Path, run_id: str) -> None:
     env = dict(forkserver, ELASTIC_TRAIN_EVENTS=str(tmp_path / "events.jsonl"))
     args = [
         sys.executable, "-m", "elastic_train.worker", "--set", "train.task=regression",
         "--set", "train.steps=100000", "--checkpoint", str(tmp_path / "ckpt"), "--checkpoint-every", "0",
+        "--set", f"rendezvous.run_id={run_id}",
     ]  # fmt: skip
     standin = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     server_pid = int(forkserver[ENV_PID])
