@@ -13,7 +13,6 @@ needs processes and is exercised by ``benchmarks/rendezvous.py --quick``.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import os
 import shutil
@@ -231,12 +230,6 @@ class Outcome:
 # Processes
 
 
-def _die_with_parent() -> None:
-    """Runs in the agent before exec: SIGTERM it if the harness dies, so nothing outlives a crashed run."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
-
-
 @dataclass(slots=True)
 class Node:
     """One torchrun agent and everything it started."""
@@ -399,7 +392,7 @@ class Job:
                 stdin=subprocess.DEVNULL,
                 env=self.env(label),
                 start_new_session=True,
-                preexec_fn=_die_with_parent,
+                preexec_fn=procs.die_with_parent,  # nothing outlives a crashed harness
             )
         node = Node(label=label, proc=proc, log_path=log_path, started=started)
         self.nodes[label] = node

@@ -25,7 +25,7 @@ import psutil
 from elastic_train.config import JobConfig
 from elastic_train.etcd.server import EmbeddedEtcd
 from elastic_train.launch import ENV_NODE_ID
-from elastic_train.launch.events import EventTail, read_all
+from elastic_train.launch.events import EventTail
 from elastic_train.launch.faults import Fault
 from elastic_train.launch.procs import signal_tree, terminate_tree, tree
 from elastic_train.launch.run import worker_overrides_argv
@@ -355,10 +355,6 @@ def write_summary(summary: Summary, path: str) -> None:
     with open(path, "w", encoding="utf-8") as f:
         json.dump(summary.to_json(), f, indent=2)
         f.write("\n")
-
-
-def events_of(workdir: str) -> list[dict[str, Any]]:
-    return read_all(os.path.join(workdir, "events.jsonl"))
 
 
 __all__ = ["LocalJob", "LocalOptions", "render_table", "write_summary"]

@@ -2,28 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+from tests.unit.bench_scripts import load
 
-
-def _load(name: str) -> ModuleType:
-    """Import benchmarks/NAME.py under a unique module name (tests/chaos has its own report.py)."""
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCHMARKS / f"{name}.py")
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-harness = _load("harness")
+harness = load("harness")
 
 
 def step(t: float, world: int, rank: int = 0, event: str = "step") -> dict:
