@@ -41,6 +41,12 @@ from elastic_train.rendezvous.view import LeaseKeeper, RunView
 log = get_logger(__name__)
 
 ROOT = "/elastic_train/"
+#: Least seconds between two evaluations of the forming round by the node expected to close it (or while that
+#: is not known yet), and by every other node. A watch batch that brings no new ``round`` record within these
+#: intervals is folded into the next evaluation: each one costs O(N), and in a large job a batch arrives with
+#: almost every join. Others only step in when the closer is silent for a lease TTL, so they look less often.
+CLOSER_EVAL_INTERVAL = 0.02
+FOLLOWER_EVAL_INTERVAL = 0.25
 #: Seconds a finishing node keeps trying to write the run's ``closed`` mark while etcd is unreachable.
 CLOSE_PATIENCE = 30.0
 
@@ -48,6 +54,11 @@ CLOSE_PATIENCE = 30.0
 def run_prefix(run_id: str) -> str:
     """The etcd key prefix of a run (the run id is validated: it must not escape the prefix)."""
     return f"{ROOT}{validate_run_id(run_id)}/"
+
+
+def run_view(etcd: Etcd, run_id: str) -> RunView:
+    """A (not yet started) watch-driven view of a run's keys, as a :class:`Participant` reads them."""
+    return RunView(etcd, run_prefix(run_id), activity_prefixes=("nodes/", "join/"))
 
 
 def new_node_id() -> str:
@@ -110,6 +121,9 @@ class Participant:
         addr: address other nodes reach this one at.
         store_port: port of this node's TCPStore (0 when it hosts none).
         node_id: defaults to :func:`new_node_id`.
+        view: a started :func:`run_view` of the same run to read instead of a watch of this participant's
+            own (several participants hosted in one process, as the scale benchmark runs them); it is
+            left running by :meth:`leave`.
     """
 
     def __init__(
@@ -120,6 +134,7 @@ class Participant:
         addr: str,
         store_port: int = 0,
         node_id: str | None = None,
+        view: RunView | None = None,
     ) -> None:
         self.etcd = etcd
         self.s = settings
@@ -127,7 +142,8 @@ class Participant:
         self.node_id = node_id or new_node_id()
         self.addr = addr
         self.store_port = store_port
-        self.view = RunView(etcd, self.prefix, activity_prefixes=("nodes/", "join/"))
+        self._own_view = view is None
+        self.view = view if view is not None else run_view(etcd, settings.run_id)
         self.lease = LeaseKeeper(etcd, settings.lease_ttl, self._write_leased_keys)
         self.round: int | None = None
         self.members: list[str] = []
@@ -136,6 +152,7 @@ class Participant:
         self._lock = threading.Lock()
         self._waiting_cause: str | None = None
         self._join_cache: dict[str, tuple[int, Joiner | None]] = {}
+        self._rec_cache: tuple[int, RoundRecord | None] = (0, None)
 
     # -- lifecycle -------------------------------------------------------------------------------------
 
@@ -144,7 +161,8 @@ class Participant:
         with self._lock:
             if self._started:
                 return
-            self.view.start()
+            if self._own_view:
+                self.view.start()
             cfg = json.dumps(
                 {
                     "failure_budget": self.s.failure_budget,
@@ -170,7 +188,8 @@ class Participant:
 
     def leave(self) -> None:
         """Stop keep-alives and revoke the lease: peers see this node gone at once."""
-        self.view.stop()
+        if self._own_view:
+            self.view.stop()
         if self._started:
             self.lease.stop(revoke=True)
 
@@ -180,7 +199,9 @@ class Participant:
         kv = self.view.get("round")
         if kv is None:
             return None, 0
-        return RoundRecord.decode(kv.value), kv.mod_revision
+        if self._rec_cache[0] != kv.mod_revision:
+            self._rec_cache = (kv.mod_revision, RoundRecord.decode(kv.value))
+        return self._rec_cache[1], kv.mod_revision
 
     def _closed(self) -> dict[str, Any] | None:
         kv = self.view.get("closed")
@@ -276,6 +297,7 @@ class Participant:
             target = (rec.round if rec else 0) + 1
         need_put = True
         close_due: float | None = None
+        next_eval = 0.0
         while True:
             attempt_close = False
             if need_put:
@@ -298,6 +320,10 @@ class Participant:
                     reason = reason if reason in ("failure", "lost") else "excluded"
                     close_due = None
                     need_put = True
+                    next_eval = 0.0
+                    continue
+                if now < next_eval:
+                    self.view.cond.wait(next_eval - now)
                     continue
                 live = self._live()
                 joins = {n: j for n, j in self._joins().items() if j.target == target and n in live}
@@ -310,12 +336,15 @@ class Participant:
                     quiet_for=now - self.view.last_change,
                     has_previous_round=rec is not None,
                 )
+                order = assign_ranks(rec.members if rec else [], joins.values(), self.s.max_nodes)
+                closer = not order or order[0] == self.node_id
+                next_eval = now + (CLOSER_EVAL_INTERVAL if closer else FOLLOWER_EVAL_INTERVAL)
                 if decision.close:
                     close_due = close_due or now
-                    order = assign_ranks(rec.members if rec else [], joins.values(), self.s.max_nodes)
                     # The prospective rank 0 closes; the others step in if it has not within a lease TTL.
-                    if (order and order[0] == self.node_id) or now - close_due >= self.s.lease_ttl:
+                    if closer or now - close_due >= self.s.lease_ttl:
                         attempt_close = True
+                        next_eval = 0.0
                     else:
                         self.view.cond.wait(min(0.5, self.s.lease_ttl))
                 else:

@@ -24,13 +24,16 @@ class RunView:
     """An eventually consistent copy of every key under ``prefix``, updated by a watch.
 
     ``cond`` is notified after every change; ``last_change`` is the monotonic time of the last node or join
-    key appearing, changing or disappearing (what the settle window measures).
+    key appearing, changing or disappearing (what the settle window measures). Keys are also indexed by
+    their first path segment (``nodes/``, ``join/``), so :meth:`under` costs the size of that group, not of
+    the whole run.
     """
 
     def __init__(self, etcd: Etcd, prefix: str, *, activity_prefixes: tuple[str, ...] = ()) -> None:
         self.etcd = etcd
         self.prefix = prefix
         self.keys: dict[str, KeyValue] = {}
+        self._groups: dict[str, dict[str, KeyValue]] = {}
         self.revision = 0
         self.cond = threading.Condition()
         self.last_change = time.monotonic()
@@ -65,6 +68,10 @@ class RunView:
                 if self._is_activity(k) and fresh[k].mod_revision != self.keys[k].mod_revision
             }
             self.keys = fresh
+            self._groups = {}
+            for key, kv in fresh.items():
+                group, name = self._split(key)
+                self._groups.setdefault(group, {})[name] = kv
             self.revision = rev
             self.connected = True
             if changed:
@@ -95,16 +102,24 @@ class RunView:
                 log.error("watch_crashed", prefix=self.prefix, error=repr(exc))
                 self._stop.wait(1.0)
 
+    def _split(self, key: str) -> tuple[str, str]:
+        """(first path segment with its slash, rest) of a key under the prefix."""
+        rest = key[len(self.prefix) :]
+        cut = rest.find("/") + 1
+        return rest[:cut], rest[cut:]
+
     def _apply(self, batch: list) -> None:
         with self.cond:
             activity = False
             for ev in batch:
+                group, name = self._split(ev.key)
                 if ev.value is None:
                     self.keys.pop(ev.key, None)
+                    self._groups.get(group, {}).pop(name, None)
                 else:
-                    self.keys[ev.key] = KeyValue(
-                        ev.key, ev.value, ev.mod_revision, ev.create_revision, ev.lease
-                    )
+                    kv = KeyValue(ev.key, ev.value, ev.mod_revision, ev.create_revision, ev.lease)
+                    self.keys[ev.key] = kv
+                    self._groups.setdefault(group, {})[name] = kv
                 self.revision = max(self.revision, ev.mod_revision)
                 activity = activity or self._is_activity(ev.key)
             if activity:
@@ -112,7 +127,13 @@ class RunView:
             self.cond.notify_all()
 
     def under(self, sub: str) -> dict[str, KeyValue]:
-        """Keys under ``prefix + sub`` keyed by the remainder of the key (call with ``cond`` held)."""
+        """Keys under ``prefix + sub`` keyed by the remainder of the key (call with ``cond`` held).
+
+        ``sub`` is a first path segment with its trailing slash (``"nodes/"``), or any other key prefix
+        (then every key is scanned).
+        """
+        if sub.endswith("/") and sub.find("/") == len(sub) - 1:
+            return dict(self._groups.get(sub, {}))
         p = self.prefix + sub
         return {k[len(p) :]: kv for k, kv in self.keys.items() if k.startswith(p)}
 

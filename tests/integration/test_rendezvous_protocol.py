@@ -12,7 +12,7 @@ from elastic_train.etcd.client import Etcd, connect
 from elastic_train.etcd.errors import EtcdError
 from elastic_train.etcd.server import find_etcd_binary
 from elastic_train.rendezvous.errors import FailureBudgetExhausted, RendezvousClosed
-from elastic_train.rendezvous.protocol import Participant, ProtocolSettings
+from elastic_train.rendezvous.protocol import Participant, ProtocolSettings, run_view
 from elastic_train.rendezvous.status import read_status
 
 
@@ -189,3 +189,31 @@ def test_auth_wrong_password_and_user_limited_to_run_prefix(etcd_server):
     finally:
         for p in ps:
             p.leave()
+
+
+def test_participants_sharing_one_view_form_rounds_and_see_a_loss(etcd_server):
+    """Co-hosted participants (the scale benchmark's set-up) read one watch; the view stays up on leave."""
+    etcd = Etcd(connect(etcd_server.endpoint))
+    view = run_view(etcd, "shared")
+    view.start()
+    ps = [
+        Participant(etcd, settings(run_id="shared"), addr="127.0.0.1", node_id=f"s{i}", view=view)
+        for i in range(3)
+    ]
+    try:
+        first = join_all(ps)
+        assert {r.world_size for r in first} == {3}
+        with view.cond:
+            assert set(view.under("nodes/")) == {"s0", "s1", "s2"}
+            assert set(view.under("join/")) == {"s0", "s1", "s2"}
+        ps[2].leave()
+        assert wait_for(lambda: all(p.num_waiting() > 0 for p in ps[:2]))
+        with view.cond:
+            assert set(view.under("nodes/")) == {"s0", "s1"}
+        again = join_all(ps[:2])
+        assert {r.world_size for r in again} == {2} and {r.round for r in again} == {2}
+    finally:
+        for p in ps:
+            p.leave()
+        view.stop()
+        etcd.close()

@@ -151,6 +151,11 @@ def test_scale_targets_from_rdzv_scale_shape() -> None:
     t, w = report.scale_target(doc)
     assert t.status == "missed" and "3.20 s" in t.why  # the slower (failure) round counts
     assert w.status == "met"
+    shared = scale_rec(256, 1.1, 1.5, 600) | {"probe_first_round_s": 0.8, "probe_failure_round_s": 1.4}
+    doc = {"watch": "both", "scale": [shared], "scale_own": [scale_rec(256, 11.0, 11.5, 600)]}
+    t, _ = report.scale_target(doc)
+    assert t.status == "met" and "probe participant" in t.why and "1.40 s" in t.why and "11.50 s" in t.why
+    assert "| 256 | 11 | 600 | 0.01 | 11.5 | 599 | 2.34 |" in "\n".join(report.render_scale(doc))
     doc["scale"] = [scale_rec(8, 1.1, 1.2, 20), scale_rec(128, 1.3, 1.4, 300)]
     t, _ = report.scale_target(doc)
     assert t.status == "not measured" and "N=128" in t.figure
@@ -206,7 +211,7 @@ def test_render_from_json_end_to_end(tmp_path: Path) -> None:
     )
     text = out.read_text()
     assert "test cpu" in text and "| per-step overhead over plain DDP | <= 3% | +2.00% | **met** |" in text
-    assert "| 256 | 1 | 600 | 3 | 0.01 | 1.1 | 599 | 2.34 |" in text
+    assert "| 256 | 1 | 600 | 0.01 | 1.1 | 599 | 2.34 |" in text
     assert "| 50 | 1.2 | 0.9 | 1.6 |" in text
     assert (tmp_path / "img" / "checkpoint-stall.png").stat().st_size > 1000
     assert (tmp_path / "img" / "recovery-kill.png").stat().st_size > 1000
