@@ -1,7 +1,8 @@
 """The durable tier: share files + ``manifest.json`` (written last) + ``latest`` under ``ROOT/RUN_ID/``.
 
 A step directory is a checkpoint only when its manifest parses, names format :data:`FORMAT`, and every file
-it lists exists with the listed size; loading additionally recomputes each file's sha256. Share files carry
+it lists exists with the listed size; loading additionally recomputes each file's checksum (a sha256 tree,
+:mod:`elastic_train.checkpoint.digest`; format 1 manifests hold a plain sha256). Share files carry
 a random token in their name, so a new attempt never overwrites bytes an older valid manifest still lists,
 and files no manifest lists are leftovers, removed after the next commit.
 """
@@ -19,6 +20,7 @@ from typing import Any
 import torch
 
 import elastic_train
+from elastic_train.checkpoint import digest
 from elastic_train.checkpoint.codec import TensorSpec, fingerprint_from_specs
 from elastic_train.checkpoint.errors import CheckpointCorrupt, CheckpointNotFound, StorageError
 from elastic_train.checkpoint.policy import parse_step_dir, retention, step_dir
@@ -27,7 +29,9 @@ from elastic_train.log import get_logger
 
 log = get_logger(__name__)
 
-FORMAT = 1
+FORMAT = 2
+#: Manifest formats this version reads: 1 (plain sha256 per file) and 2 (sha256 tree per file, ``hash``).
+READABLE_FORMATS = (1, 2)
 KIND = "elastic_train.checkpoint"
 MANIFEST = "manifest.json"
 LATEST = "latest"
@@ -119,7 +123,10 @@ def build_manifest(
         "model": {"params": fingerprint, "count": len(fingerprint)},
         "bytes": sum(s.size for s in shares),
         "layout_bytes": nbytes,
-        "files": [{"name": s.name, "size": s.size, "sha256": s.sha256, "rank": s.rank} for s in shares],
+        "files": [
+            {"name": s.name, "size": s.size, "sha256": s.sha256, "hash": digest.TREE, "rank": s.rank}
+            for s in shares
+        ],
         "tensors": [
             {**spec.to_json(), "file": where[i][0], "file_offset": where[i][1]}
             for i, spec in enumerate(specs)
@@ -156,8 +163,9 @@ def check_manifest(m: Any, step: int | None = None) -> str | None:
     """Why ``m`` is not a usable manifest (None when it is)."""
     if not isinstance(m, dict) or m.get("kind") != KIND:
         return "not an elastic_train manifest"
-    if m.get("format") != FORMAT:
-        return f"unsupported format {m.get('format')!r} (this version reads {FORMAT})"
+    if m.get("format") not in READABLE_FORMATS:
+        readable = ", ".join(map(str, READABLE_FORMATS))
+        return f"unsupported format {m.get('format')!r} (this version reads {readable})"
     for key in ("step", "world_size", "files", "tensors", "skeleton"):
         if key not in m:
             return f"manifest lacks {key!r}"
@@ -224,13 +232,20 @@ def load(storage: Storage, entry: Entry) -> tuple[torch.Tensor, list[TensorSpec]
         for _, i in placed:
             outs.append(_view(arr, specs[i].offset, specs[i].nbytes))
         path = storage.join(entry.path, f["name"])
+        outs = [o for o in outs if o.nbytes]
         try:
-            sha = storage.read_into(path, [o for o in outs if o.nbytes])
-        except StorageError as exc:
+            storage.read_into(path, outs)
+            sha = digest.digest(outs, file_hash(f))
+        except (StorageError, ValueError) as exc:
             raise CheckpointCorrupt(f"{entry.path}: {exc}") from exc
         if sha != f["sha256"]:
-            raise CheckpointCorrupt(f"{entry.path}: sha256 mismatch in {f['name']}")
+            raise CheckpointCorrupt(f"{entry.path}: checksum mismatch in {f['name']}")
     return buf, specs
+
+
+def file_hash(f: Mapping[str, Any]) -> str:
+    """The checksum algorithm of a manifest's file entry (format 1 entries name none: plain sha256)."""
+    return str(f.get("hash") or digest.PLAIN)
 
 
 def verify(storage: Storage, path: str) -> list[str]:
@@ -247,12 +262,16 @@ def verify(storage: Storage, path: str) -> list[str]:
             continue
         out = memoryview(bytearray(size))
         try:
-            sha = storage.read_into(storage.join(path, f["name"]), [out])
-        except StorageError as exc:
+            storage.read_into(storage.join(path, f["name"]), [out])
+            sha = digest.digest([out], file_hash(f))
+        except (StorageError, ValueError) as exc:
             problems.append(str(exc))
             continue
         if sha != f["sha256"]:
-            problems.append(f"{f['name']}: sha256 mismatch (stored {f['sha256'][:12]}…, actual {sha[:12]}…)")
+            problems.append(
+                f"{f['name']}: checksum mismatch ({file_hash(f)}: stored {f['sha256'][:12]}…, "
+                f"actual {sha[:12]}…)"
+            )
     return problems
 
 

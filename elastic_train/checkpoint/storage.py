@@ -8,13 +8,12 @@ stores make each finished PUT atomic. Optional backends are imported lazily so a
 
 from __future__ import annotations
 
-import hashlib
 import os
-import threading
 import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
 
+from elastic_train.checkpoint import digest
 from elastic_train.checkpoint.errors import StorageError
 
 #: pip extra that provides the filesystem of each protocol.
@@ -36,7 +35,10 @@ class Storage(Protocol):
         ...
 
     def write_chunks(self, path: str, chunks: Sequence[memoryview]) -> tuple[int, str]:
-        """Write ``chunks`` as one durable file; return (size, sha256 hex), hashed while writing."""
+        """Write ``chunks`` as one durable file; return (size, digest hex).
+
+        The digest (:data:`elastic_train.checkpoint.digest.TREE`) is computed on other cores while writing.
+        """
         ...
 
     def write_small(self, path: str, data: bytes) -> None:
@@ -47,8 +49,8 @@ class Storage(Protocol):
         """The whole content of ``path``."""
         ...
 
-    def read_into(self, path: str, outs: Sequence[memoryview]) -> str:
-        """Fill ``outs`` in order from the start of ``path``; return the sha256 hex of those bytes."""
+    def read_into(self, path: str, outs: Sequence[memoryview]) -> None:
+        """Fill ``outs`` in order from the start of ``path`` (the caller checks their digest)."""
         ...
 
     def size(self, path: str) -> int | None:
@@ -64,19 +66,6 @@ class Storage(Protocol):
         ...
 
 
-def _sha_parallel(chunks: Sequence[memoryview]) -> tuple[threading.Thread, Any]:
-    """Hash ``chunks`` in a thread (hashlib drops the GIL), overlapping with the write of the same bytes."""
-    h = hashlib.sha256()
-
-    def run() -> None:
-        for c in chunks:
-            h.update(c)
-
-    t = threading.Thread(target=run, name="ckpt-sha256", daemon=True)
-    t.start()
-    return t, h
-
-
 class LocalStorage:
     """A local directory; writes are fsynced, small files replaced atomically."""
 
@@ -90,7 +79,9 @@ class LocalStorage:
     def write_chunks(self, path: str, chunks: Sequence[memoryview]) -> tuple[int, str]:
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            hasher, h = _sha_parallel(chunks)
+            # While this thread copies the bytes into the page cache, the other cores hash; during the fsync
+            # (a wait on the disk) every core does.
+            pending = digest.start(chunks, concurrency=digest.workers() - 1)
             size = 0
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
@@ -100,11 +91,12 @@ class LocalStorage:
                         n = os.write(fd, view)
                         view = view[n:]
                         size += n
+                pending.widen()
                 os.fsync(fd)
             finally:
                 os.close(fd)
-                hasher.join()
-            return size, h.hexdigest()
+                pending.wait()
+            return size, pending.hexdigest()
         except OSError as exc:
             raise StorageError(f"cannot write {path}: {exc.strerror or exc}") from exc
 
@@ -134,8 +126,7 @@ class LocalStorage:
         except OSError as exc:
             raise StorageError(f"cannot read {path}: {exc.strerror or exc}") from exc
 
-    def read_into(self, path: str, outs: Sequence[memoryview]) -> str:
-        h = hashlib.sha256()
+    def read_into(self, path: str, outs: Sequence[memoryview]) -> None:
         try:
             with open(path, "rb", buffering=0) as f:
                 for out in outs:
@@ -145,10 +136,8 @@ class LocalStorage:
                         if not n:
                             raise StorageError(f"{path}: file is shorter than its manifest says")
                         pos += n
-                    h.update(out)
         except OSError as exc:
             raise StorageError(f"cannot read {path}: {exc.strerror or exc}") from exc
-        return h.hexdigest()
 
     def size(self, path: str) -> int | None:
         try:
@@ -204,7 +193,7 @@ class FsspecStorage:
         return f"{proto}://{path.lstrip('/')}" if proto != "file" else path
 
     def write_chunks(self, path: str, chunks: Sequence[memoryview]) -> tuple[int, str]:
-        hasher, h = _sha_parallel(chunks)
+        pending = digest.start(chunks)
         size = 0
         try:
             with self.fs.open(path, "wb") as f:
@@ -214,8 +203,8 @@ class FsspecStorage:
         except Exception as exc:
             raise self._wrap("write", path, exc) from exc
         finally:
-            hasher.join()
-        return size, h.hexdigest()
+            pending.wait()
+        return size, pending.hexdigest()
 
     def write_small(self, path: str, data: bytes) -> None:
         try:
@@ -229,8 +218,7 @@ class FsspecStorage:
         except Exception as exc:
             raise self._wrap("read", path, exc) from exc
 
-    def read_into(self, path: str, outs: Sequence[memoryview]) -> str:
-        h = hashlib.sha256()
+    def read_into(self, path: str, outs: Sequence[memoryview]) -> None:
         try:
             with self.fs.open(path, "rb", block_size=16 << 20) as f:
                 for out in outs:
@@ -243,12 +231,10 @@ class FsspecStorage:
                             )
                         out[pos : pos + len(data)] = data
                         pos += len(data)
-                    h.update(out)
         except StorageError:
             raise
         except Exception as exc:
             raise self._wrap("read", path, exc) from exc
-        return h.hexdigest()
 
     def size(self, path: str) -> int | None:
         try:

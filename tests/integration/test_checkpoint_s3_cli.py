@@ -117,7 +117,7 @@ def test_s3_save_restore_and_cli(s3_endpoint, s3_env, capsys, tmp_path):
     data[0] ^= 0xFF
     fs.pipe_file(share, bytes(data))
     assert cli(["ckpt", "verify", f"{url}/job/step-00000005", *opt]) == 1
-    assert "sha256 mismatch" in capsys.readouterr().out
+    assert "checksum mismatch" in capsys.readouterr().out
     r = CheckpointManager(cfg, "job", rank=0, world_size=1, local_rank=0).restore()
     assert r is not None and r.step == 4
     assert cli(["ckpt", "rm", f"{url}/job/step-00000005", *opt]) == 0

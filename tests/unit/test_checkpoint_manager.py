@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -100,7 +101,7 @@ def test_flipped_byte_fails_verify_and_loader_falls_back(tmp_path, memdir):
         byte = f.read(1)
         f.seek(10)
         f.write(bytes([byte[0] ^ 0xFF]))
-    assert any("sha256 mismatch" in p for p in durable.verify(s, newest.path))
+    assert any("checksum mismatch" in p for p in durable.verify(s, newest.path))
     assert durable.verify(s, durable.list_entries(s, root)[0].path) == []
     r = manager(cfg(url, memdir)).restore()
     assert r is not None and r.step == 1 and r.source == "durable"
@@ -232,6 +233,27 @@ def test_memory_tier_double_buffer_detects_torn_slot(memdir):
     assert snapshot_files(memdir, "run") == []
 
 
+def test_pinned_slot_is_never_rewritten_and_the_other_two_alternate(memdir):
+    """A durable write reads a pinned slot; saves meanwhile keep double-buffering in the two others."""
+    snap = MemorySnapshot(memdir, "run", 0)
+    pinned = snap.save(1, flatten(make_state(1)), background=False)
+    snap.pin(pinned)
+    before = snap.data(pinned, flatten(make_state(1)).nbytes).clone()
+    used = [snap.save(step, flatten(make_state(step)), background=False) for step in range(2, 7)]
+    assert pinned not in used and len(set(used)) == 2
+    assert all(a != b for a, b in itertools.pairwise(used))  # consecutive saves never share a slot
+    assert torch.equal(snap.data(pinned, before.numel()), before)
+    # Tear the newest (a crash mid-copy): the step before it is still valid, not only the pinned step 1.
+    held = MemorySnapshot(memdir, "run", 0).newest_valid()
+    assert held is not None and held.step == 6
+    snap.data(held.slot, held.nbytes)[:16] = 7
+    again = MemorySnapshot(memdir, "run", 0).newest_valid()
+    assert again is not None and again.step == 5
+    snap.unpin(pinned)
+    assert snap.save(7, flatten(make_state(7)), background=False) == pinned  # the oldest slot again
+    snap.release()
+
+
 def test_memory_tier_reallocates_when_layout_changes(memdir):
     snap = MemorySnapshot(memdir, "run", 0)
     snap.save(1, flatten({"a": torch.ones(3)}), background=False)
@@ -282,7 +304,7 @@ def test_close_with_release_and_stale_owner_sweep(tmp_path, memdir):
 def test_manifest_is_json_with_checksums(tmp_path, memdir):
     manager(cfg(str(tmp_path / "c"), memdir)).finalize(2, make_state(2))
     m = json.loads((tmp_path / "c" / "run" / "step-00000002" / "manifest.json").read_text())
-    assert m["kind"] == "elastic_train.checkpoint" and m["format"] == 1 and m["step"] == 2
+    assert m["kind"] == "elastic_train.checkpoint" and m["format"] == 2 and m["step"] == 2
     assert all(len(f["sha256"]) == 64 and f["size"] > 0 for f in m["files"])
     assert sum(f["size"] for f in m["files"]) == m["bytes"]
 
