@@ -1,6 +1,7 @@
 """Checkpoint benchmark: training-loop stall per checkpoint and durable throughput, against the limits.
 
-For each state size (model + Adam moments, float32) it measures in one run, median of repeats:
+For each state size (model + Adam moments, float32) it measures in one run, median of repeats (each
+measurement starts after ``sync`` on a quiet disk, and the order of the methods rotates between repeats):
 
 - ``shm_copy``: copying the state into pre-allocated shared memory (the floor for any stall);
 - ``raw_write``: writing the same bytes with os.write + fsync (the floor for durable time);
@@ -62,6 +63,25 @@ def timed(fn: Callable[[], Any], repeats: int, setup: Callable[[], Any] | None =
         fn()
         times.append(time.perf_counter() - t)
     return statistics.median(times)
+
+
+def dirty_bytes() -> int:
+    """Dirty plus under-writeback page-cache bytes (Linux /proc/meminfo; 0 elsewhere)."""
+    total = 0
+    with contextlib.suppress(OSError), open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith(("Dirty:", "Writeback:")):
+                total += int(line.split()[1]) * 1024
+    return total
+
+
+def quiet_disk(limit: int = 8 << 20, timeout: float = 10.0) -> None:
+    """Flush the page cache and wait (bounded) until what other writers leave dirty is small."""
+    os.sync()
+    deadline = time.monotonic() + timeout
+    while dirty_bytes() > limit and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.2)
 
 
 def fsync_path(path: str) -> None:
@@ -135,25 +155,33 @@ def bench_size(size_mb: int, repeats: int, workdir: str) -> dict[str, Any]:
             stalls.append(stall)
             durables.append(mgr.last_committed.seconds)
 
-    ours(timed_run=False)  # the first save allocates shared memory and staging: not timed
+    for _ in range(3):  # the first saves allocate shared memory and touch each slot once: not timed
+        ours(timed_run=False)
     samples: dict[str, list[float]] = {"shm_copy_s": [], "raw_write_s": [], "torch_save_s": [], "dcp_s": []}
     import warnings
 
-    for _ in range(repeats):
-        for key, fn, clean in (
-            ("shm_copy_s", lambda: copy_into(flat, shm_buf), lambda: None),
-            ("raw_write_s", raw, lambda: _rm(raw_path)),
-            ("torch_save_s", tsave, lambda: _rm(ts_path)),
-            ("dcp_s", dsave, lambda: shutil.rmtree(dcp_dir, ignore_errors=True)),
-        ):
+    methods: list[tuple[str, Callable[[], Any], Callable[[], Any]]] = [
+        ("shm_copy_s", lambda: copy_into(flat, shm_buf), lambda: None),
+        ("raw_write_s", raw, lambda: _rm(raw_path)),
+        ("torch_save_s", tsave, lambda: _rm(ts_path)),
+        ("dcp_s", dsave, lambda: shutil.rmtree(dcp_dir, ignore_errors=True)),
+        ("elastic_train", ours, lambda: None),
+    ]
+    for rep in range(repeats):
+        # Each method starts on a quiet disk (no dirty pages left by the one before), and the order rotates
+        # from one repeat to the next, so no method always follows the same neighbour.
+        for key, fn, clean in methods[rep % len(methods) :] + methods[: rep % len(methods)]:
             clean()
+            quiet_disk()
+            if key == "elastic_train":
+                fn()
+                continue
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 t = time.perf_counter()
                 fn()
                 samples[key].append(time.perf_counter() - t)
             clean()
-        ours()
     for key, vals in samples.items():
         out[key] = statistics.median(vals)
     shm_buf = torch.empty(0, dtype=torch.uint8)  # drop the view so the mapping can close

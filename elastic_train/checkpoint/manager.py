@@ -294,12 +294,13 @@ class CheckpointManager:
     def _submit(self, step: int, flat: Flat, slot: int | None, *, final: bool = False) -> None:
         self.wait()
         self._raise_pending()
-        if self._staging is None or self._staging.numel() < flat.nbytes:
-            self._staging = torch.empty(flat.nbytes, dtype=torch.uint8)
-        if slot is None:
-            copy_into(flat, self._staging)
-        elif self.memory is not None:
+        if slot is not None and self.memory is not None:
+            # The writer reads the step straight from its shared-memory slot (pinned until the write ends).
             self.memory.pin(slot)
+        else:
+            if self._staging is None or self._staging.numel() < flat.nbytes:
+                self._staging = torch.empty(flat.nbytes, dtype=torch.uint8)
+            copy_into(flat, self._staging)
         job = _Job(step, flat, slot, time.monotonic(), final)
         self._last_durable_time = time.monotonic()
         self._last_durable_step = step
@@ -334,19 +335,25 @@ class CheckpointManager:
     def _run_job(self, job: _Job) -> None:
         """Write one durable checkpoint (all ranks in step), retrying per ``on_error``; never raises."""
         try:
-            assert self._staging is not None
+            self._write_job(job)
+        finally:
+            if job.slot is not None and self.memory is not None:
+                self.memory.unpin(job.slot)
+
+    def _write_job(self, job: _Job) -> None:
+        try:
             n = job.flat.nbytes
             if job.slot is not None and self.memory is not None:
-                try:
-                    self._staging[:n].copy_(self.memory.data(job.slot, n))
-                finally:
-                    self.memory.unpin(job.slot)
+                source = self.memory.data(job.slot, n)
+            else:
+                assert self._staging is not None
+                source = self._staging[:n]
             # The final checkpoint is the result of the job: it is always retried, and never lost silently.
             retrying = self.cfg.on_error == "retry" or job.final
             attempts = max(self.cfg.retries, FINAL_ATTEMPTS if job.final else 1) if retrying else 1
             error = None
             for attempt in range(1, attempts + 1):
-                error = self._write_once(job)
+                error = self._write_once(job, source)
                 if error is None:  # the outcome is broadcast: every rank records the same step
                     self._durable_ok_step = job.step
                     return
@@ -364,9 +371,8 @@ class CheckpointManager:
         else:
             self._failure = failure
 
-    def _write_once(self, job: _Job) -> str | None:
+    def _write_once(self, job: _Job, source: torch.Tensor) -> str | None:
         """One collective attempt: every rank writes its share, rank 0 commits. Returns the error or None."""
-        assert self._staging is not None
         specs = job.flat.specs
         world = self.world_size if self.coordinated else 1
         me = self.rank if self.coordinated else 0
@@ -376,7 +382,7 @@ class CheckpointManager:
         path = self.storage.join(self.run_path, step_dir(job.step))
         record, error = None, None
         try:
-            record = durable.write_share(self.storage, path, me, self._staging, specs, shares[me])
+            record = durable.write_share(self.storage, path, me, source, specs, shares[me])
         except Exception as exc:
             error = f"rank {self.rank}: {exc}"
         key = layout_key(specs)

@@ -3,11 +3,12 @@
 One file per (run, owner, local rank) in a tmpfs (``/dev/shm``), fully allocated when the first state is
 saved (``posix_fallocate``: a full tmpfs fails here, not with SIGBUS later). Layout::
 
-    [header 4 KiB][slot 0: header 4 KiB | meta (JSON skeleton) | data][slot 1: …]
+    [header 4 KiB][slot 0: header 4 KiB | meta (JSON skeleton) | data][slot 1: …][slot 2: …]
 
-A save invalidates the older slot's header, copies the tensors and the skeleton into it, and then — in a
-background sealer — computes crc32 over data and skeleton and publishes step + checksums in the slot header.
-A crash at any point leaves the other slot intact, and a torn slot fails its header or checksum.
+A save invalidates the header of the oldest slot that is neither the newest nor pinned (by a durable write
+reading it), copies the tensors and the skeleton into it, and then — in a background sealer — computes
+xxh3-64 over data and skeleton and publishes step + checksums in the slot header. A crash at any point
+leaves the previous snapshot intact, and a torn slot fails its header or checksum.
 
 The *owner* is the process whose lifetime scopes the snapshot: the torchrun agent (the worker's parent),
 which survives worker restarts. Files of owners that no longer exist are swept at start-up, and
@@ -29,6 +30,7 @@ from typing import Any
 
 import psutil
 import torch
+import xxhash
 
 from elastic_train.checkpoint.codec import Flat, TensorSpec, copy_into
 from elastic_train.checkpoint.errors import CheckpointError
@@ -42,19 +44,23 @@ PREFIX = "elastic_train."
 PAGE = 4096
 MAGIC = b"ETSNAP01"
 _HDR = struct.Struct("<8sQQQ64s")  # magic, slot_bytes, meta_cap, data_cap, layout key
-_SLOT = struct.Struct("<IqQIIQQ")  # state, step, seq, crc_data, crc_meta, meta_len, data_len
+_SLOT = struct.Struct("<IqQQQQQ")  # state, step, seq, sum_data, sum_meta, meta_len, data_len
 _SLOT_CRC = struct.Struct("<I")
+#: Slots per snapshot file: two alternate every step; the third lets a durable write read its step straight
+#: from shared memory (pinned) while the two others keep alternating. The writer needs no private copy of
+#: the state, so the memory used is the same as two slots plus a staging buffer.
+SLOTS = 3
 VALID = 0x5A5A5A5A
 _NAME_RE = re.compile(r"^elastic_train\.(?P<run>[^/]+)\.(?P<pid>\d+)-(?P<ctime>\d+)\.(?P<lr>\d+)$")
-CRC_CHUNK = 16 << 20
 
 
 def checksum(view: memoryview) -> int:
-    """crc32 of ``view`` (zlib releases the GIL, so sealing runs beside the training loop)."""
-    crc = 0
-    for pos in range(0, view.nbytes, CRC_CHUNK):
-        crc = zlib.crc32(view[pos : pos + CRC_CHUNK], crc)
-    return crc
+    """xxh3-64 of ``view``.
+
+    About 25 GB/s per core here against 4 GB/s for zlib's crc32, and it releases the GIL: sealing a
+    snapshot every step takes little CPU from the training loop and from a durable write running beside it.
+    """
+    return int(xxhash.xxh3_64_intdigest(view))
 
 
 def owner_identity() -> tuple[int, int]:
@@ -113,7 +119,10 @@ class Held:
 
 
 class MemorySnapshot:
-    """Double-buffered shared-memory snapshot of one worker (not thread-safe: one training loop uses it)."""
+    """Double-buffered shared-memory snapshot of one worker, plus a slot a durable write may pin.
+
+    Not thread-safe: one training loop uses it (the durable writer only pins, reads and unpins a slot).
+    """
 
     def __init__(self, directory: str, run_id: str, local_rank: int) -> None:
         pid, ctime = owner_identity()
@@ -126,6 +135,7 @@ class MemorySnapshot:
         self._slot_bytes = 0
         self._newest: int | None = None
         self._seq = 0
+        self._slot_seq = [0] * SLOTS
         self._cond = threading.Condition()
         self._sealing: int | None = None
         self._pinned: set[int] = set()
@@ -138,7 +148,7 @@ class MemorySnapshot:
         data_cap = (flat.nbytes + PAGE - 1) // PAGE * PAGE
         meta_cap = max(64 << 10, (2 * meta_len + PAGE - 1) // PAGE * PAGE)
         slot_bytes = PAGE + meta_cap + data_cap
-        total = PAGE + 2 * slot_bytes
+        total = PAGE + SLOTS * slot_bytes
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -157,6 +167,7 @@ class MemorySnapshot:
         self._buf = torch.frombuffer(self._mm, dtype=torch.uint8)
         self._meta_cap, self._data_cap, self._slot_bytes = meta_cap, data_cap, slot_bytes
         self._layout = flat.layout_key
+        self._slot_seq = [0] * SLOTS
         self._mm[:PAGE] = bytes(PAGE)
         _HDR.pack_into(self._mm, 0, MAGIC, slot_bytes, meta_cap, data_cap, self._layout.encode())
         self._newest = None
@@ -175,7 +186,7 @@ class MemorySnapshot:
         finally:
             os.close(fd)
         magic, slot_bytes, meta_cap, data_cap, key = _HDR.unpack_from(mm, 0)
-        if magic != MAGIC or PAGE + 2 * slot_bytes != size or slot_bytes != PAGE + meta_cap + data_cap:
+        if magic != MAGIC or PAGE + SLOTS * slot_bytes != size or slot_bytes != PAGE + meta_cap + data_cap:
             mm.close()
             return False
         self._mm = mm
@@ -224,11 +235,11 @@ class MemorySnapshot:
         self.wait_idle()
         assert self._mm is not None
         found: list[Held] = []
-        for slot in (0, 1):
+        for slot in range(SLOTS):
             fields = self._read_slot(slot)
             if fields is None:
                 continue
-            _, step, seq, crc_data, crc_meta, meta_len, data_len = fields
+            _, step, seq, sum_data, sum_meta, meta_len, data_len = fields
             base = self._slot_base(slot)
             if meta_len > self._meta_cap or data_len > self._data_cap:
                 continue
@@ -236,7 +247,7 @@ class MemorySnapshot:
             data = memoryview(self._mm)[
                 base + PAGE + self._meta_cap : base + PAGE + self._meta_cap + data_len
             ]
-            ok = checksum(meta) == crc_meta and checksum(data) == crc_data
+            ok = checksum(meta) == sum_meta and checksum(data) == sum_data
             if not ok:
                 log.warning("memory_snapshot_torn", path=self.path, slot=slot, step=step)
                 continue
@@ -244,6 +255,7 @@ class MemorySnapshot:
             specs = tuple(TensorSpec.from_json(s) for s in m["specs"])
             found.append(Held(slot, step, m["skeleton"], specs, data_len))
             self._seq = max(self._seq, seq)
+            self._slot_seq[slot] = seq
         if not found:
             return None
         best = max(found, key=lambda h: h.step)
@@ -270,9 +282,15 @@ class MemorySnapshot:
         if self._mm is None or flat.layout_key != self._layout or len(meta) > self._meta_cap:
             self.wait_idle()
             self._allocate(flat, len(meta))
-        slot = 0 if self._newest is None else 1 - self._newest
         with self._cond:
-            while self._sealing is not None or slot in self._pinned:
+            while True:
+                # The oldest slot that is neither the newest snapshot nor pinned by a durable write: with
+                # one slot pinned, the other two still alternate, so a crash mid-copy always leaves the
+                # previous step valid.
+                free = [s for s in range(SLOTS) if s != self._newest and s not in self._pinned]
+                if free and self._sealing is None:
+                    slot = min(free, key=lambda s: self._slot_seq[s])
+                    break
                 self._cond.wait()
         assert self._mm is not None and self._buf is not None
         base = self._slot_base(slot)
@@ -281,6 +299,7 @@ class MemorySnapshot:
         copy_into(flat, data)
         self._mm[base + PAGE : base + PAGE + len(meta)] = meta
         self._seq += 1
+        self._slot_seq[slot] = self._seq
         job = (slot, step, self._seq, len(meta), flat.nbytes)
         if background:
             with self._cond:
@@ -296,11 +315,11 @@ class MemorySnapshot:
             assert self._mm is not None
             base = self._slot_base(slot)
             mv = memoryview(self._mm)
-            crc_meta = checksum(mv[base + PAGE : base + PAGE + meta_len])
+            sum_meta = checksum(mv[base + PAGE : base + PAGE + meta_len])
             start = base + PAGE + self._meta_cap
-            crc_data = checksum(mv[start : start + data_len])
+            sum_data = checksum(mv[start : start + data_len])
             del mv
-            header = _SLOT.pack(VALID, step, seq, crc_data, crc_meta, meta_len, data_len)
+            header = _SLOT.pack(VALID, step, seq, sum_data, sum_meta, meta_len, data_len)
             self._mm[base + _SLOT.size : base + _SLOT.size + 4] = _SLOT_CRC.pack(zlib.crc32(header))
             self._mm[base : base + _SLOT.size] = header
             self.sealed_step = step
