@@ -9,7 +9,8 @@ ratio measures the loop, not a DDP option. Ours is :meth:`elastic_train.train.lo
 the checkpoint state dict; with ``--with-memory-tier`` also the real CheckpointManager copying the state into
 shared memory every step.
 
-Prints the median seconds per step of each and the ratio (target: ours / plain <= 1.03).
+Prints the median seconds per step of each and the median over adjacent (plain, ours) block pairs of
+ours / plain (target <= 1.03).
 
     .venv/bin/python benchmarks/overhead.py --quick --json overhead.json
 """
@@ -146,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--task-args", default="{}", help="JSON keyword arguments of the task factory")
     p.add_argument("--world", type=int, default=2, help="world size (processes on this machine)")
     p.add_argument("--global-batch", type=int, default=48)
-    p.add_argument("--blocks", type=int, default=8, help="interleaved measurement blocks per loop")
+    p.add_argument("--blocks", type=int, default=30, help="interleaved measurement blocks per loop")
     p.add_argument("--block-steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
@@ -169,13 +170,17 @@ def main(argv: list[str] | None = None) -> int:
         with open(out) as f:
             times = json.load(f)
     plain, ours = statistics.median(times["plain"]), statistics.median(times["ours"])
-    ratio = ours / plain
+    # Each block of ours runs right next to a block of plain (their order alternates), so the ratio of a
+    # pair sees the same machine load; the median over pairs is the figure the target is checked on.
+    pairs = [o / p for p, o in zip(times["plain"], times["ours"], strict=True)]
+    ratio = statistics.median(pairs)
     label = "ours+memory tier" if args.with_memory_tier else "ours"
     blocks = f"{args.blocks}x{args.block_steps}"
     print(f"task={args.task} world={args.world} global_batch={args.global_batch} blocks={blocks}")
     print(f"plain DDP step   : {plain * 1e3:8.2f} ms (median of blocks)")
     print(f"{label:<17}: {ours * 1e3:8.2f} ms")
-    print(f"ratio            : {ratio:8.4f}  ({(ratio - 1) * 100:+.2f}% overhead; target <= +3%)")
+    print(f"ratio            : {ratio:8.4f}  ({(ratio - 1) * 100:+.2f}% overhead; target <= +3%; median of "
+          f"{len(pairs)} paired blocks, ratio of medians {ours / plain:.4f})")  # fmt: skip
     if args.json:
         result = {
             "benchmark": "overhead",
@@ -186,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
             "plain_step_s": plain,
             "ours_step_s": ours,
             "ratio": ratio,
+            "ratio_of_medians": ours / plain,
+            "pair_ratios": pairs,
             "target_ratio": 1.03,
             "blocks": times,
         }

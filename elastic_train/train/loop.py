@@ -26,6 +26,7 @@ from elastic_train.train.batching import loss_scale, micro_batches
 from elastic_train.train.config import TrainConfig
 from elastic_train.train.errors import TrainingError
 from elastic_train.train.events import EventWriter
+from elastic_train.train.lossreduce import LossCarrier
 from elastic_train.train.sampler import ElasticSampler
 
 log = get_logger(__name__)
@@ -121,6 +122,7 @@ class Trainer:
         self.sampler = ElasticSampler(len(task.dataset), cfg.global_batch, cfg.seed)
         self.step = 0
         self.ddp: torch.nn.Module | None = None
+        self._carrier: LossCarrier | None = None
         self._committed: Any = None
 
     # -- state -----------------------------------------------------------------------------------------------
@@ -178,8 +180,12 @@ class Trainer:
         params = inspect.signature(DistributedDataParallel.__init__).parameters
         key = "forward_sync_buffers" if "forward_sync_buffers" in params else "broadcast_buffers"
         no_sync_buffers: dict[str, Any] = {key: False}
-        self.ddp = DistributedDataParallel(self.model, device_ids=device_ids, **no_sync_buffers)
-        return self.ddp
+        ddp = DistributedDataParallel(self.model, device_ids=device_ids, **no_sync_buffers)
+        if self.world_size > 1 and LossCarrier.suitable(self.model):
+            self._carrier = LossCarrier()
+            self._carrier.register(ddp)
+        self.ddp = ddp
+        return ddp
 
     def _seed_step(self, step: int) -> None:
         """Seed the generators the step may draw from (dropout …) as a function of (seed, step, rank).
@@ -214,9 +220,14 @@ class Trainer:
                         f"loss_fn returned shape {tuple(losses.shape)}, expected per-sample ({len(chunk)},)"
                     )
                 total = losses.sum()
+                loss_sum += total.detach()
+                if self._carrier is not None and i == len(chunks) - 1:
+                    self._carrier.arm(loss_sum)
                 (total * scale).backward()
-            loss_sum += total.detach()
-        work = dist.all_reduce(loss_sum, async_op=True) if self.world_size > 1 else None
+        carried = self._carrier.take() if self._carrier is not None else None
+        work = None
+        if self.world_size > 1 and carried is None:
+            work = dist.all_reduce(loss_sum, async_op=True)
         for hook in self.hooks:
             hook(step)
         self.task.optimizer.step()
@@ -227,11 +238,12 @@ class Trainer:
         self.step = step
         if work is not None:
             work.wait()
+        total_loss = carried.item() if carried is not None else loss_sum.item()
         return StepResult(
             step=step,
             epoch=plan.epoch,
             samples=plan.size,
-            loss=loss_sum.item() / plan.size,
+            loss=total_loss / plan.size,
             seconds=time.perf_counter() - started,
         )
 

@@ -1,0 +1,68 @@
+"""The loss carried in DDP's last gradient bucket: same gradients as DDP's default hook, summed loss."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.nn.parallel import DistributedDataParallel
+
+from elastic_train.train.lossreduce import LossCarrier
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _rank(rank: int, world: int, port: int, out: str) -> None:
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    twin = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    twin.load_state_dict(base.state_dict())
+    plain = DistributedDataParallel(base)
+    carried_ddp = DistributedDataParallel(twin, bucket_cap_mb=0.0005)  # several buckets
+    carrier = LossCarrier()
+    assert carrier.suitable(twin)
+    carrier.register(carried_ddp)
+    results = []
+    for step in range(3):
+        g = torch.Generator().manual_seed(100 * step + rank)
+        x, y = torch.randn(5 + rank, 8, generator=g), torch.randn(5 + rank, 1, generator=g)
+        loss = ((plain(x) - y) ** 2).sum()
+        loss.backward()
+        expected = loss.detach().clone()
+        dist.all_reduce(expected)
+        loss2 = ((carried_ddp(x) - y) ** 2).sum()
+        carrier.arm(loss2.detach().to(torch.float64))
+        loss2.backward()
+        got = carrier.take()
+        assert got is not None
+        same_grads = all(
+            torch.equal(a.grad, b.grad) for a, b in zip(base.parameters(), twin.parameters(), strict=True)
+        )
+        results.append((float(got.item()), float(expected.item()), same_grads))
+        for m in (base, twin):
+            m.zero_grad()
+    # Without arming, no bucket carries anything and the gradients are still DDP's.
+    (carried_ddp(torch.ones(2, 8)).sum()).backward()
+    results.append((carrier.take(), None, True))
+    if rank == 0:
+        torch.save(results, out)
+    dist.destroy_process_group()
+
+
+def test_loss_carrier_sums_the_loss_and_keeps_ddp_gradients(tmp_path):
+    out = str(tmp_path / "r.pt")
+    mp.spawn(_rank, args=(2, _port(), out), nprocs=2, join=True)
+    results = torch.load(out)
+    for got, expected, same_grads in results[:-1]:
+        assert abs(got - expected) <= 1e-5 * max(1.0, abs(expected))
+        assert same_grads
+    assert results[-1][0] is None
