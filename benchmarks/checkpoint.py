@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="50 and 200 MB only")
     ap.add_argument("--sizes", type=int, nargs="*", help="state sizes in MB (default 50 200 1000)")
-    ap.add_argument("--repeats", type=int, default=5, help="repeats per measurement (median)")
+    ap.add_argument("--repeats", type=int, default=7, help="repeats per measurement (median)")
     ap.add_argument("--dir", default=None, help="directory on the disk to measure (default: a temp dir here)")
     ap.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
     args = ap.parse_args(argv)

@@ -5,9 +5,9 @@ blocks of steps so that load from other processes on the machine hits both alike
 user would write: a fixed shuffled order split over the ranks, ``loss.mean().backward()``,
 ``optimizer.step()``; its DDP wrapper uses the same settings as ours (no per-forward buffer broadcast), so the
 ratio measures the loop, not a DDP option. Ours is :meth:`elastic_train.train.loop.Trainer.train_step`
-(global cursor, sample-count weighting, micro-batch accounting, RNG seeding, loss all-reduce) plus building
-the checkpoint state dict; with ``--with-memory-tier`` also the real CheckpointManager copying the state into
-shared memory every step.
+(global cursor, sample-count weighting, micro-batch accounting, RNG seeding, the loss summed over ranks)
+plus the checkpointer call; with ``--with-memory-tier`` the real CheckpointManager builds the state dict and
+copies it into shared memory every step.
 
 Prints the median seconds per step of each and the median over adjacent (plain, ours) block pairs of
 ours / plain (target <= 1.03).
@@ -118,7 +118,7 @@ def _worker(rank: int, args: argparse.Namespace, port: int, out: str) -> None:
 
     def our_step() -> None:
         trainer.train_step()
-        checkpointer.save(trainer.step, trainer.state())
+        checkpointer.save(trainer.step, trainer.state)  # as Trainer.run: the state is built when due
 
     times: dict[str, list[float]] = {"plain": [], "ours": []}
     for _ in range(args.warmup):

@@ -24,6 +24,8 @@ from elastic_train.checkpoint.errors import CheckpointCorrupt, CheckpointError
 ALIGN = 64
 _TENSOR, _NDARRAY, _DICT, _TUPLE, _BYTES = "__tensor__", "__ndarray__", "__dict__", "__tuple__", "__bytes__"
 _MARKERS = frozenset((_TENSOR, _NDARRAY, _DICT, _TUPLE, _BYTES))
+_PLAIN = frozenset({int, float, str, bool, type(None)})
+"""Types a list or tuple of which is stored as is (no per-element walk)."""
 
 _DTYPES: dict[str, torch.dtype] = {
     str(d).removeprefix("torch."): d
@@ -146,8 +148,12 @@ def flatten(state: Any) -> Flat:
         if isinstance(v, (bytes, bytearray)):
             return {_BYTES: base64.b64encode(bytes(v)).decode()}
         if isinstance(v, tuple):
+            if all(type(x) in _PLAIN for x in v):  # e.g. Python's RNG state: 625 ints, every step
+                return {_TUPLE: list(v)}
             return {_TUPLE: [enc(x, f"{path}/{i}") for i, x in enumerate(v)]}
         if isinstance(v, list):
+            if all(type(x) in _PLAIN for x in v):
+                return list(v)
             return [enc(x, f"{path}/{i}") for i, x in enumerate(v)]
         if isinstance(v, Mapping):
             if all(isinstance(k, str) and k not in _MARKERS for k in v):
@@ -164,13 +170,22 @@ def flatten(state: Any) -> Flat:
     return Flat(skeleton, tuple(specs), tuple(tensors), offset)
 
 
-def copy_into(flat: Flat, buf: torch.Tensor) -> None:
-    """Copy every tensor of ``flat`` into the uint8 tensor ``buf`` at its offset (the loop's only stall)."""
-    for spec, src in zip(flat.specs, flat.tensors, strict=True):
-        if spec.nbytes == 0:
-            continue
-        dst = buf[spec.offset : spec.offset + spec.nbytes].view(src.dtype).view(src.shape)
-        dst.copy_(src)
+def destinations(specs: tuple[TensorSpec, ...], buf: torch.Tensor) -> list[torch.Tensor | None]:
+    """Typed views of every tensor's place in the uint8 tensor ``buf`` (None for empty tensors)."""
+    return [tensor_at(buf, spec) if spec.nbytes else None for spec in specs]
+
+
+def copy_into(flat: Flat, buf: torch.Tensor, dests: list[torch.Tensor | None] | None = None) -> None:
+    """Copy every tensor of ``flat`` into the uint8 tensor ``buf`` at its offset (the loop's only stall).
+
+    ``dests``: :func:`destinations` of the same layout in ``buf``, kept by a caller that copies the same
+    layout into the same buffer every step (building the views costs about as much as copying a small state).
+    """
+    if dests is None:
+        dests = destinations(flat.specs, buf)
+    for dst, src in zip(dests, flat.tensors, strict=True):
+        if dst is not None:
+            dst.copy_(src)
 
 
 def tensor_at(buf: torch.Tensor, spec: TensorSpec, *, base: int = 0) -> torch.Tensor:

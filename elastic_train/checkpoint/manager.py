@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -262,8 +262,11 @@ class CheckpointManager:
         return skeleton, [TensorSpec.from_json(s) for s in spec_json], buf
 
     # -- save --------------------------------------------------------------------------------------------
-    def save(self, step: int, state: Mapping[str, Any]) -> None:
+    def save(self, step: int, state: Mapping[str, Any] | Callable[[], Mapping[str, Any]]) -> None:
         """Call after every optimizer step (on every rank): memory tier and, when due, a durable checkpoint.
+
+        ``state`` may be a function returning it: it is then called only when a snapshot or a checkpoint
+        is due at this step.
 
         Raises:
             WriteFailed: a previous durable write failed (``on_error`` retry after its retries, or fatal).
@@ -275,7 +278,7 @@ class CheckpointManager:
         dur_due = self._durable_due(step)
         if not (mem_due or dur_due):
             return
-        flat = flatten(state)
+        flat = flatten(state() if callable(state) else state)
         slot = self.memory.save(step, flat) if self.memory is not None else None
         if dur_due:
             self._submit(step, flat, slot)

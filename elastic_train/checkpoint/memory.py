@@ -32,7 +32,7 @@ import psutil
 import torch
 import xxhash
 
-from elastic_train.checkpoint.codec import Flat, TensorSpec, copy_into
+from elastic_train.checkpoint.codec import Flat, TensorSpec, copy_into, destinations
 from elastic_train.checkpoint.errors import CheckpointError
 from elastic_train.log import get_logger
 
@@ -136,6 +136,8 @@ class MemorySnapshot:
         self._newest: int | None = None
         self._seq = 0
         self._slot_seq = [0] * SLOTS
+        #: Typed views of each slot's tensors for the current layout (rebuilt when the file is re-allocated).
+        self._dests: dict[int, list[torch.Tensor | None]] = {}
         self._cond = threading.Condition()
         self._sealing: int | None = None
         self._pinned: set[int] = set()
@@ -168,6 +170,7 @@ class MemorySnapshot:
         self._meta_cap, self._data_cap, self._slot_bytes = meta_cap, data_cap, slot_bytes
         self._layout = flat.layout_key
         self._slot_seq = [0] * SLOTS
+        self._dests = {}
         self._mm[:PAGE] = bytes(PAGE)
         _HDR.pack_into(self._mm, 0, MAGIC, slot_bytes, meta_cap, data_cap, self._layout.encode())
         self._newest = None
@@ -190,6 +193,7 @@ class MemorySnapshot:
             mm.close()
             return False
         self._mm = mm
+        self._dests = {}
         self._buf = torch.frombuffer(mm, dtype=torch.uint8)
         self._slot_bytes, self._meta_cap, self._data_cap = slot_bytes, meta_cap, data_cap
         self._layout = key.rstrip(b"\0").decode()
@@ -197,6 +201,7 @@ class MemorySnapshot:
 
     def _unmap(self) -> None:
         self._buf = None
+        self._dests = {}
         if self._mm is not None:
             with contextlib.suppress(BufferError):
                 self._mm.close()
@@ -295,8 +300,10 @@ class MemorySnapshot:
         assert self._mm is not None and self._buf is not None
         base = self._slot_base(slot)
         self._mm[base : base + PAGE] = bytes(PAGE)  # invalidate before touching the data
-        data = self.data(slot, flat.nbytes)
-        copy_into(flat, data)
+        dests = self._dests.get(slot)
+        if dests is None:
+            dests = self._dests[slot] = destinations(flat.specs, self.data(slot, flat.nbytes))
+        copy_into(flat, self.data(slot, flat.nbytes), dests)
         self._mm[base + PAGE : base + PAGE + len(meta)] = meta
         self._seq += 1
         self._slot_seq[slot] = self._seq

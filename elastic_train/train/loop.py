@@ -42,7 +42,9 @@ class Checkpointer(Protocol):
         """Collective: the newest valid state anywhere (``.step``, ``.state``, ``.source``) or ``None``."""
         ...
 
-    def save(self, step: int, state: Mapping[str, Any]) -> None: ...
+    def save(self, step: int, state: Callable[[], Mapping[str, Any]]) -> None:
+        """Snapshot and/or checkpoint ``state()`` when due at ``step`` (it is built only then)."""
+        ...
 
     def finalize(self, step: int, state: Mapping[str, Any]) -> Any: ...
 
@@ -261,7 +263,7 @@ class Trainer:
         last = time.perf_counter()
         while self.step < self.cfg.steps:
             result = self.train_step()
-            self.checkpointer.save(self.step, self.state())
+            self.checkpointer.save(self.step, self.state)
             self._report_commit()
             now = time.perf_counter()
             rate = result.samples / max(now - last, 1e-9)
