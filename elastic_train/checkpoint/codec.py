@@ -175,14 +175,15 @@ def destinations(specs: tuple[TensorSpec, ...], buf: torch.Tensor) -> list[torch
     return [tensor_at(buf, spec) if spec.nbytes else None for spec in specs]
 
 
-def copy_into(flat: Flat, buf: torch.Tensor, dests: list[torch.Tensor | None] | None = None) -> None:
-    """Copy every tensor of ``flat`` into the uint8 tensor ``buf`` at its offset (the loop's only stall).
+def copy_into(flat: Flat, buf: torch.Tensor) -> None:
+    """Copy every tensor of ``flat`` into the uint8 tensor ``buf`` at its offset (the loop's only stall)."""
+    copy_to(flat, destinations(flat.specs, buf))
 
-    ``dests``: :func:`destinations` of the same layout in ``buf``, kept by a caller that copies the same
-    layout into the same buffer every step (building the views costs about as much as copying a small state).
+
+def copy_to(flat: Flat, dests: list[torch.Tensor | None]) -> None:
+    """Copy every tensor of ``flat`` into its :func:`destinations` view (kept by a caller that copies the same
+    layout into the same buffer every step: building the views costs about as much as copying a small state).
     """
-    if dests is None:
-        dests = destinations(flat.specs, buf)
     for dst, src in zip(dests, flat.tensors, strict=True):
         if dst is not None:
             dst.copy_(src)

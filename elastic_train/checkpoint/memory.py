@@ -32,7 +32,7 @@ import psutil
 import torch
 import xxhash
 
-from elastic_train.checkpoint.codec import Flat, TensorSpec, copy_into, destinations
+from elastic_train.checkpoint.codec import Flat, TensorSpec, copy_to, destinations
 from elastic_train.checkpoint.errors import CheckpointError
 from elastic_train.log import get_logger
 
@@ -136,7 +136,7 @@ class MemorySnapshot:
         self._newest: int | None = None
         self._seq = 0
         self._slot_seq = [0] * SLOTS
-        #: Typed views of each slot's tensors for the current layout (rebuilt when the file is re-allocated).
+        #: Typed views of each slot's tensors in the current mapping (dropped by :meth:`_unmap`).
         self._dests: dict[int, list[torch.Tensor | None]] = {}
         self._cond = threading.Condition()
         self._sealing: int | None = None
@@ -170,7 +170,6 @@ class MemorySnapshot:
         self._meta_cap, self._data_cap, self._slot_bytes = meta_cap, data_cap, slot_bytes
         self._layout = flat.layout_key
         self._slot_seq = [0] * SLOTS
-        self._dests = {}
         self._mm[:PAGE] = bytes(PAGE)
         _HDR.pack_into(self._mm, 0, MAGIC, slot_bytes, meta_cap, data_cap, self._layout.encode())
         self._newest = None
@@ -193,7 +192,6 @@ class MemorySnapshot:
             mm.close()
             return False
         self._mm = mm
-        self._dests = {}
         self._buf = torch.frombuffer(mm, dtype=torch.uint8)
         self._slot_bytes, self._meta_cap, self._data_cap = slot_bytes, meta_cap, data_cap
         self._layout = key.rstrip(b"\0").decode()
@@ -303,7 +301,7 @@ class MemorySnapshot:
         dests = self._dests.get(slot)
         if dests is None:
             dests = self._dests[slot] = destinations(flat.specs, self.data(slot, flat.nbytes))
-        copy_into(flat, self.data(slot, flat.nbytes), dests)
+        copy_to(flat, dests)
         self._mm[base + PAGE : base + PAGE + len(meta)] = meta
         self._seq += 1
         self._slot_seq[slot] = self._seq
