@@ -359,7 +359,8 @@ def checkpoint_targets(doc: Mapping[str, Any] | None) -> list[Target]:
 
 
 def checkpoint_sizes(doc: Mapping[str, Any]) -> list[tuple[float, dict[str, Any]]]:
-    """Per state size (MB): ratios ``stall`` (stall / shm copy), ``raw`` (durable / raw write), ``dcp``.
+    """Per state size (MB): ratios ``stall`` (stall / shm copy), ``raw`` (durable / raw write), ``dcp``,
+    and ``overwrite`` (durable / raw overwrite, None when not measured).
 
     Reads checkpoint.py's ``results`` list (``size_mb`` with ``ratios`` or the seconds/throughput figures
     they derive from), or a flat document with the same keys (one size).
@@ -376,6 +377,7 @@ def checkpoint_sizes(doc: Mapping[str, Any]) -> list[tuple[float, dict[str, Any]
             st = s / c if s is not None and c else None
         raw = number(ratios.get("durable_over_raw_write"))
         dcp = number(ratios.get("durable_over_dcp"))
+        over = number(ratios.get("durable_over_raw_overwrite"))
         tp: Mapping[str, Any] = r["throughput_mb_s"] if isinstance(r.get("throughput_mb_s"), Mapping) else {}
         d = number(dig(tp, "elastic_train")) or number(dig(r, "durable_mb_s", "durable.mb_s"))
         rw = number(dig(tp, "raw_write")) or number(dig(r, "raw_write_mb_s", "raw.mb_s"))
@@ -385,7 +387,7 @@ def checkpoint_sizes(doc: Mapping[str, Any]) -> list[tuple[float, dict[str, Any]
         if dcp is None and d is not None and dc:
             dcp = d / dc
         if st is not None or raw is not None:
-            out.append((size, {"stall": st, "raw": raw, "dcp": dcp}))
+            out.append((size, {"stall": st, "raw": raw, "dcp": dcp, "overwrite": over}))
     return sorted(out, key=lambda x: x[0])
 
 
@@ -871,7 +873,7 @@ def render_checkpoint(doc: Mapping[str, Any]) -> list[str]:
         "checkpoint, durable throughput in MB/s, and the ratios the targets are about.",
         "",
     ]
-    keys = [*STALL_SERIES, "raw_write_s", "et_durable_s"]
+    keys = [*STALL_SERIES, "raw_write_s", "raw_overwrite_s", "et_durable_s"]
     results = [r for r in doc.get("results") or [] if isinstance(r, Mapping)]
     present = [k for k in keys if any(k in r for r in results)]
     if results and present:
@@ -896,11 +898,13 @@ def render_checkpoint(doc: Mapping[str, Any]) -> list[str]:
                 )
     lines += [
         "",
-        "| state MB | stall / shm copy (<= 1.5) | durable / raw write (>= 0.8) | durable / DCP (>= 1) |",
+        "| state MB | stall / shm copy (<= 1.5) | durable / raw write (>= 0.8) | durable / DCP (>= 1) "
+        "| durable / raw overwrite |",
     ]
-    lines.append("|---|---|---|---|")
+    lines.append("|---|---|---|---|---|")
     for size, r in checkpoint_sizes(doc):
-        lines.append(f"| {size:g} | {_fmt(r['stall'])} | {_fmt(r['raw'])} | {_fmt(r['dcp'])} |")
+        cells = [_fmt(r["stall"]), _fmt(r["raw"]), _fmt(r["dcp"]), _fmt(r.get("overwrite"))]
+        lines.append(f"| {size:g} | " + " | ".join(cells) + " |")
     lines.append("")
     return lines
 

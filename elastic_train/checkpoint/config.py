@@ -22,6 +22,9 @@ class CheckpointConfig:
     """Durable checkpoints kept; older ones are deleted after a newer one commits."""
     keep_every: int = 0
     """Additionally keep every checkpoint whose step is a multiple of this (0: off)."""
+    recycle: bool = True
+    """Local disks: write new share files over the files of deleted checkpoints instead of allocating new
+    blocks (turn off on copy-on-write filesystems such as ZFS or btrfs, where it gains nothing)."""
     async_write: bool = True
     """Write durable checkpoints in a background thread (the loop pays only for a CPU copy)."""
     on_error: str = "retry"

@@ -5,6 +5,11 @@ it lists exists with the listed size; loading additionally recomputes each file'
 :mod:`elastic_train.checkpoint.digest`; format 1 manifests hold a plain sha256). Share files carry
 a random token in their name, so a new attempt never overwrites bytes an older valid manifest still lists,
 and files no manifest lists are leftovers, removed after the next commit.
+
+On storages that recycle (local disks), retention does not delete the share files of a retired checkpoint:
+it moves them into the run's :data:`POOL` directory, and the next share is written over one of them in
+place. A retired file is unreferenced from the moment its manifest is deleted, and is reused only by a
+later save; the pool never holds more bytes than the newest checkpoint and is emptied by the final one.
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ READABLE_FORMATS = (1, 2)
 KIND = "elastic_train.checkpoint"
 MANIFEST = "manifest.json"
 LATEST = "latest"
+#: Directory under the run root holding retired share files for reuse (local disks only).
+POOL = ".recycle"
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,11 +86,72 @@ def write_share(
     buf: torch.Tensor,
     specs: Sequence[TensorSpec],
     indices: Sequence[int],
+    *,
+    pool: str | None = None,
 ) -> ShareRecord:
-    """Write this rank's tensors as one file (a fresh name per attempt) and fsync it."""
+    """Write this rank's tensors as one file (a fresh name per attempt) and fsync it.
+
+    With ``pool`` (the run's :data:`POOL` path), a retired file from there is claimed and overwritten.
+    """
     name = f"share-{rank:05d}.{uuid.uuid4().hex[:8]}.bin"
-    size, sha = storage.write_chunks(storage.join(path, name), views(buf, specs, indices))
+    target = storage.join(path, name)
+    chunks = views(buf, specs, indices)
+    if pool is not None and storage.recycles:
+        reuse(storage, pool, target, sum(c.nbytes for c in chunks))
+    size, sha = storage.write_chunks(target, chunks)
     return ShareRecord(rank, name, size, sha, tuple(indices))
+
+
+def pool_path(storage: Storage, run_path: str) -> str:
+    return storage.join(run_path, POOL)
+
+
+def _pool_files(storage: Storage, pool: str) -> list[tuple[int, str]]:
+    """(size, path) of the retired files in ``pool``, largest first."""
+    out = []
+    for name in storage.listdir(pool):
+        path = storage.join(pool, name)
+        size = storage.size(path)
+        if size is not None:
+            out.append((size, path))
+    return sorted(out, reverse=True)
+
+
+def reuse(storage: Storage, pool: str, target: str, nbytes: int) -> str | None:
+    """Claim the retired file that best fits ``nbytes`` for ``target``; returns its old path, or None.
+
+    Best fit: the smallest file of at least ``nbytes`` (its tail is cut), else the largest. Writers of
+    other ranks may claim concurrently: a file claimed by another is skipped.
+    """
+    files = _pool_files(storage, pool)
+    fits = [f for f in reversed(files) if f[0] >= nbytes] + [f for f in files if f[0] < nbytes]
+    for _, path in fits:
+        if storage.claim(path, target):
+            return path
+    return None
+
+
+def retire(storage: Storage, path: str, pool: str) -> None:
+    """Take the step directory ``path`` apart: manifest first (it stops being a checkpoint at once), share
+    files into ``pool`` under fresh names, then whatever is left."""
+    storage.remove(storage.join(path, MANIFEST))
+    for name in storage.listdir(path):
+        if name.startswith("share-") and name.endswith(".bin"):
+            storage.claim(storage.join(path, name), storage.join(pool, f"{uuid.uuid4().hex}.bin"))
+    storage.remove(path, recursive=True)
+
+
+def trim_pool(storage: Storage, pool: str, budget: int) -> None:
+    """Delete retired files beyond ``budget`` bytes (largest kept first); the pool itself when 0."""
+    if budget <= 0:
+        storage.remove(pool, recursive=True)
+        return
+    kept = 0
+    for size, path in _pool_files(storage, pool):
+        if kept + size <= budget:
+            kept += size
+        else:
+            storage.remove(path)
 
 
 def build_manifest(
@@ -309,20 +377,37 @@ def load_newest(
     raise CheckpointNotFound(f"no valid {what} found")
 
 
-def prune(storage: Storage, run_path: str, *, keep_last: int, keep_every: int, current: int) -> list[str]:
+def prune(
+    storage: Storage,
+    run_path: str,
+    *,
+    keep_last: int,
+    keep_every: int,
+    current: int,
+    recycle_bytes: int = 0,
+) -> list[str]:
     """Apply retention and remove leftovers (step directories without a valid manifest).
 
     Called by the committer right after committing ``current``, when no other save of the run is in
-    flight. Returns the removed paths.
+    flight. With ``recycle_bytes`` > 0 on a storage that recycles, share files of the removed directories
+    go to the pool, which is then cut to that many bytes; with 0 the pool is emptied. Returns the removed
+    paths.
     """
     entries = list_entries(storage, run_path, check_sizes=False)
     valid = [e.step for e in entries if e.valid]
     doomed = set(retention(valid, keep_last=keep_last, keep_every=keep_every))
+    recycle = recycle_bytes > 0 and storage.recycles
+    pool = pool_path(storage, run_path)
     removed = []
     for e in entries:
         if e.step == current:
             continue
         if e.step in doomed or not e.valid:
-            storage.remove(e.path, recursive=True)
+            if recycle:
+                retire(storage, e.path, pool)
+            else:
+                storage.remove(e.path, recursive=True)
             removed.append(e.path)
+    if storage.recycles:
+        trim_pool(storage, pool, recycle_bytes)
     return removed

@@ -385,7 +385,8 @@ class CheckpointManager:
         path = self.storage.join(self.run_path, step_dir(job.step))
         record, error = None, None
         try:
-            record = durable.write_share(self.storage, path, me, source, specs, shares[me])
+            pool = durable.pool_path(self.storage, self.run_path) if self.cfg.recycle else None
+            record = durable.write_share(self.storage, path, me, source, specs, shares[me], pool=pool)
         except Exception as exc:
             error = f"rank {self.rank}: {exc}"
         key = layout_key(specs)
@@ -436,6 +437,8 @@ class CheckpointManager:
             keep_last=self.cfg.keep_last,
             keep_every=self.cfg.keep_every,
             current=job.step,
+            # The final checkpoint empties the pool of retired files: no later save will reuse them.
+            recycle_bytes=0 if job.final or not self.cfg.recycle else int(manifest["bytes"]),
         ):
             log.info("checkpoint_removed", path=gone)
 

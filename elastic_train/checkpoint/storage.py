@@ -29,6 +29,9 @@ class Storage(Protocol):
     """The URL this storage was opened at."""
     root: str
     """That URL as a path the other methods take."""
+    recycles: bool
+    """Whether a retired file can be reused for a new one (:meth:`claim`): true for local disks, where
+    overwriting allocated blocks is cheaper than allocating new ones; false for object stores."""
 
     def join(self, base: str, *parts: str) -> str:
         """``parts`` joined under the path ``base`` (e.g. ``join(root, run_id, "manifest.json")``)."""
@@ -37,7 +40,16 @@ class Storage(Protocol):
     def write_chunks(self, path: str, chunks: Sequence[memoryview]) -> tuple[int, str]:
         """Write ``chunks`` as one durable file; return (size, digest hex).
 
-        The digest (:data:`elastic_train.checkpoint.digest.TREE`) is computed on other cores while writing.
+        A file already at ``path`` (one :meth:`claim` moved there) is overwritten in place and cut to the
+        new size. The digest (:data:`elastic_train.checkpoint.digest.TREE`) is computed on other cores while
+        writing.
+        """
+        ...
+
+    def claim(self, src: str, dst: str) -> bool:
+        """Move the retired file ``src`` to ``dst`` (atomically), to be overwritten by :meth:`write_chunks`.
+
+        Returns False when ``src`` is gone (another writer claimed it) or the storage does not recycle.
         """
         ...
 
@@ -67,7 +79,9 @@ class Storage(Protocol):
 
 
 class LocalStorage:
-    """A local directory; writes are fsynced, small files replaced atomically."""
+    """A local directory; writes are fsynced, small files replaced atomically, retired files reusable."""
+
+    recycles = True
 
     def __init__(self, url: str, root: str) -> None:
         self.url = url
@@ -83,7 +97,9 @@ class LocalStorage:
             # (a wait on the disk) every core does.
             pending = digest.start(chunks, concurrency=digest.workers() - 1)
             size = 0
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            # No O_TRUNC: a claimed file keeps its blocks and is overwritten in place (no block allocation,
+            # and no discard of the old blocks on filesystems mounted with -o discard).
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
             try:
                 for c in chunks:
                     view = c.cast("B") if c.format != "B" else c
@@ -91,6 +107,8 @@ class LocalStorage:
                         n = os.write(fd, view)
                         view = view[n:]
                         size += n
+                if os.fstat(fd).st_size > size:
+                    os.ftruncate(fd, size)
                 pending.widen()
                 os.fsync(fd)
             finally:
@@ -99,6 +117,16 @@ class LocalStorage:
             return size, pending.hexdigest()
         except OSError as exc:
             raise StorageError(f"cannot write {path}: {exc.strerror or exc}") from exc
+
+    def claim(self, src: str, dst: str) -> bool:
+        try:
+            os.makedirs(os.path.dirname(dst), exist_ok=True)
+            os.rename(src, dst)
+        except FileNotFoundError:
+            return False
+        except OSError as exc:
+            raise StorageError(f"cannot move {src} to {dst}: {exc.strerror or exc}") from exc
+        return True
 
     def write_small(self, path: str, data: bytes) -> None:
         tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
@@ -173,7 +201,9 @@ class LocalStorage:
 
 
 class FsspecStorage:
-    """Any other fsspec filesystem (memory, s3, gcs …)."""
+    """Any other fsspec filesystem (memory, s3, gcs …); objects are never reused."""
+
+    recycles = False
 
     def __init__(self, url: str, fs: Any, root: str) -> None:
         self.url = url
@@ -205,6 +235,9 @@ class FsspecStorage:
         finally:
             pending.wait()
         return size, pending.hexdigest()
+
+    def claim(self, src: str, dst: str) -> bool:
+        return False
 
     def write_small(self, path: str, data: bytes) -> None:
         try:

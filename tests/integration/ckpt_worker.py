@@ -65,7 +65,8 @@ def _stall_share_writes(step: int) -> None:
         if f"step-{step:08d}" not in path:
             return original(self, path, chunks)
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "wb") as f:
+        # Like the real writer: a claimed (recycled) file is overwritten in place and keeps its size.
+        with open(path, "r+b" if os.path.exists(path) else "wb") as f:
             f.write(chunks[0][: max(1, chunks[0].nbytes // 2)])
         print("MIDWRITE", flush=True)
         time.sleep(600)
@@ -84,6 +85,7 @@ def main() -> int:
     ap.add_argument("--mem-every", type=int, default=1)
     ap.add_argument("--finish", choices=["finalize", "close", "hang"], default="finalize")
     ap.add_argument("--tear-step", type=int, default=0)
+    ap.add_argument("--keep-last", type=int, default=2)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -98,7 +100,7 @@ def main() -> int:
         every_steps=args.every,
         memory_every_steps=args.mem_every,
         memory_dir=args.memdir,
-        keep_last=2,
+        keep_last=args.keep_last,
     )
     mgr = CheckpointManager(
         cfg,

@@ -100,6 +100,8 @@ def wait_line(proc: subprocess.Popen, word: str, timeout: float = 120) -> None:
 
 def test_kill_mid_save_never_loads_torn_checkpoint(tmp_path, memdir, reaper):
     url = str(tmp_path / "ckpt")
+    # keep_last 1: the commit of step 4 retires step 2's share into the pool, and the save of step 6 tears
+    # while overwriting that very file in place (so the torn file has the full size of a good share).
     (p,) = launch(
         reaper,
         1,
@@ -111,7 +113,9 @@ def test_kill_mid_save_never_loads_torn_checkpoint(tmp_path, memdir, reaper):
         "--steps",
         "6",
         "--every",
-        "3",
+        "2",
+        "--keep-last",
+        "1",
         "--mem-every",
         "0",
         "--tear-step",
@@ -123,9 +127,15 @@ def test_kill_mid_save_never_loads_torn_checkpoint(tmp_path, memdir, reaper):
     p.kill()
     p.wait(timeout=30)
     storage = open_storage(url)
-    entries = {e.step: e for e in durable.list_entries(storage, storage.join(storage.root, "run"))}
-    assert entries[3].valid and not entries[6].valid and "no manifest" in (entries[6].problem or "")
-    # A new worker resumes from step 3 (the torn step 6 is skipped) and its next save is not blocked.
+    root = storage.join(storage.root, "run")
+    entries = {e.step: e for e in durable.list_entries(storage, root)}
+    assert entries[4].valid and not entries[6].valid and "no manifest" in (entries[6].problem or "")
+    assert entries[4].manifest is not None
+    full = entries[4].manifest["files"][0]["size"]
+    (torn,) = os.listdir(entries[6].path)
+    assert os.path.getsize(os.path.join(entries[6].path, torn)) == full  # the recycled file, half rewritten
+    assert storage.listdir(durable.pool_path(storage, root)) == []  # it was claimed from the pool
+    # A new worker resumes from step 4 (the torn step 6 is skipped) and its next save is not blocked.
     procs = launch(
         reaper,
         1,
@@ -142,11 +152,12 @@ def test_kill_mid_save_never_loads_torn_checkpoint(tmp_path, memdir, reaper):
         "0",
     )
     (res,) = finish(procs, tmp_path / "b")
-    assert res["restored"] == {"step": 3, "source": "durable", "holder": None}
+    assert res["restored"] == {"step": 4, "source": "durable", "holder": None}
     assert res["sum"] == pytest.approx(ckpt_worker.reference(7), rel=1e-6)
-    entries = {e.step: e for e in durable.list_entries(storage, storage.join(storage.root, "run"))}
+    entries = {e.step: e for e in durable.list_entries(storage, root)}
     assert entries[6].valid and entries[7].valid
     assert not durable.verify(storage, entries[6].path)
+    assert durable.POOL not in os.listdir(root)  # the final checkpoint empties the pool
 
 
 def test_memory_snapshot_survives_kill_and_is_used(tmp_path, memdir, reaper):

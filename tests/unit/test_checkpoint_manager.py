@@ -333,3 +333,88 @@ def test_final_checkpoint_is_retried_and_never_silently_lost(tmp_path, memdir, m
     m2.save(1, make_state(1))
     with pytest.raises(WriteFailed, match="disk on fire"):
         m2.finalize(1, make_state(1))
+
+
+def _shares(entry: durable.Entry) -> list[str]:
+    assert entry.manifest is not None
+    return [os.path.join(entry.path, f["name"]) for f in entry.manifest["files"]]
+
+
+def test_retired_shares_are_overwritten_in_place_and_the_final_checkpoint_empties_the_pool(tmp_path, memdir):
+    url = str(tmp_path / "c")
+    s, root = run_root(url)
+    pool = durable.pool_path(s, root)
+    m = manager(cfg(url, memdir, every_steps=1, keep_last=1, async_write=False))
+    m.save(1, make_state(1))
+    (first,) = _shares(durable.list_entries(s, root)[0])
+    inode = os.stat(first).st_ino
+    assert not os.path.exists(pool)
+    m.save(2, make_state(2))  # retires step 1: its share moves into the pool
+    assert [e.step for e in durable.list_entries(s, root)] == [2]
+    (retired,) = os.listdir(pool)
+    assert os.stat(os.path.join(pool, retired)).st_ino == inode
+    m.save(3, make_state(3))  # step 3's share is step 1's file, rewritten
+    (entry,) = durable.list_entries(s, root)
+    (third,) = _shares(entry)
+    assert os.stat(third).st_ino == inode and durable.verify(s, entry.path) == []
+    assert len(os.listdir(pool)) == 1  # now step 2's file
+    r = manager(cfg(url, memdir)).restore()
+    assert r is not None and r.step == 3
+    assert torch.equal(r.state["model"]["weight"], make_state(3)["model"]["weight"])
+    m.finalize(4, make_state(4))
+    assert [e.step for e in durable.list_entries(s, root)] == [4]
+    assert not os.path.exists(pool)
+
+
+@pytest.mark.parametrize("retired_size", [1, 10_000_000])
+def test_a_recycled_file_of_another_size_is_grown_or_cut(tmp_path, retired_size):
+    s = open_storage(str(tmp_path))
+    pool = s.join(s.root, durable.POOL)
+    os.makedirs(pool)
+    with open(os.path.join(pool, "old.bin"), "wb") as f:
+        f.write(b"\xee" * retired_size)
+    state = flatten(make_state(5, width=64))
+    buf = torch.empty(state.nbytes, dtype=torch.uint8)
+    from elastic_train.checkpoint.codec import copy_into
+
+    copy_into(state, buf)
+    indices = list(range(len(state.specs)))
+    record = durable.write_share(s, s.join(s.root, "step-00000005"), 0, buf, state.specs, indices, pool=pool)
+    path = os.path.join(s.root, "step-00000005", record.name)
+    assert os.listdir(pool) == [] and record.size == os.path.getsize(path)
+    with open(path, "rb") as f:
+        data = f.read()
+    expected = b"".join(bytes(v) for v in durable.views(buf, state.specs, indices))
+    assert data == expected
+
+
+def test_pool_keeps_at_most_the_bytes_of_the_newest_checkpoint(tmp_path, memdir):
+    url = str(tmp_path / "c")
+    s, root = run_root(url)
+    pool = durable.pool_path(s, root)
+    os.makedirs(pool)
+    for i in range(3):  # retired files of an earlier, larger run of the job
+        with open(os.path.join(pool, f"junk{i}.bin"), "wb") as f:
+            f.write(b"\0" * 100_000)
+    m = manager(cfg(url, memdir, every_steps=1, keep_last=2, async_write=False))
+    for step in (1, 2, 3):
+        m.save(step, make_state(step))
+    newest = durable.list_entries(s, root)[-1]
+    assert newest.manifest is not None
+    held = sum(os.path.getsize(os.path.join(pool, n)) for n in os.listdir(pool))
+    assert 0 < held <= newest.manifest["bytes"]
+    assert not any(n.startswith("junk") for n in os.listdir(pool))  # claimed once, the rest cut
+    m.close()
+
+
+@pytest.mark.parametrize("where", ["local-recycle-off", "memory"])
+def test_no_pool_without_recycling(tmp_path, memdir, where):
+    url = str(tmp_path / "c") if where.startswith("local") else f"memory://ckpt-{uuid.uuid4().hex}"
+    m = manager(cfg(url, memdir, every_steps=1, keep_last=1, async_write=False, recycle=False))
+    if where == "memory":
+        m.cfg.recycle = True  # asked for, but object stores never recycle
+    for step in (1, 2, 3):
+        m.save(step, make_state(step))
+    s, root = run_root(url)
+    assert s.listdir(root) == ["latest", "step-00000003"]
+    m.close()
