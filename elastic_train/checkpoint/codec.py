@@ -175,6 +175,13 @@ def destinations(specs: tuple[TensorSpec, ...], buf: torch.Tensor) -> list[torch
     return [tensor_at(buf, spec) if spec.nbytes else None for spec in specs]
 
 
+def aligned_zeros(nbytes: int, align: int) -> torch.Tensor:
+    """A zeroed uint8 tensor of ``nbytes`` whose first byte sits at a multiple of ``align`` in memory."""
+    base = torch.zeros(nbytes + align, dtype=torch.uint8)
+    skip = -base.data_ptr() % align
+    return base[skip : skip + nbytes]
+
+
 def copy_into(flat: Flat, buf: torch.Tensor) -> None:
     """Copy every tensor of ``flat`` into the uint8 tensor ``buf`` at its offset (the loop's only stall)."""
     copy_to(flat, destinations(flat.specs, buf))

@@ -25,6 +25,10 @@ class CheckpointConfig:
     recycle: bool = True
     """Local disks: write new share files over the files of deleted checkpoints instead of allocating new
     blocks (turn off on copy-on-write filesystems such as ZFS or btrfs, where it gains nothing)."""
+    direct_io: bool = True
+    """Local disks: write shares with O_DIRECT, straight from memory to the device: no copy into the page
+    cache (the CPU is left to the checksums) and no gigabytes of checkpoint evicting cached training data.
+    Filesystems without O_DIRECT fall back to the page cache by themselves."""
     async_write: bool = True
     """Write durable checkpoints in a background thread (the loop pays only for a CPU copy)."""
     on_error: str = "retry"

@@ -1,8 +1,14 @@
 """The durable tier: share files + ``manifest.json`` (written last) + ``latest`` under ``ROOT/RUN_ID/``.
 
-A step directory is a checkpoint only when its manifest parses, names format :data:`FORMAT`, and every file
-it lists exists with the listed size; loading additionally recomputes each file's checksum (a sha256 tree,
-:mod:`elastic_train.checkpoint.digest`; format 1 manifests hold a plain sha256). Share files carry
+A checkpoint is the flat buffer of the state (:mod:`elastic_train.checkpoint.codec`: every tensor at a
+64-byte aligned offset) cut into one contiguous byte range per rank (:func:`policy.share_ranges`); each
+rank writes its range as one share file, and the manifest lists the files with their ``offset`` in the
+buffer. Loading at any world size reads every file back to its offset. (Formats 1 and 2 stored each
+share as a concatenation of whole tensors, placed by ``file``/``file_offset``; they are still read.)
+
+A step directory is a checkpoint only when its manifest parses, names a format this version reads, and every
+file it lists exists with the listed size; loading additionally recomputes each file's checksum (a sha256
+tree, :mod:`elastic_train.checkpoint.digest`; format 1 manifests hold a plain sha256). Share files carry
 a random token in their name, so a new attempt never overwrites bytes an older valid manifest still lists,
 and files no manifest lists are leftovers, removed after the next commit.
 
@@ -34,9 +40,10 @@ from elastic_train.log import get_logger
 
 log = get_logger(__name__)
 
-FORMAT = 2
-#: Manifest formats this version reads: 1 (plain sha256 per file) and 2 (sha256 tree per file, ``hash``).
-READABLE_FORMATS = (1, 2)
+FORMAT = 3
+#: Manifest formats this version reads: 1 (whole tensors per file, plain sha256), 2 (whole tensors per file,
+#: sha256 tree, ``hash``) and 3 (byte ranges of the flat buffer per file, ``offset``).
+READABLE_FORMATS = (1, 2, 3)
 KIND = "elastic_train.checkpoint"
 MANIFEST = "manifest.json"
 LATEST = "latest"
@@ -52,7 +59,8 @@ class ShareRecord:
     name: str
     size: int
     sha256: str
-    tensors: tuple[int, ...]
+    offset: int
+    """Where the file's bytes start in the flat buffer."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,12 +77,6 @@ class Entry:
         return self.problem is None
 
 
-def views(buf: torch.Tensor, specs: Sequence[TensorSpec], indices: Sequence[int]) -> list[memoryview]:
-    """Byte views of tensors ``indices`` inside the flat uint8 tensor ``buf`` (no copy)."""
-    arr = buf.numpy()
-    return [_view(arr, specs[i].offset, specs[i].nbytes) for i in indices if specs[i].nbytes]
-
-
 def _view(arr: Any, offset: int, nbytes: int) -> memoryview:
     return memoryview(arr[offset : offset + nbytes])
 
@@ -84,22 +86,21 @@ def write_share(
     path: str,
     rank: int,
     buf: torch.Tensor,
-    specs: Sequence[TensorSpec],
-    indices: Sequence[int],
+    start: int,
+    end: int,
     *,
     pool: str | None = None,
 ) -> ShareRecord:
-    """Write this rank's tensors as one file (a fresh name per attempt) and fsync it.
-
-    With ``pool`` (the run's :data:`POOL` path), a retired file from there is claimed and overwritten.
-    """
+    """Write bytes ``[start, end)`` of the flat uint8 buffer ``buf`` as one file (a fresh name per attempt)
+    and fsync it. With ``pool`` (the run's :data:`POOL` path), a retired file from there is claimed and
+    overwritten. A page-aligned ``buf`` (a shared-memory slot, the manager's staging buffer) lets local
+    disks write it with O_DIRECT."""
     name = f"share-{rank:05d}.{uuid.uuid4().hex[:8]}.bin"
     target = storage.join(path, name)
-    chunks = views(buf, specs, indices)
     if pool is not None and storage.recycles:
-        reuse(storage, pool, target, sum(c.nbytes for c in chunks))
-    size, sha = storage.write_chunks(target, chunks)
-    return ShareRecord(rank, name, size, sha, tuple(indices))
+        reuse(storage, pool, target, end - start)
+    size, sha = storage.write_chunks(target, [_view(buf.numpy(), start, end - start)])
+    return ShareRecord(rank, name, size, sha, start)
 
 
 def pool_path(storage: Storage, run_path: str) -> str:
@@ -165,14 +166,7 @@ def build_manifest(
     sampler: Any,
     nbytes: int,
 ) -> dict[str, Any]:
-    """The manifest of a checkpoint whose shares are all durable."""
-    where: dict[int, tuple[int, int]] = {}
-    for f, share in enumerate(shares):
-        pos = 0
-        for i in share.tensors:
-            where[i] = (f, pos)
-            pos += specs[i].nbytes
-    assert len(where) == len(specs), "every tensor is in exactly one share"
+    """The manifest of a checkpoint whose shares (byte ranges of the flat buffer) are all durable."""
     fingerprint = fingerprint_from_specs(list(specs))
     return {
         "kind": KIND,
@@ -192,13 +186,17 @@ def build_manifest(
         "bytes": sum(s.size for s in shares),
         "layout_bytes": nbytes,
         "files": [
-            {"name": s.name, "size": s.size, "sha256": s.sha256, "hash": digest.TREE, "rank": s.rank}
-            for s in shares
+            {
+                "name": s.name,
+                "offset": s.offset,
+                "size": s.size,
+                "sha256": s.sha256,
+                "hash": digest.TREE,
+                "rank": s.rank,
+            }
+            for s in sorted(shares, key=lambda s: s.offset)
         ],
-        "tensors": [
-            {**spec.to_json(), "file": where[i][0], "file_offset": where[i][1]}
-            for i, spec in enumerate(specs)
-        ],
+        "tensors": [spec.to_json() for spec in specs],
         "skeleton": skeleton,
     }
 
@@ -239,6 +237,26 @@ def check_manifest(m: Any, step: int | None = None) -> str | None:
             return f"manifest lacks {key!r}"
     if step is not None and m["step"] != step:
         return f"manifest says step {m['step']}, directory says {step}"
+    if m["format"] >= 3:
+        return _check_tiling(m)
+    return None
+
+
+def _check_tiling(m: dict[str, Any]) -> str | None:
+    """Format 3: the files must cover the flat buffer exactly, and every tensor must lie inside it."""
+    try:
+        total = int(m["layout_bytes"])
+        pos = 0
+        for f in sorted(m["files"], key=lambda f: int(f["offset"])):
+            if int(f["offset"]) != pos:
+                return f"files do not cover the state: a gap or overlap at byte {pos}"
+            pos += int(f["size"])
+        if pos != total:
+            return f"files hold {pos} bytes, the state has {total}"
+        if any(int(t["offset"]) + int(t["nbytes"]) > total for t in m["tensors"]):
+            return "a tensor lies beyond the end of the state"
+    except (KeyError, TypeError, ValueError) as exc:
+        return f"malformed manifest: {type(exc).__name__}: {exc}"
     return None
 
 
@@ -290,15 +308,15 @@ def load(storage: Storage, entry: Entry) -> tuple[torch.Tensor, list[TensorSpec]
     specs = [TensorSpec.from_json(t) for t in m["tensors"]]
     nbytes = int(m.get("layout_bytes") or 0) or max((s.offset + s.nbytes for s in specs), default=0)
     buf = torch.empty(nbytes, dtype=torch.uint8)
-    per_file: list[list[tuple[int, int]]] = [[] for _ in m["files"]]
-    for i, t in enumerate(m["tensors"]):
-        per_file[int(t["file"])].append((int(t["file_offset"]), i))
     arr = buf.numpy()
-    for f, placed in zip(m["files"], per_file, strict=True):
-        placed.sort()
-        outs = []
-        for _, i in placed:
-            outs.append(_view(arr, specs[i].offset, specs[i].nbytes))
+    if int(m["format"]) >= 3:
+        placements = [[_view(arr, int(f["offset"]), int(f["size"]))] for f in m["files"]]
+    else:  # whole tensors per file, in ``file_offset`` order
+        per_file: list[list[tuple[int, int]]] = [[] for _ in m["files"]]
+        for i, t in enumerate(m["tensors"]):
+            per_file[int(t["file"])].append((int(t["file_offset"]), i))
+        placements = [[_view(arr, specs[i].offset, specs[i].nbytes) for _, i in sorted(p)] for p in per_file]
+    for f, outs in zip(m["files"], placements, strict=True):
         path = storage.join(entry.path, f["name"])
         outs = [o for o in outs if o.nbytes]
         try:

@@ -25,6 +25,7 @@ from elastic_train.checkpoint import durable
 from elastic_train.checkpoint.codec import (
     Flat,
     TensorSpec,
+    aligned_zeros,
     copy_into,
     describe_mismatch,
     fingerprint_from_specs,
@@ -37,7 +38,7 @@ from elastic_train.checkpoint.codec import (
 from elastic_train.checkpoint.config import CheckpointConfig
 from elastic_train.checkpoint.errors import CheckpointError, CheckpointNotFound, ModelMismatch, WriteFailed
 from elastic_train.checkpoint.memory import MemorySnapshot, snapshot_files, sweep_stale
-from elastic_train.checkpoint.policy import assign_shares, durable_due, restore_plan, step_dir
+from elastic_train.checkpoint.policy import SHARE_ALIGN, durable_due, restore_plan, share_ranges, step_dir
 from elastic_train.checkpoint.storage import open_storage
 from elastic_train.log import get_logger
 
@@ -117,7 +118,7 @@ class CheckpointManager:
         self.world_size = world_size
         self.local_rank = local_rank
         self.device = device or torch.device("cpu")
-        self.storage = open_storage(cfg.url, cfg.storage_options)
+        self.storage = open_storage(cfg.url, cfg.storage_options, direct_io=cfg.direct_io)
         self.run_path = self.storage.join(self.storage.root, run_id)
         self._ctl: Any = None
         self._io: Any = None
@@ -302,7 +303,9 @@ class CheckpointManager:
             self.memory.pin(slot)
         else:
             if self._staging is None or self._staging.numel() < flat.nbytes:
-                self._staging = torch.empty(flat.nbytes, dtype=torch.uint8)
+                # Page-aligned (shares can be written with O_DIRECT) and zeroed (the padding between tensors
+                # is written too, and must not carry stale process memory).
+                self._staging = aligned_zeros(flat.nbytes, SHARE_ALIGN)
             copy_into(flat, self._staging)
         job = _Job(step, flat, slot, time.monotonic(), final)
         self._last_durable_time = time.monotonic()
@@ -381,14 +384,15 @@ class CheckpointManager:
         me = self.rank if self.coordinated else 0
         if not self.coordinated and self.rank != 0:
             return None
-        shares = assign_shares([s.nbytes for s in specs], world)
+        start, end = share_ranges(job.flat.nbytes, world)[me]
         path = self.storage.join(self.run_path, step_dir(job.step))
         record, error = None, None
-        try:
-            pool = durable.pool_path(self.storage, self.run_path) if self.cfg.recycle else None
-            record = durable.write_share(self.storage, path, me, source, specs, shares[me], pool=pool)
-        except Exception as exc:
-            error = f"rank {self.rank}: {exc}"
+        if end > start:
+            try:
+                pool = durable.pool_path(self.storage, self.run_path) if self.cfg.recycle else None
+                record = durable.write_share(self.storage, path, me, source, start, end, pool=pool)
+            except Exception as exc:
+                error = f"rank {self.rank}: {exc}"
         key = layout_key(specs)
         mine = (record, error, key)
         gathered = self._all_gather(mine, self._io) if self.coordinated else [mine]
@@ -399,7 +403,7 @@ class CheckpointManager:
                 errors.append("ranks hold states of different layouts (is the state replicated?)")
             if not errors:
                 try:
-                    self._commit(job, [r for r, _, _ in gathered])
+                    self._commit(job, [r for r, _, _ in gathered if r is not None])
                 except Exception as exc:
                     errors.append(f"commit: {exc}")
             if errors:

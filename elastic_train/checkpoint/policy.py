@@ -28,19 +28,24 @@ def durable_due(step: int, *, every_steps: int, every_seconds: float, since_last
     return bool(every_seconds) and since_last >= every_seconds
 
 
-def assign_shares(sizes: Sequence[int], world_size: int) -> list[list[int]]:
-    """Split tensors (by byte size) over ranks so each writes about the same number of bytes.
+#: Share boundaries in the flat layout fall on multiples of this (a page): every share then starts on a page
+#: of the page-aligned buffer it is written from, which is what O_DIRECT needs.
+SHARE_ALIGN = 4096
 
-    Greedy largest-first onto the least-loaded rank (ties: lowest rank); each rank's list is in index order,
-    so a share file holds its tensors in state order. Deterministic: every rank computes the same split.
+
+def share_ranges(nbytes: int, world_size: int, align: int = SHARE_ALIGN) -> list[tuple[int, int]]:
+    """Cut the flat layout ``[0, nbytes)`` into ``world_size`` contiguous byte ranges, one per rank.
+
+    Cuts are the multiples of ``align`` nearest to the even split, so shares differ by at most ``align``
+    bytes (tensors may straddle two shares); a state smaller than ``align`` per rank leaves some ranks an
+    empty range. Deterministic: every rank computes the same cuts.
     """
-    loads = [0] * world_size
-    shares: list[list[int]] = [[] for _ in range(world_size)]
-    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
-        r = min(range(world_size), key=lambda r: (loads[r], r))
-        shares[r].append(i)
-        loads[r] += sizes[i]
-    return [sorted(s) for s in shares]
+    cuts = [0]
+    for k in range(1, world_size):
+        cut = (k * nbytes // world_size + align // 2) // align * align
+        cuts.append(min(max(cut, cuts[-1]), nbytes))
+    cuts.append(nbytes)
+    return [(cuts[r], cuts[r + 1]) for r in range(world_size)]
 
 
 def retention(valid_steps: Sequence[int], *, keep_last: int, keep_every: int) -> list[int]:

@@ -21,7 +21,8 @@ from elastic_train.checkpoint import CheckpointConfig, CheckpointManager
 
 def build() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    # ~64 kB of model + Adam state: enough pages for every rank of a world of 4 to write a share.
+    model = torch.nn.Sequential(torch.nn.Linear(16, 256), torch.nn.Tanh(), torch.nn.Linear(256, 4))
     return model, torch.optim.Adam(model.parameters(), lr=1e-2)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -17,12 +19,13 @@ from elastic_train.checkpoint.codec import (
     unflatten,
 )
 from elastic_train.checkpoint.policy import (
+    SHARE_ALIGN,
     Candidate,
-    assign_shares,
     durable_due,
     parse_step_dir,
     restore_plan,
     retention,
+    share_ranges,
     step_dir,
 )
 
@@ -106,14 +109,17 @@ def test_durable_due():
     assert not durable_due(3, every_steps=0, every_seconds=0, since_last=1e9)
 
 
-def test_shares_balance_bytes_and_cover_every_tensor_once():
-    sizes = [100, 1, 50, 50, 30, 20, 0, 7]
-    shares = assign_shares(sizes, 3)
-    assert sorted(i for s in shares for i in s) == list(range(len(sizes)))
-    loads = [sum(sizes[i] for i in s) for s in shares]
-    assert max(loads) == 100 and min(loads) >= 50
-    assert shares == assign_shares(sizes, 3)  # deterministic on every rank
-    assert assign_shares(sizes, 1) == [list(range(len(sizes)))]
+@pytest.mark.parametrize("nbytes", [0, 100, 4096, 4097, 3 * 4096, 10_000_000, 1_000_000_007])
+@pytest.mark.parametrize("world", [1, 2, 3, 7])
+def test_share_ranges_tile_the_buffer_on_page_boundaries_and_balance(nbytes, world):
+    ranges = share_ranges(nbytes, world)
+    assert len(ranges) == world and ranges[0][0] == 0 and ranges[-1][1] == nbytes
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges))  # contiguous, no overlap
+    assert all(s <= e for s, e in ranges)
+    assert all(s % SHARE_ALIGN == 0 for s, _ in ranges)
+    sizes = [e - s for s, e in ranges]
+    assert max(sizes) - min(sizes) <= 2 * SHARE_ALIGN  # each cut is within half a page of the even split
+    assert ranges == share_ranges(nbytes, world)  # deterministic on every rank
 
 
 def test_retention_keeps_last_k_every_n_and_the_newest():

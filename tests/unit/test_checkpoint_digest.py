@@ -1,4 +1,4 @@
-"""The sha256 tree of share files, and manifests of format 1 (plain sha256) still loading."""
+"""The sha256 tree of share files, format 3 manifests, and checkpoints of formats 1 and 2 still loading."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from elastic_train.checkpoint import CheckpointConfig, CheckpointManager, digest, durable
+from elastic_train.checkpoint import CheckpointConfig, CheckpointCorrupt, CheckpointManager, digest, durable
+from elastic_train.checkpoint.codec import copy_into, flatten, tensor_at, unflatten
 from elastic_train.checkpoint.storage import open_storage
 
 
@@ -47,7 +48,73 @@ def test_pieces_cut_at_piece_boundaries_without_copies():
         digest.start([memoryview(data)], "md5")
 
 
-def test_format_1_manifest_with_plain_sha256_still_loads_and_verifies(tmp_path):
+def write_legacy(storage, run: str, step: int, state: dict, fmt: int) -> str:
+    """A checkpoint as versions writing format 1 or 2 left it: two share files of whole tensors, packed
+    without padding and placed by ``file``/``file_offset``; a plain sha256 (1) or a sha256 tree (2)."""
+    flat = flatten(state)
+    buf = torch.zeros(flat.nbytes, dtype=torch.uint8)
+    copy_into(flat, buf)
+    path = os.path.join(run, f"step-{step:08d}")
+    os.makedirs(path)
+    halves = [list(range(0, len(flat.specs), 2)), list(range(1, len(flat.specs), 2))]
+    files, tensors = [], [None] * len(flat.specs)
+    for f, indices in enumerate(halves):
+        data, pos = b"", 0
+        for i in indices:
+            spec = flat.specs[i]
+            data += buf[spec.offset : spec.offset + spec.nbytes].numpy().tobytes()
+            tensors[i] = {**spec.to_json(), "file": f, "file_offset": pos}
+            pos += spec.nbytes
+        name = f"share-{f:05d}.legacy.bin"
+        Path(path, name).write_bytes(data)
+        entry = {"name": name, "size": len(data), "rank": f}
+        if fmt == 1:
+            entry["sha256"] = hashlib.sha256(data).hexdigest()
+        else:
+            entry.update(sha256=tree(data), hash=digest.TREE)
+        files.append(entry)
+    manifest = {
+        "kind": durable.KIND,
+        "format": fmt,
+        "run_id": "run",
+        "step": step,
+        "world_size": 2,
+        "time": 0.0,
+        "bytes": sum(f["size"] for f in files),
+        "layout_bytes": flat.nbytes,
+        "files": files,
+        "tensors": tensors,
+        "skeleton": flat.skeleton,
+    }
+    Path(path, durable.MANIFEST).write_text(json.dumps(manifest))
+    return path
+
+
+@pytest.mark.parametrize("fmt", [1, 2])
+def test_manifests_of_formats_1_and_2_still_load_and_verify(tmp_path, fmt):
+    storage = open_storage(str(tmp_path))
+    state = {
+        "w": torch.arange(1000, dtype=torch.float32),
+        "b": torch.ones(3),
+        "s": torch.tensor(7),
+        "step": 3,
+    }
+    path = write_legacy(storage, str(tmp_path), 3, state, fmt)
+    (entry,) = durable.list_entries(storage, str(tmp_path))
+    assert entry.valid and durable.verify(storage, path) == []
+    buf, specs = durable.load(storage, entry)
+    got = unflatten(entry.manifest["skeleton"], [tensor_at(buf, s) for s in specs])
+    assert all(torch.equal(got[k], state[k]) for k in ("w", "b", "s")) and got["step"] == 3
+    m = json.loads(Path(path, durable.MANIFEST).read_text())
+    m["files"][1]["sha256"] = "0" * 64
+    Path(path, durable.MANIFEST).write_text(json.dumps(m))
+    algorithm = digest.PLAIN if fmt == 1 else digest.TREE
+    assert any(f"checksum mismatch ({algorithm}:" in p for p in durable.verify(storage, path))
+    with pytest.raises(CheckpointCorrupt, match="checksum mismatch"):
+        durable.load(storage, durable.list_entries(storage, str(tmp_path))[0])
+
+
+def test_format_3_files_must_tile_the_state(tmp_path):
     url = str(tmp_path / "ckpt")
     mgr = CheckpointManager(
         CheckpointConfig(url=url, every_steps=1, memory_every_steps=0),
@@ -56,24 +123,17 @@ def test_format_1_manifest_with_plain_sha256_still_loads_and_verifies(tmp_path):
         world_size=1,
         local_rank=0,
     )
-    state = {"w": torch.arange(1000, dtype=torch.float32), "step": 3}
-    mgr.save(3, state)
+    mgr.save(3, {"w": torch.arange(5000, dtype=torch.float32), "step": 3})
     mgr.close()
     storage = open_storage(url)
-    run = storage.join(url, "run")
-    (entry,) = durable.list_entries(storage, run)
-    assert entry.valid and entry.manifest["files"][0]["hash"] == digest.TREE
-    m = dict(entry.manifest, format=1)
-    for f in m["files"]:
-        f.pop("hash")
-        f["sha256"] = hashlib.sha256(Path(entry.path, f["name"]).read_bytes()).hexdigest()
-    with open(os.path.join(entry.path, durable.MANIFEST), "w") as out:
-        json.dump(m, out)
-    (old,) = durable.list_entries(storage, run)
-    assert old.valid and durable.verify(storage, old.path) == []
-    buf, _ = durable.load(storage, old)
-    assert buf.numel() >= 4000
-    m["files"][0]["sha256"] = "0" * 64
-    with open(os.path.join(entry.path, durable.MANIFEST), "w") as out:
-        json.dump(m, out)
-    assert any("checksum mismatch (sha256:" in p for p in durable.verify(storage, entry.path))
+    (entry,) = durable.list_entries(storage, storage.join(url, "run"))
+    assert entry.valid and entry.manifest["format"] == 3
+    (f,) = entry.manifest["files"]
+    assert f["offset"] == 0 and f["size"] == entry.manifest["layout_bytes"]
+    for change, problem in [
+        ({"offset": 64}, "gap or overlap at byte 0"),
+        ({"size": f["size"] - 64}, "files hold"),
+        ({"offset": "x"}, "malformed manifest"),
+    ]:
+        m = dict(entry.manifest, files=[dict(f, **change)])
+        assert problem in (durable.check_manifest(m) or "")
