@@ -80,7 +80,10 @@ def cmd_show(args: argparse.Namespace) -> int:
     print(f"sampler     {json.dumps(m.get('sampler'))}")
     print(f"bytes       {m['bytes']} in {len(m['files'])} file(s)")
     for f in m["files"]:
-        print(f"  {f['name']}  {f['size']:>12}  {durable.file_hash(f)} {f['sha256']}  (rank {f['rank']})")
+        where = f"  at {f['offset']:>12}" if "offset" in f else ""
+        print(
+            f"  {f['name']}{where}  {f['size']:>12}  {durable.file_hash(f)} {f['sha256']}  (rank {f['rank']})"
+        )
     groups: dict[str, list[int]] = {}
     for t in m["tensors"]:
         top = t["path"].strip("/").split("/", 1)[0] or "/"

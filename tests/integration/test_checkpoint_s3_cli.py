@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -104,6 +105,13 @@ def test_s3_save_restore_and_cli(s3_endpoint, s3_env, capsys, tmp_path):
     rows = capsys.readouterr().out.splitlines()[1:]
     assert [int(r.split()[0]) for r in rows] == [4, 5] and all(r.endswith("valid") for r in rows)
     assert cli(["ckpt", "verify", f"{url}/job", *opt]) == 0
+    capsys.readouterr()
+    assert cli(["ckpt", "show", f"{url}/job", *opt]) == 0
+    shown = capsys.readouterr().out
+    assert "step        5   world size at save 1" in shown and "at            0" in shown
+    assert "model       2 tensors" in shown and "weight" in shown
+    assert cli(["ckpt", "show", f"{url}/job/step-00000004", "--json", *opt]) == 0
+    assert json.loads(capsys.readouterr().out)["step"] == 4
     assert cli(["ckpt", "export", f"{url}/job", "--to", str(tmp_path / "w.pt"), *opt]) == 0
     weights = torch.load(tmp_path / "w.pt", weights_only=True)
     assert torch.equal(weights["weight"], state(5)["model"]["weight"])
