@@ -48,7 +48,8 @@ class Storage(Protocol):
         ...
 
     def claim(self, src: str, dst: str) -> bool:
-        """Move the retired file ``src`` to ``dst`` (atomically), to be overwritten by :meth:`write_chunks`.
+        """Move the file ``src`` to ``dst`` atomically: a retired share into the pool, or a pooled file to
+        the path a new share is written to (:meth:`write_chunks` then overwrites it in place).
 
         Returns False when ``src`` is gone (another writer claimed it) or the storage does not recycle.
         """
