@@ -475,6 +475,7 @@ class CheckpointManager:
         """
         self._check_open()
         try:
+            self.wait()  # a regular checkpoint of this very step, still in flight, is the final one
             self._raise_pending()
             if step != self._durable_ok_step:  # also when the regular checkpoint of this step failed
                 self._submit(step, flatten(state), None, final=True)

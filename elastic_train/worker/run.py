@@ -140,7 +140,12 @@ def run_worker(cfg: JobConfig, env: WorkerEnv, *, started: float) -> int:
         trainer.restore()
         timings["restore_s"] = time.perf_counter() - t
         timings["since_exec_s"] = _since_exec()
-        log.info("worker_ready", **{k: round(v, 3) for k, v in timings.items()})
+        log.info(
+            "worker_ready",
+            backend=dist.get_backend(),
+            device=str(device),
+            **{k: round(v, 3) for k, v in timings.items()},
+        )
         trainer.run()
     except BaseException:
         manager.close()

@@ -415,3 +415,30 @@ def test_no_pool_without_recycling(tmp_path, memdir, where):
     s, root = run_root(url)
     assert s.listdir(root) == ["latest", "step-00000003"]
     m.close()
+
+
+class SlowStorage:
+    """Wraps a storage; counts share writes and makes each take a while (so it is still in flight)."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.writes = inner, []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def write_chunks(self, path, chunks):
+        import time
+
+        time.sleep(0.3)
+        self.writes.append(path)
+        return self.inner.write_chunks(path, chunks)
+
+
+def test_finalize_on_a_checkpoint_step_writes_that_step_once(tmp_path, memdir):
+    m = manager(cfg(str(tmp_path / "c"), memdir, every_steps=4))
+    m.storage = slow = SlowStorage(m.storage)
+    for step in range(1, 5):
+        m.save(step, make_state(step))  # step 4's write is in flight when finalize is called
+    committed = m.finalize(4, make_state(4))
+    assert committed is not None and committed.step == 4
+    assert [os.path.basename(os.path.dirname(p)) for p in slow.writes] == ["step-00000004"]
