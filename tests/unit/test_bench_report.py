@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tests.unit.bench_scripts import load
 
 harness = load("harness")
@@ -246,3 +248,28 @@ def test_partial_rendezvous_run_is_flagged() -> None:
     doc.update(complete=False, planned_jobs=9, runs=[{}, {}], configs=[{"name": "etcd3"}])
     text = "\n".join(report.render_rendezvous(doc, [], Path("docs/benchmarks.md")))
     assert "**Partial run**: 2 of 9 jobs" in text
+
+
+def test_only_with_keep_others_reruns_one_and_shows_the_others_as_earlier(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    scripts, data = tmp_path / "scripts", tmp_path / "json"
+    scripts.mkdir()
+    data.mkdir()
+    (scripts / "overhead.py").write_text(
+        "import json, sys\n"
+        "json.dump({'overhead_pct': 1.0}, open(sys.argv[sys.argv.index('--json') + 1], 'w'))\n"
+    )
+    monkeypatch.setattr(report, "HERE", scripts)
+    (data / "checkpoint.json").write_text(json.dumps({"repeats": 3, "results": [CKPT_SIZE]}))
+    (data / "overhead.json").write_text(json.dumps({"overhead_pct": 5.0}))  # the earlier figure, replaced
+    out = tmp_path / "benchmarks.md"
+    args = ["--only", "overhead", "--keep-others", "--json-dir", str(data), "--out", str(out)]
+    assert report.main([*args, "--img-dir", str(tmp_path / "img")]) == 0
+    text = out.read_text()
+    assert "| per-step overhead over plain DDP | <= 3% | +1.00% | **met** |" in text
+    assert "| checkpoint | earlier run | - | not re-run:" in text and "not re-run by this command" in text
+    assert "| 50 | 1.2 | 0.9 | 1.6 |" in text  # the checkpoint figures of the earlier run are shown
+    assert "| rendezvous | not run |" in text  # no JSON of an earlier run: absent
+    with pytest.raises(SystemExit):
+        report.parse_args(["--keep-others"])
