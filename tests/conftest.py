@@ -1,4 +1,5 @@
-"""Shared fixtures: real etcd servers on free loopback ports, and a reaper for every process a test starts."""
+"""Shared fixtures: real etcd servers on free loopback ports, a reaper for every process a test starts, and a
+shared-memory directory for checkpoint snapshots."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import contextlib
 import os
 import shutil
 import subprocess
+import tempfile
 from collections.abc import Iterator
 
 import pytest
@@ -67,6 +69,16 @@ class Reaper:
                 proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 proc.kill()
+
+
+@pytest.fixture
+def memdir() -> Iterator[str]:
+    """A private directory in /dev/shm (elsewhere a temporary one) for memory-tier snapshots."""
+    d = tempfile.mkdtemp(prefix="et-ckpt-test-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture

@@ -8,12 +8,9 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,15 +22,6 @@ from elastic_train.checkpoint.storage import open_storage
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture
-def memdir() -> Iterator[str]:
-    d = tempfile.mkdtemp(prefix="et-gpu-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-    try:
-        yield d
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
 
 
 def _port() -> int:

@@ -5,12 +5,9 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -30,16 +27,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-@pytest.fixture
-def memdir() -> Iterator[str]:
-    base = "/dev/shm" if os.path.isdir("/dev/shm") else None
-    d = tempfile.mkdtemp(prefix="et-ckpt-test-", dir=base)
-    try:
-        yield d
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
 
 
 def launch(reaper, world: int, out: Path, *args: str) -> list[subprocess.Popen]:

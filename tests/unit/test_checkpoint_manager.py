@@ -5,12 +5,9 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import uuid
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -28,15 +25,6 @@ from elastic_train.checkpoint import storage as storage_mod
 from elastic_train.checkpoint.codec import flatten
 from elastic_train.checkpoint.memory import MemorySnapshot, snapshot_files, sweep_stale
 from elastic_train.checkpoint.storage import open_storage
-
-
-@pytest.fixture
-def memdir() -> Iterator[str]:
-    d = tempfile.mkdtemp(prefix="et-ckpt-unit-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-    try:
-        yield d
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
 
 
 def make_state(step: int, width: int = 8) -> dict:
