@@ -128,21 +128,19 @@ def bench_size(size_mb: int, repeats: int, workdir: str) -> dict[str, Any]:
     dcp_dir = os.path.join(workdir, "dcp")
     mv = memoryview(buf.numpy())
 
-    def raw() -> None:
-        fd = os.open(raw_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    def write_fsync(path: str, flags: int) -> None:
+        fd = os.open(path, flags, 0o644)
         view = mv
         while view:
             view = view[os.write(fd, view) :]
         os.fsync(fd)
         os.close(fd)
 
+    def raw() -> None:
+        write_fsync(raw_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+
     def overwrite() -> None:
-        fd = os.open(over_path, os.O_WRONLY)
-        view = mv
-        while view:
-            view = view[os.write(fd, view) :]
-        os.fsync(fd)
-        os.close(fd)
+        write_fsync(over_path, os.O_WRONLY)
 
     def tsave() -> None:
         torch.save(state, ts_path)

@@ -240,11 +240,11 @@ def direct_aligned(views: Sequence[memoryview]) -> bool:
     return all(v.nbytes % DIRECT_ALIGN == 0 for v in views[:-1])
 
 
-def _set_direct(fd: int, on: bool) -> None:
+def _clear_direct(fd: int) -> None:
+    """Switch ``fd`` from O_DIRECT to writes through the page cache."""
     import fcntl
 
-    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
-    fcntl.fcntl(fd, fcntl.F_SETFL, (flags | os.O_DIRECT) if on else (flags & ~os.O_DIRECT))
+    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
 
 
 def _write_views(fd: int, views: Sequence[memoryview], direct: bool) -> int:
@@ -271,7 +271,7 @@ def _write_views(fd: int, views: Sequence[memoryview], direct: bool) -> int:
             size += pos
             view = view[pos:]
             if view.nbytes:
-                _set_direct(fd, False)
+                _clear_direct(fd)
                 direct = False
         while view.nbytes:
             n = os.write(fd, view)

@@ -152,17 +152,21 @@ def test_resume_from_used_only_without_own_state(tmp_path, memdir):
 
 
 class FailingStorage:
-    """Wraps a storage; the first ``failures`` share writes raise."""
+    """Wraps a storage; records the share writes, makes each take ``delay`` seconds (so it is still in
+    flight), and lets the first ``failures`` of them raise."""
 
-    def __init__(self, inner, failures: int) -> None:
-        self.inner, self.failures, self.calls = inner, failures, 0
+    def __init__(self, inner, failures: int = 0, delay: float = 0.0) -> None:
+        self.inner, self.failures, self.delay, self.writes = inner, failures, delay, []
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
     def write_chunks(self, path, chunks):
-        self.calls += 1
-        if self.calls <= self.failures:
+        import time
+
+        time.sleep(self.delay)
+        self.writes.append(path)
+        if len(self.writes) <= self.failures:
             raise StorageError(f"cannot write {path}: disk on fire")
         return self.inner.write_chunks(path, chunks)
 
@@ -405,26 +409,9 @@ def test_no_pool_without_recycling(tmp_path, memdir, where):
     m.close()
 
 
-class SlowStorage:
-    """Wraps a storage; counts share writes and makes each take a while (so it is still in flight)."""
-
-    def __init__(self, inner) -> None:
-        self.inner, self.writes = inner, []
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def write_chunks(self, path, chunks):
-        import time
-
-        time.sleep(0.3)
-        self.writes.append(path)
-        return self.inner.write_chunks(path, chunks)
-
-
 def test_finalize_on_a_checkpoint_step_writes_that_step_once(tmp_path, memdir):
     m = manager(cfg(str(tmp_path / "c"), memdir, every_steps=4))
-    m.storage = slow = SlowStorage(m.storage)
+    m.storage = slow = FailingStorage(m.storage, delay=0.3)
     for step in range(1, 5):
         m.save(step, make_state(step))  # step 4's write is in flight when finalize is called
     committed = m.finalize(4, make_state(4))
