@@ -22,6 +22,7 @@ Environment:
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -120,6 +121,8 @@ def main() -> int:
             time.sleep(delay)
         else:
             next_at = time.monotonic()
+    del model, opt  # DDP's reducer must go before the process group does
+    gc.collect()
     dist.destroy_process_group()
     return 0
 

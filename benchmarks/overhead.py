@@ -71,7 +71,7 @@ def _worker(rank: int, args: argparse.Namespace, port: int, out: str) -> None:
     plain = load_task(args.task, task_args)
     params = inspect.signature(DistributedDataParallel.__init__).parameters
     key = "forward_sync_buffers" if "forward_sync_buffers" in params else "broadcast_buffers"
-    plain_ddp = DistributedDataParallel(plain.model, **{key: False})
+    held = {"plain": DistributedDataParallel(plain.model, **{key: False})}  # cleared before the group goes
     perm = epoch_permutation(0, 0, len(plain.dataset)).tolist()
     cursor = 0
 
@@ -82,7 +82,7 @@ def _worker(rank: int, args: argparse.Namespace, port: int, out: str) -> None:
         lo, hi = share_bounds(g, world, rank)
         batch = plain.make_batch(perm[cursor + lo : cursor + hi])
         cursor += g
-        loss = plain.loss_fn(plain_ddp, batch).mean()
+        loss = plain.loss_fn(held["plain"], batch).mean()
         loss.backward()
         plain.optimizer.step()
         plain.optimizer.zero_grad(set_to_none=True)
@@ -138,6 +138,8 @@ def _worker(rank: int, args: argparse.Namespace, port: int, out: str) -> None:
     if rank == 0:
         with open(out, "w") as f:
             json.dump(times, f)
+    held.clear()  # DDP's reducers must go before the process group does
+    trainer.unwrap()
     dist.destroy_process_group()
 
 

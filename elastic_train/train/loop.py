@@ -8,6 +8,7 @@ so a job that resumes at another world size continues the same optimisation.
 from __future__ import annotations
 
 import contextlib
+import gc
 import inspect
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -188,6 +189,16 @@ class Trainer:
             self._carrier.register(ddp)
         self.ddp = ddp
         return ddp
+
+    def unwrap(self) -> None:
+        """Drop the DDP wrapper (and its reducer) while the process group still exists.
+
+        A reducer that outlives ``destroy_process_group`` can abort the process when it is freed later
+        (gloo: ``terminate called without an active exception``), so callers unwrap before destroying it.
+        """
+        self.ddp = None
+        self._carrier = None
+        gc.collect()
 
     def _seed_step(self, step: int) -> None:
         """Seed the generators the step may draw from (dropout …) as a function of (seed, step, rank).

@@ -151,6 +151,7 @@ def run_worker(cfg: JobConfig, env: WorkerEnv, *, started: float) -> int:
         manager.close()
         raise
     finally:
+        trainer.unwrap()
         events.close()
         if audit is not None:
             audit.close()

@@ -6,6 +6,7 @@ training on the GPU with NCCL, committing checkpoints and resuming from them.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import socket
@@ -119,6 +120,8 @@ def test_loss_rides_in_the_last_bucket_under_nccl():
                 assert torch.equal(a.grad, b.grad)
             base.zero_grad()
             twin.zero_grad()
+        del plain, carried  # DDP's reducers must go before the process group does
+        gc.collect()
     finally:
         dist.destroy_process_group()
 

@@ -7,6 +7,7 @@ RDZV_WORKER_CRASH_AT (exit 1 after that many steps; 0: never).
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import time
@@ -46,6 +47,8 @@ def main() -> None:
         if step + 1 == crash_at:
             raise SystemExit(f"rdzv_worker: injected crash at step {step}")
         time.sleep(pause)
+    del model, opt  # DDP's reducer must go before the process group does
+    gc.collect()
     dist.destroy_process_group()
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 
@@ -55,6 +56,9 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
     results.append((carrier.take(), None, True))
     if rank == 0:
         torch.save(results, out)
+    # DDP's reducers must go before the process group does (else gloo can abort the process at exit).
+    del plain, carried_ddp, carrier
+    gc.collect()
     dist.destroy_process_group()
 
 
