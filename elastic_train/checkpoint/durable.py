@@ -118,18 +118,15 @@ def _pool_files(storage: Storage, pool: str) -> list[tuple[int, str]]:
     return sorted(out, reverse=True)
 
 
-def reuse(storage: Storage, pool: str, target: str, nbytes: int) -> str | None:
-    """Claim the retired file that best fits ``nbytes`` for ``target``; returns its old path, or None.
+def reuse(storage: Storage, pool: str, target: str, nbytes: int) -> bool:
+    """Claim the retired file that best fits ``nbytes`` as ``target``; False when none could be claimed.
 
     Best fit: the smallest file of at least ``nbytes`` (its tail is cut), else the largest. Writers of
     other ranks may claim concurrently: a file claimed by another is skipped.
     """
     files = _pool_files(storage, pool)
     fits = [f for f in reversed(files) if f[0] >= nbytes] + [f for f in files if f[0] < nbytes]
-    for _, path in fits:
-        if storage.claim(path, target):
-            return path
-    return None
+    return any(storage.claim(path, target) for _, path in fits)  # stops at the first claimed
 
 
 def retire(storage: Storage, path: str, pool: str) -> None:

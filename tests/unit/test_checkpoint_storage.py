@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from elastic_train.checkpoint import digest
+from elastic_train.checkpoint import digest, durable
 from elastic_train.checkpoint.codec import aligned_zeros
 from elastic_train.checkpoint.storage import DIRECT_ALIGN, LocalStorage, direct_aligned
 
@@ -114,3 +114,24 @@ def test_overwriting_a_longer_file_in_place_cuts_it(tmp_path):
         assert os.stat(path).st_ino == inode  # the same file, its blocks reused
         with open(path, "rb") as f:
             assert f.read() == buf.numpy().tobytes()
+
+
+def test_reuse_claims_the_smallest_retired_file_that_fits_else_the_largest(tmp_path):
+    storage = LocalStorage(str(tmp_path), str(tmp_path))
+    pool = str(tmp_path / durable.POOL)
+    os.makedirs(pool)
+    for name, size in (("small", 100), ("mid", 1000), ("big", 5000)):
+        with open(os.path.join(pool, name), "wb") as f:
+            f.write(b"\0" * size)
+
+    def claim(nbytes: int) -> str | None:
+        target = str(tmp_path / "step" / f"for-{nbytes}.bin")
+        if not durable.reuse(storage, pool, target, nbytes):
+            return None
+        return {100: "small", 1000: "mid", 5000: "big"}[os.path.getsize(target)]
+
+    assert claim(900) == "mid"  # the smallest of at least 900 bytes
+    assert claim(6000) == "big"  # none fits: the largest, grown by the write
+    assert claim(50) == "small"
+    assert claim(50) is None  # the pool is empty
+    assert os.listdir(pool) == []
