@@ -8,12 +8,13 @@ PYTEST_ARGS ?=
 .PHONY: setup test demo lint bench chaos clean
 
 # The CPU torch wheel is installed first, pinned, so that resolving the project's torch range never pulls
-# a multi-GB CUDA build.
+# a multi-GB CUDA build; the project is then installed with the torch already there pinned, since pip's
+# resolver, backtracking over s3fs/aiobotocore/fsspec pins, otherwise "upgrades" it to the newest build.
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==$(TORCH_VERSION)
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[dev]' "torch==$$($(PY) -c 'import torch; print(torch.__version__.split("+")[0])')"
 	touch $@
 
 setup: $(VENV)/.installed
