@@ -273,7 +273,7 @@ def connect(
                 last_exc = exc
         assert last_exc is not None
         waited = time.monotonic() - started
-        if waited + pause > connect_timeout:
+        if waited >= connect_timeout:
             client.close()
             gave_up = f" (gave up after {waited:.0f} s; rdzv-conf connect_timeout)" if connect_timeout else ""
             raise EtcdError(describe_rpc_error(last_exc, where, user) + gave_up) from None
@@ -288,7 +288,8 @@ def connect(
                 waited_s=round(waited, 1),
                 connect_timeout_s=connect_timeout,
             )
-        time.sleep(pause * random.uniform(0.8, 1.2))
+        # the last pause ends at the deadline, for one more pass over the list there
+        time.sleep(min(pause * random.uniform(0.8, 1.2), connect_timeout - waited))
         pause = min(pause * 2, CONNECT_RETRY_MAX)
 
 

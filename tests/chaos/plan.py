@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from elastic_train.launch.faults import Fault
 
 #: Every kind the chaos suite injects; the last three are chaos-only actions (see test_chaos.py).
+#: ``restart-etcd`` goes to runs on one etcd member, the etcd cluster kinds to runs on three.
 CHAOS_KINDS = (
     "kill-worker",
     "kill-node",
@@ -22,6 +23,8 @@ CHAOS_KINDS = (
     "kill-during-checkpoint",
     "corrupt-checkpoint",
     "storage-outage",
+    "kill-etcd-leader",
+    "etcd-quorum-loss",
 )
 
 
@@ -37,9 +40,19 @@ class PlanSpec:
     spacing: int = 8
 
 
+def etcd_members(seed: int) -> int:
+    """Members of the etcd a chaos run uses: every other seed (the odd ones) runs on a 3-member cluster."""
+    return 3 if seed % 2 else 1
+
+
 def make_plan(seed: int, spec: PlanSpec) -> list[Fault]:
-    """A list of faults for one chaos run; node indices follow launch order (joiners get new indices)."""
+    """A list of faults for one chaos run; node indices follow launch order (joiners get new indices).
+
+    On a 3-member etcd (:func:`etcd_members`), the etcd faults are a leader kill and a quorum loss instead of
+    a restart of the single member.
+    """
     rng = random.Random(seed)
+    etcd_kinds = ["restart-etcd"] if etcd_members(seed) == 1 else ["kill-etcd-leader", "etcd-quorum-loss"]
     alive = list(range(spec.initial_nodes))
     next_index = spec.initial_nodes
     hung: list[int] = []
@@ -54,7 +67,7 @@ def make_plan(seed: int, spec: PlanSpec) -> list[Fault]:
             continue
         can_lose = len(alive) > spec.min_nodes
         can_add = len(alive) + len(hung) < spec.max_nodes
-        kinds = ["kill-worker", "restart-etcd", "corrupt-checkpoint", "storage-outage"]
+        kinds = ["kill-worker", *etcd_kinds, "corrupt-checkpoint", "storage-outage"]
         if can_lose:
             kinds += ["kill-node", "hang-node", "kill-during-checkpoint"]
         if can_add:
