@@ -49,9 +49,9 @@ def run(args: argparse.Namespace) -> int:
     with server:
         members = server.members if isinstance(server, EtcdCluster) else [server]
         pids = ", ".join(str(m.pid) for m in members)
-        what = f"a {len(members)}-member cluster" if len(members) > 1 else "one member"
+        what = f" ({len(members)} members, dev/test only)" if len(members) > 1 else ""
         print(
-            f"etcd {server.version} serving {what} on {server.endpoint} (pid {pids}); Ctrl-C stops it",
+            f"etcd {server.version}{what} serving on {server.endpoint} (pid {pids}); Ctrl-C stops it",
             flush=True,
         )
         print(f"  torchrun --rdzv-backend=etcd3 --rdzv-endpoint={server.endpoint} ...", flush=True)
