@@ -175,6 +175,7 @@ class LeaseKeeper:
             )
         self.on_new_lease = on_new_lease
         self.lease_id = 0
+        self._slow_warned = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -195,7 +196,17 @@ class LeaseKeeper:
         failures = 0
         while not self._stop.wait(self.interval if not failures else min(self.interval, 0.25)):
             try:
+                t0 = time.monotonic()
                 left = self.etcd.lease_keepalive(self.lease_id, timeout=self.interval)
+                took = time.monotonic() - t0
+                if took > self.interval / 2 and not self._slow_warned:
+                    self._slow_warned = True
+                    log.warning(
+                        "lease_keepalive_slow",
+                        took_s=round(took, 3),
+                        interval_s=round(self.interval, 3),
+                        hint="etcd answers slowly for this lease TTL: raise rdzv-conf lease_ttl",
+                    )
                 if left <= 0:
                     log.warning("lease_lost", lease=self.lease_id)
                     self._renew()
