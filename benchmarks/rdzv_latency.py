@@ -25,7 +25,7 @@ JSON (``--json FILE``, rewritten after every job; ``complete`` is false until th
     {"benchmark": "rdzv_latency", "schema": 1, "command", "machine", "loadavg_end", "started", "seconds",
      "complete", "settings": {delays_ms, repeats, cap, nnodes, step_interval},
      "configs": [{name, backend, rdzv_conf, description}],
-     "recovery": {CONFIG: {DELAY_MS: {"samples": [{status, seconds, cap, detail}], "summary": {...}}}},
+     "recovery": {CONFIG: {DELAY_MS: {"samples": [{status, seconds, cap, detail, phases}], "summary"}}},
      "leader_kill": {"samples": [{status, seconds, restarted, world_after, detail}], "summary": {...}}}
 """
 
@@ -44,7 +44,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import CONFIGS, BackendConfig, Job, Outcome, machine_info, summarize
+from harness import CONFIGS, BackendConfig, Job, Outcome, machine_info, phases, summarize
 
 from elastic_train.etcd.server import EtcdCluster, free_port
 from elastic_train.launch import procs
@@ -141,16 +141,18 @@ class ClusterJob(Job):
         self.etcd = EtcdCluster(3)  # type: ignore[assignment]
 
 
-def recovery_sample(job: Job, cap: float) -> Outcome:
-    """Train at 3, kill -9 one node, time to the first step at world 2."""
+def recovery_sample(job: Job, cap: float) -> dict[str, Any]:
+    """Train at 3, kill -9 one node, time to the first step at world 2 (with where the time went)."""
     t0 = time.time()
     job.add_nodes(3)
     launch = job.wait_world(3, t0, cap)
     if launch.status != "ok":
-        return Outcome("not_run", cap=cap, detail=f"launch: {launch.status}: {launch.detail}")
+        return Outcome("not_run", cap=cap, detail=f"launch: {launch.status}: {launch.detail}").to_json()
     job.wait_steps(3, 5, time.time(), cap)
     t_kill = job.kill_node(job.pick_victim())
-    return job.wait_world(2, t_kill, cap)
+    out = job.wait_world(2, t_kill, cap).to_json()
+    out["phases"] = phases(job.reader.records, 2, t_kill)
+    return out
 
 
 def leader_kill_sample(job: ClusterJob, cap: float) -> dict[str, Any]:
@@ -258,8 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         for d in delays:
             for c in configs:
                 with ProxiedJob(c, d) as job:
-                    out = recovery_sample(job, args.cap)
-                sample = out.to_json()
+                    sample = recovery_sample(job, args.cap)
                 doc["recovery"][c.name][f"{d:g}"]["samples"].append(sample)
                 print(f"[{rep + 1}/{repeats}] {c.name} delay {d:g} ms: {sample}", flush=True)
                 save()
