@@ -665,7 +665,7 @@ def plot_latency(doc: Mapping[str, Any], img_dir: Path) -> Path | None:
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    path = img_dir / "recovery-vs-latency.png"
+    path = img_dir / "latency-recovery.png"
     fig.savefig(path, dpi=90)
     plt.close(fig)
     return path
@@ -932,8 +932,10 @@ def render_latency(doc: Mapping[str, Any], images: list[Path], out: Path) -> lis
         "SIGKILL and the figure is the time to the first step at world size 2 (median over "
         f"{settings.get('repeats', '?')} repeats, min-max in brackets, cap {_fmt(settings.get('cap'))} s). "
         "c10d's TCPStore runs as a separate process behind the proxy (`is_host=false`), like etcd. Only "
-        "rendezvous traffic is delayed; the workers' gloo traffic stays on loopback. Load average at the "
-        f"end: {doc.get('loadavg_end', '?')}.",
+        "rendezvous traffic is delayed; the workers' gloo traffic stays on loopback. The 0 ms column goes "
+        "through the proxy too. Load average at the start and end: "
+        f"{(doc.get('machine') or {}).get('loadavg', '?')}, {doc.get('loadavg_end', '?')} (a loaded machine "
+        "slows the baselines most: their recovery restarts workers, which import torch again).",
         "",
     ]
     if doc.get("command"):
@@ -956,7 +958,7 @@ def render_latency(doc: Mapping[str, Any], images: list[Path], out: Path) -> lis
             mx = f"> {_fmt(sm.get('max'))}" if sm.get("max_censored") else _fmt(sm.get("max"))
             cells.append(f"{med} ({_fmt(sm.get('min'))}-{mx}), {sm.get('ok')}/{sm.get('n')} ok")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    img = [p for p in images if p.name == "recovery-vs-latency.png"]
+    img = [p for p in images if p.name == "latency-recovery.png"]
     if img:
         lines += ["", f"![recovery vs latency]({os.path.relpath(img[0], out.parent)})", ""]
     lk = doc.get("leader_kill") or {}
@@ -1132,8 +1134,13 @@ def main(argv: list[str] | None = None) -> int:
             continue
         if args.from_json:
             docs[name] = load_json(path)
-            status = "from-json" if docs[name] else "absent"
-            runs.append(RunRecord(name, status, detail="" if docs[name] else f"no {path}"))
+            doc = docs[name]
+            if doc is not None:
+                started = doc.get("started")
+                when = f" (run started {started})" if isinstance(started, str) else ""
+                runs.append(RunRecord(name, "earlier run", detail=f"from {path}{when}"))
+            else:
+                runs.append(RunRecord(name, "absent", detail=f"no {path}"))
             continue
         extra = shlex.split(args.rendezvous_args) if name == "rendezvous" else []
         rec = run_benchmark(name, path, quick=args.quick, timeout=timeout, extra=extra)

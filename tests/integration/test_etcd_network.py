@@ -25,7 +25,7 @@ from elastic_train.etcd.client import Etcd, connect
 from elastic_train.etcd.errors import EtcdError
 from elastic_train.etcd.server import EmbeddedEtcd, EtcdCluster, free_port
 from elastic_train.launch.faults import Fault
-from elastic_train.launch.local import LocalJob, LocalOptions
+from elastic_train.launch.local import QUORUM_LOSS_SECONDS, LocalJob, LocalOptions
 from elastic_train.launch.procs import tree
 from elastic_train.rendezvous.protocol import Participant, ProtocolSettings
 from elastic_train.rendezvous.view import LeaseKeeper
@@ -307,3 +307,12 @@ def test_training_goes_on_through_etcd_leader_or_quorum_loss(
     rounds = {e.get("round") for e in job.step_events}
     assert len(rounds) <= 2, f"more than one recovery: rounds {sorted(rounds)}"
     assert fault.fired_at is not None
+    if kind == "etcd-quorum-loss":
+        # nothing else changed: training went on, in the same round, while etcd could not serve
+        assert len(rounds) == 1, f"a recovery without a membership change: rounds {sorted(rounds)}"
+        during = [
+            e
+            for e in job.step_events
+            if fault.fired_at < float(e["time"]) < fault.fired_at + QUORUM_LOSS_SECONDS
+        ]
+        assert len(during) >= 5, f"only {len(during)} steps while etcd had no quorum"

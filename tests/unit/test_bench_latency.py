@@ -50,7 +50,7 @@ def test_latency_table_plot_and_leader_kill(tmp_path: Path) -> None:
     assert "| backend | 0 ms | 100 ms |" in text
     assert "| etcd3 | 2 (1.5-2.5), 2/2 ok | 3.5 (3-4), 2/2 ok |" in text
     assert "| c10d-tuned | > 60 (10-> 60), 1/2 ok | > 60 (60-> 60), 0/2 ok |" in text
-    assert "![recovery vs latency](recovery-vs-latency.png)" in text
+    assert "![recovery vs latency](latency-recovery.png)" in text
     assert "workers restarted in 1 of them" in text and "| 2 | ok | 2 | yes | [3] |" in text
 
 
