@@ -192,18 +192,37 @@ class LocalJob:
             raise RuntimeError(f"{fault.kind} needs a multi-member etcd (etcd_members >= 3)")
         return self.etcd
 
+    def _cluster_whole(self, cluster: EtcdCluster) -> None:
+        """Bring back members an earlier etcd fault left down or stopped, and wait until all are healthy."""
+        for i, m in enumerate(cluster.members):
+            if m.proc is None or m.proc.poll() is not None:
+                cluster.start_member(i, wait=False)
+            else:
+                cluster.resume(i)
+        deadline = time.monotonic() + 60
+        while not cluster.healthy() and time.monotonic() < deadline:
+            time.sleep(0.1)
+
     def _kill_etcd_leader(self, fault: Fault, _node: None) -> None:
         cluster = self._cluster(fault)
+        self._cluster_whole(cluster)
         leader = cluster.leader(timeout=30.0)
         t = time.monotonic()
         cluster.kill(leader)
         new = cluster.leader(timeout=30.0)
         fault.detected_at = time.time()
         fault.extra.update(member=leader, new_leader=new, election_s=round(time.monotonic() - t, 3))
-        self._after(LEADER_DOWN_SECONDS, lambda: cluster.start_member(leader, wait=False))
+
+        def restart() -> None:
+            m = cluster.members[leader]
+            if m.proc is None or m.proc.poll() is not None:  # not already brought back by a later fault
+                cluster.start_member(leader, wait=False)
+
+        self._after(LEADER_DOWN_SECONDS, restart)
 
     def _etcd_quorum_loss(self, fault: Fault, _node: None) -> None:
         cluster = self._cluster(fault)
+        self._cluster_whole(cluster)
         leader = cluster.leader(timeout=30.0)
         # The two followers: the leader, cut off from them, steps down and no member can serve until they
         # return. (A stopped leader would, once resumed, find its leases' deadlines passed while it slept.)
