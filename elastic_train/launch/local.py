@@ -26,7 +26,7 @@ from elastic_train.config import JobConfig
 from elastic_train.etcd.server import EmbeddedEtcd, EtcdCluster
 from elastic_train.launch import ENV_NODE_ID
 from elastic_train.launch.events import EventTail
-from elastic_train.launch.faults import Fault
+from elastic_train.launch.faults import CLUSTER_KINDS, Fault
 from elastic_train.launch.procs import signal_tree, terminate_tree, tree
 from elastic_train.launch.run import worker_overrides_argv
 from elastic_train.launch.summary import Summary, render_table, world_size_timeline
@@ -308,6 +308,7 @@ class LocalJob:
         pending = [
             f for f in self.opts.faults
             if f.fired_at is not None and f.detected_at is None and f.fired_round is not None
+            and f.kind not in CLUSTER_KINDS  # they record their own end; etcd may not answer meanwhile
         ]  # fmt: skip
         now = time.monotonic()
         if not pending or now - self._last_status < STATUS_INTERVAL or self.etcd is None:
@@ -319,7 +320,7 @@ class LocalJob:
 
         try:
             if self._status_client is None:
-                self._status_client = Etcd(connect(self.etcd.endpoint, timeout=2.0))
+                self._status_client = Etcd(connect(self.etcd.endpoint, timeout=1.0))
             status = read_status(self._status_client, self.run_id)
         except EtcdError:
             return
