@@ -15,6 +15,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ from typing import Any, TextIO
 import psutil
 
 from elastic_train.config import JobConfig
+from elastic_train.etcd.errors import EtcdError
 from elastic_train.etcd.server import EmbeddedEtcd, EtcdCluster
 from elastic_train.launch import ENV_NODE_ID
 from elastic_train.launch.events import EventTail
@@ -192,16 +194,15 @@ class LocalJob:
             raise RuntimeError(f"{fault.kind} needs a multi-member etcd (etcd_members >= 3)")
         return self.etcd
 
-    def _cluster_whole(self, cluster: EtcdCluster) -> None:
-        """Bring back members an earlier etcd fault left down or stopped, and wait until all are healthy."""
+    @staticmethod
+    def _cluster_whole(cluster: EtcdCluster) -> None:
+        """Start members an earlier etcd fault left down and resume stopped ones (without waiting: the
+        job's loop must go on observing)."""
         for i, m in enumerate(cluster.members):
             if m.proc is None or m.proc.poll() is not None:
                 cluster.start_member(i, wait=False)
             else:
                 cluster.resume(i)
-        deadline = time.monotonic() + 60
-        while not cluster.healthy() and time.monotonic() < deadline:
-            time.sleep(0.1)
 
     def _kill_etcd_leader(self, fault: Fault, _node: None) -> None:
         cluster = self._cluster(fault)
@@ -209,9 +210,15 @@ class LocalJob:
         leader = cluster.leader(timeout=30.0)
         t = time.monotonic()
         cluster.kill(leader)
-        new = cluster.leader(timeout=30.0)
-        fault.detected_at = time.time()
-        fault.extra.update(member=leader, new_leader=new, election_s=round(time.monotonic() - t, 3))
+        fault.extra["member"] = leader
+
+        def elected() -> None:  # off the loop: an election takes a second or two
+            with contextlib.suppress(EtcdError):
+                new = cluster.leader(timeout=30.0)
+                fault.detected_at = time.time()
+                fault.extra.update(new_leader=new, election_s=round(time.monotonic() - t, 3))
+
+        threading.Thread(target=elected, name="etcd-election", daemon=True).start()
 
         def restart() -> None:
             m = cluster.members[leader]
@@ -313,6 +320,8 @@ class LocalJob:
         now = time.monotonic()
         if not pending or now - self._last_status < STATUS_INTERVAL or self.etcd is None:
             return
+        if any(f.kind in CLUSTER_KINDS and f.fired_at and f.detected_at is None for f in self.opts.faults):
+            return  # etcd is being broken on purpose: asking it now would stall this loop
         self._last_status = now
         from elastic_train.etcd.client import Etcd, connect
         from elastic_train.etcd.errors import EtcdError
@@ -360,7 +369,14 @@ class LocalJob:
                 for e in tail.poll():
                     self.on_event(e)
                 for f in self.opts.faults:
-                    if f.fired_at is None and self.completed_step >= f.step and self.step_events:
+                    # a fault due after the job finished tests nothing (and would hit its final checkpoint
+                    # or its exit barrier): it stays unfired
+                    if (
+                        f.fired_at is None
+                        and self.completed_step >= f.step
+                        and self.step_events
+                        and self.done_event is None
+                    ):
                         self.fire(f)
                 self._run_due()
                 self.watch_rendezvous()
