@@ -34,7 +34,7 @@ from harness import format_ratio, format_summary, machine_info
 
 HERE = Path(__file__).resolve().parent
 #: Benchmark scripts, in the order they run and appear.
-BENCHMARKS = ("rendezvous", "rdzv_scale", "checkpoint", "overhead")
+BENCHMARKS = ("rendezvous", "rdzv_scale", "checkpoint", "overhead", "rdzv_latency")
 BASELINE_DEFAULTS = ("c10d", "etcd-v2")
 
 
@@ -623,6 +623,54 @@ def plot_stall(doc: Mapping[str, Any], img_dir: Path) -> Path | None:
     return path
 
 
+def latency_series(doc: Mapping[str, Any]) -> dict[str, list[tuple[float, Mapping[str, Any]]]]:
+    """``{config: [(one-way delay ms, summary)]}`` from rdzv_latency.py's ``recovery``, by delay."""
+    out: dict[str, list[tuple[float, Mapping[str, Any]]]] = {}
+    for name, per_delay in (doc.get("recovery") or {}).items():
+        if not isinstance(per_delay, Mapping):
+            continue
+        for delay, cell in per_delay.items():
+            summary = cell.get("summary") if isinstance(cell, Mapping) else None
+            try:
+                d: float | None = float(delay)
+            except (TypeError, ValueError):
+                d = None
+            if d is not None and isinstance(summary, Mapping) and summary.get("n"):
+                out.setdefault(name, []).append((d, summary))
+    return {k: sorted(v, key=lambda p: p[0]) for k, v in out.items()}
+
+
+def plot_latency(doc: Mapping[str, Any], img_dir: Path) -> Path | None:
+    """Median recovery (kill -9 -> training at world 2) against one-way delay, min-max bars, per backend."""
+    series = latency_series(doc)
+    if not series:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for name, pts in series.items():
+        xs = [p[0] for p in pts]
+        med = [number(p[1].get("median")) or 0.0 for p in pts]
+        lo = [m - (number(p[1].get("min")) or m) for m, p in zip(med, pts, strict=True)]
+        hi = [(number(p[1].get("max")) or m) - m for m, p in zip(med, pts, strict=True)]
+        style = "o-" if name == "etcd3" else "s--"
+        ax.errorbar(xs, med, yerr=[lo, hi], fmt=style, capsize=3, label=name)
+    ax.set_xlabel("one-way delay to the rendezvous service (ms)")
+    ax.set_ylabel("seconds from kill -9 to training at world 2")
+    ax.set_title("Recovery vs network latency (median, min-max)")
+    ax.set_ylim(bottom=0)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = img_dir / "latency-recovery.png"
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Markdown
 
@@ -698,9 +746,11 @@ def render(
     rdzv = docs.get("rendezvous")
     if rdzv:
         lines += render_rendezvous(rdzv, images, out)
-    for name in ("rdzv_scale", "checkpoint", "overhead"):
+    for name in ("rdzv_scale", "checkpoint", "overhead", "rdzv_latency"):
         doc = docs.get(name)
-        if doc and name == "checkpoint" and checkpoint_sizes(doc):
+        if doc and name == "rdzv_latency" and latency_series(doc):
+            lines += render_latency(doc, images, out)
+        elif doc and name == "checkpoint" and checkpoint_sizes(doc):
             lines += render_checkpoint(doc)
         elif doc and name == "rdzv_scale" and isinstance(doc.get("scale"), list):
             lines += render_scale(doc)
@@ -871,6 +921,70 @@ def render_scale(doc: Mapping[str, Any]) -> list[str]:
     return lines
 
 
+def render_latency(doc: Mapping[str, Any], images: list[Path], out: Path) -> list[str]:
+    """Recovery against one-way delay per backend, and the etcd leader-kill samples."""
+    settings = doc.get("settings") or {}
+    lines = [
+        "## Recovery vs network latency (`benchmarks/rdzv_latency.py`)",
+        "",
+        "Three torchrun agents (`--nnodes=2:4`) reach their rendezvous service through `tests/netproxy.py`, "
+        "a loopback proxy that delays each direction by the one-way delay below; one node is killed with "
+        "SIGKILL and the figure is the time to the first step at world size 2 (median over "
+        f"{settings.get('repeats', '?')} repeats, min-max in brackets, cap {_fmt(settings.get('cap'))} s). "
+        "c10d's TCPStore runs as a separate process behind the proxy (`is_host=false`), like etcd. Only "
+        "rendezvous traffic is delayed; the workers' gloo traffic stays on loopback. The 0 ms column goes "
+        "through the proxy too. Load average at the start and end: "
+        f"{(doc.get('machine') or {}).get('loadavg', '?')}, {doc.get('loadavg_end', '?')} (a loaded machine "
+        "slows the baselines most: their recovery restarts workers, which import torch again).",
+        "",
+    ]
+    if doc.get("command"):
+        lines += ["```", str(doc["command"]), "```", ""]
+    series = latency_series(doc)
+    delays = sorted({d for pts in series.values() for d, _ in pts})
+    lines += [
+        "| backend | " + " | ".join(f"{d:g} ms" for d in delays) + " |",
+        "|---|" + "---|" * len(delays),
+    ]
+    for name, pts in series.items():
+        by = dict(pts)
+        cells = []
+        for d in delays:
+            sm = by.get(d)
+            if sm is None:
+                cells.append("-")
+                continue
+            med = f"> {_fmt(sm.get('median'))}" if sm.get("median_censored") else _fmt(sm.get("median"))
+            mx = f"> {_fmt(sm.get('max'))}" if sm.get("max_censored") else _fmt(sm.get("max"))
+            cells.append(f"{med} ({_fmt(sm.get('min'))}-{mx}), {sm.get('ok')}/{sm.get('n')} ok")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    img = [p for p in images if p.name == "latency-recovery.png"]
+    if img:
+        lines += ["", f"![recovery vs latency]({os.path.relpath(img[0], out.parent)})", ""]
+    lk = doc.get("leader_kill") or {}
+    samples = [s for s in lk.get("samples") or [] if isinstance(s, Mapping)]
+    if samples:
+        sm = lk.get("summary") or {}
+        restarts = sum(1 for s in samples if s.get("restarted"))
+        lines += [
+            "",
+            "**etcd leader killed** (etcd3, 3-member etcd, endpoint list of all members, no proxy; three "
+            "nodes training): seconds from SIGKILL of the leader to the next committed training step, median "
+            f"{_fmt(sm.get('median'))} s (min {_fmt(sm.get('min'))}, max {_fmt(sm.get('max'))}) over "
+            f"{sm.get('n', len(samples))} kills; workers restarted in {restarts} of them.",
+            "",
+            "| kill | status | seconds to next step | workers restarted | world sizes after |",
+            "|---|---|---|---|---|",
+        ]
+        for i, s in enumerate(samples):
+            lines.append(
+                f"| {i + 1} | {s.get('status')} | {_fmt(s.get('seconds'))} | "
+                f"{'yes' if s.get('restarted') else 'no'} | {_fmt(s.get('worlds_after'))} |"
+            )
+    lines.append("")
+    return lines
+
+
 def render_checkpoint(doc: Mapping[str, Any]) -> list[str]:
     """Per state size: seconds of each way to save, throughput, and the target ratios."""
     lines = [
@@ -1020,8 +1134,13 @@ def main(argv: list[str] | None = None) -> int:
             continue
         if args.from_json:
             docs[name] = load_json(path)
-            status = "from-json" if docs[name] else "absent"
-            runs.append(RunRecord(name, status, detail="" if docs[name] else f"no {path}"))
+            doc = docs[name]
+            if doc is not None:
+                started = doc.get("started")
+                when = f" (run started {started})" if isinstance(started, str) else ""
+                runs.append(RunRecord(name, "earlier run", detail=f"from {path}{when}"))
+            else:
+                runs.append(RunRecord(name, "absent", detail=f"no {path}"))
             continue
         extra = shlex.split(args.rendezvous_args) if name == "rendezvous" else []
         rec = run_benchmark(name, path, quick=args.quick, timeout=timeout, extra=extra)
@@ -1039,6 +1158,10 @@ def main(argv: list[str] | None = None) -> int:
     images: list[Path] = []
     if docs.get("rendezvous"):
         images += plot_timelines(docs["rendezvous"] or {}, img_dir)
+    if docs.get("rdzv_latency"):
+        latency_img = plot_latency(docs["rdzv_latency"] or {}, img_dir)
+        if latency_img:
+            images.append(latency_img)
     if docs.get("checkpoint"):
         stall = plot_stall(docs["checkpoint"] or {}, img_dir)
         if stall:

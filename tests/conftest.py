@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import pytest
 import structlog
 
-from elastic_train.etcd.server import EmbeddedEtcd, etcd_version, find_etcd_binary
+from elastic_train.etcd.server import EmbeddedEtcd, EtcdCluster, etcd_version, find_etcd_binary
 from elastic_train.launch.procs import kill_tree
 
 
@@ -37,6 +37,13 @@ def etcd_server() -> Iterator[EmbeddedEtcd]:
     """A fresh single-member etcd (the default binary) for one test."""
     with EmbeddedEtcd() as server:
         yield server
+
+
+@pytest.fixture
+def etcd_cluster() -> Iterator[EtcdCluster]:
+    """A fresh 3-member etcd on loopback (``.endpoint`` is the list of all three) for one test."""
+    with EtcdCluster(3) as cluster:
+        yield cluster
 
 
 @pytest.fixture(params=etcd_binaries() or [None], ids=lambda b: etcd_version(b) if b else "none")

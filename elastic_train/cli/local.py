@@ -50,6 +50,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--summary", metavar="FILE", help="write the summary as JSON here")
     p.add_argument("--plot", metavar="FILE", help="write a PNG timeline here (needs the [plot] extra)")
     p.add_argument("--timeout", type=float, default=900.0, help="give up after this many seconds")
+    p.add_argument(
+        "--etcd-members",
+        type=int,
+        default=1,
+        choices=(1, 3, 5),
+        help="members of the job's etcd (3 or 5 for --kill-etcd-leader and --etcd-quorum-loss)",
+    )
     add_job_options(p, endpoint=False)
     p.set_defaults(func=run)
 
@@ -82,10 +89,11 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_job_config(args.config, overrides)
     if args.initial_nodes > cfg.rendezvous.max_nodes:
         raise ConfigError(f"--nodes {args.initial_nodes}: more than max nodes ({cfg.rendezvous.max_nodes})")
-    validate_plan(faults, args.initial_nodes, cfg.train.steps)
+    validate_plan(faults, args.initial_nodes, cfg.train.steps, args.etcd_members)
 
     job = LocalJob(cfg, LocalOptions(config_path=args.config, overrides=overrides, nodes=args.initial_nodes,
-                                     faults=faults, workdir=workdir, timeout=args.timeout))  # fmt: skip
+                                     faults=faults, workdir=workdir, timeout=args.timeout,
+                                     etcd_members=args.etcd_members))  # fmt: skip
     summary = job.run()
     summary.exactly_once = _check_exactly_once(cfg, job)
     print()

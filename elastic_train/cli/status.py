@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
         )
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
-    etcd = Etcd(connect_config(cfg, timeout=args.timeout))
+    etcd = Etcd(connect_config(cfg, timeout=args.timeout, connect_timeout=args.timeout))
     try:
         st = read_status(etcd, args.run_id)
     finally:

@@ -3,6 +3,6 @@
 from __future__ import annotations
 
 from elastic_train.etcd.errors import EtcdError
-from elastic_train.etcd.server import EmbeddedEtcd, find_etcd_binary
+from elastic_train.etcd.server import EmbeddedEtcd, EtcdCluster, find_etcd_binary
 
-__all__ = ["EmbeddedEtcd", "EtcdError", "find_etcd_binary"]
+__all__ = ["EmbeddedEtcd", "EtcdCluster", "EtcdError", "find_etcd_binary"]

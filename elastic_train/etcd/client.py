@@ -1,12 +1,14 @@
-"""An etcd v3 client factory that fails fast with one clear line, and a thin KV layer on its gRPC stubs.
+"""An etcd v3 client factory with one clear line per failure, and a thin KV layer on its gRPC stubs.
 
-:func:`connect` builds a ``python3-etcd3`` client tuned for a rendezvous: a short RPC timeout, quick gRPC
-reconnects (an etcd restart is survived in about a second, not after gRPC's default 2-minute backoff), no
-300 s "failed endpoint" quarantine, authentication and a probe call up front so that an unreachable endpoint,
-a wrong password or a TLS problem surfaces at once as :class:`~elastic_train.etcd.errors.EtcdError`.
+:func:`connect` builds a ``python3-etcd3`` client tuned for a rendezvous: a per-RPC deadline, a connection
+deadline of several seconds (slow links), quick gRPC reconnects (an etcd restart is survived in about a
+second, not after gRPC's default 2-minute backoff), no 300 s "failed endpoint" quarantine, and authentication
+and a probe call up front. An etcd that is not reachable yet is waited for up to ``connect_timeout``; a wrong
+password or a TLS problem surfaces at once as :class:`~elastic_train.etcd.errors.EtcdError`.
 
-:class:`Etcd` wraps the raw v3 stubs (KV, Txn, Lease, Watch) with uniform error translation, re-authentication
-when a token expires, and operation counters (benchmarks read them). The password is kept only in memory and
+:class:`Etcd` wraps the raw v3 stubs (KV, Txn, Lease, Watch) with uniform error translation, failover between
+the members of an endpoint list, re-authentication when a token expires, and operation counters (benchmarks
+read them). The password is kept only in memory and
 never appears in a message or a log event.
 """
 
@@ -14,7 +16,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -29,6 +33,8 @@ from etcd3 import etcdrpc
 from etcd3.client import Endpoint, MultiEndpointEtcd3Client
 
 from elastic_train.errors import ConfigError
+from elastic_train.etcd.endpoints import format_endpoint
+from elastic_train.etcd.endpoints import parse_endpoints as _parse_endpoints
 from elastic_train.etcd.errors import EtcdError
 from elastic_train.log import get_logger
 from elastic_train.rendezvous.config import RendezvousConfig, TLSConfig
@@ -37,33 +43,47 @@ log = get_logger(__name__)
 
 T = TypeVar("T")
 
-#: gRPC channel options: reconnect within ~1 s after an etcd restart, keep idle channels alive.
-GRPC_OPTIONS = [
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 1000),
-    ("grpc.keepalive_time_ms", 10000),
-    ("grpc.keepalive_timeout_ms", 5000),
-]
+#: Deadline of one gRPC connection attempt (TCP, TLS and HTTP/2 handshakes); tolerates round trips of
+#: well over 500 ms. The RPC deadline raises it when it is longer.
+CONNECT_ATTEMPT_TIMEOUT = 5.0
+#: First and longest pause between two gRPC connection attempts to a member that is down.
+RECONNECT_BACKOFF = (0.1, 1.0)
+#: Longest pause between two attempts of :func:`connect` to reach etcd while it waits for it.
+CONNECT_RETRY_MAX = 5.0
+#: Seconds between two "waiting for etcd" log lines.
+WAIT_LOG_EVERY = 10.0
+
+
+def grpc_options(connect_attempt_timeout: float = CONNECT_ATTEMPT_TIMEOUT) -> list[tuple[str, int]]:
+    """gRPC channel options: reconnect within about a second after an etcd restart, keep channels alive.
+
+    gRPC core reads ``grpc.min_reconnect_backoff_ms`` as the *minimum connection timeout* (the reconnect
+    pauses come from the initial/max backoff and a 1.6 multiplier), so it carries the connect-attempt
+    deadline: a small value there makes every etcd more than that round trip away unreachable.
+    """
+    return [
+        ("grpc.initial_reconnect_backoff_ms", int(RECONNECT_BACKOFF[0] * 1000)),
+        ("grpc.max_reconnect_backoff_ms", int(RECONNECT_BACKOFF[1] * 1000)),
+        ("grpc.min_reconnect_backoff_ms", int(connect_attempt_timeout * 1000)),
+        ("grpc.keepalive_time_ms", 10000),
+        ("grpc.keepalive_timeout_ms", 5000),
+    ]
+
+
+#: The channel options with the default connection deadline.
+GRPC_OPTIONS = grpc_options()
 
 
 def parse_endpoints(endpoints: str) -> list[tuple[str, int]]:
-    """Split ``"h1:2379,h2:2379"`` (an optional ``http(s)://`` scheme is dropped) into (host, port) pairs.
+    """:func:`elastic_train.etcd.endpoints.parse_endpoints` raising :class:`EtcdError` (no port: 2379).
 
     Raises:
-        EtcdError: an entry is not HOST:PORT.
+        EtcdError: an entry is not HOST[:PORT].
     """
-    out = []
-    for raw in endpoints.split(","):
-        ep = raw.strip()
-        for scheme in ("http://", "https://"):
-            if ep.startswith(scheme):
-                ep = ep[len(scheme) :]
-        host, sep, port = ep.rstrip("/").rpartition(":")
-        if not sep or not host or not port.isdigit():
-            raise EtcdError(f"etcd endpoint {raw.strip()!r} is not HOST:PORT")
-        out.append((host.strip("[]"), int(port)))
-    return out
+    try:
+        return _parse_endpoints(endpoints)
+    except ValueError as exc:
+        raise EtcdError(str(exc)) from None
 
 
 def _read(path: str, what: str) -> bytes:
@@ -74,19 +94,89 @@ def _read(path: str, what: str) -> bytes:
         raise EtcdError(f"TLS {what} {path!r} cannot be read ({exc.strerror or exc})") from exc
 
 
+def _code(exc: BaseException) -> grpc.StatusCode | None:
+    return exc.code() if isinstance(exc, grpc.RpcError) and hasattr(exc, "code") else None
+
+
+def _details(exc: BaseException) -> str:
+    if isinstance(exc, grpc.RpcError) and hasattr(exc, "details"):
+        return (exc.details() or "").strip()
+    return ""
+
+
+_TLS_WORDS = ("ssl", "handshake", "certificate", "tls", "http1.x", "wrong_version_number")
+_TRANSIENT_CODES = (
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+)
+
+
+def is_tls_error(exc: BaseException) -> bool:
+    """A TLS handshake failure or a plain-text/TLS mismatch (gRPC reports both as UNAVAILABLE)."""
+    low = _details(exc).lower()
+    return _code(exc) == grpc.StatusCode.UNAVAILABLE and any(w in low for w in _TLS_WORDS)
+
+
+def is_transient(exc: BaseException) -> bool:
+    """True for errors that waiting or another member may cure: etcd down, starting, leaderless or slow.
+
+    Wrong credentials, missing permissions, TLS errors and malformed requests are not: retrying them only
+    hides the problem.
+    """
+    if not isinstance(exc, grpc.RpcError) or is_tls_error(exc):
+        return False
+    code = _code(exc)
+    if code in _TRANSIENT_CODES:
+        return True
+    low = _details(exc).lower()
+    return code in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL) and (
+        "stream removed" in low or "socket closed" in low or "connection reset" in low
+    )
+
+
+def not_sent(exc: BaseException) -> bool:
+    """True when the failed request certainly never reached etcd (no connection), so resending a write to
+    another member cannot apply it twice. etcd's own errors (``etcdserver: ...``) may follow a proposal."""
+    low = _details(exc).lower()
+    return _code(exc) == grpc.StatusCode.UNAVAILABLE and (
+        "failed to connect" in low or "connection refused" in low or "no address" in low
+    )
+
+
+def wait_reason(exc: BaseException) -> str:
+    """A few words on why etcd is not usable yet, for the "waiting for etcd" line."""
+    code = _code(exc)
+    low = _details(exc).lower()
+    if "refused" in low:
+        return "connection refused"
+    if "dns" in low or "resolve" in low or "name or service" in low:
+        return "host name not resolved"
+    if "no leader" in low:
+        return "etcd has no leader (quorum lost or an election in progress)"
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED or "timed out" in low or "deadline" in low:
+        return "no answer in time"
+    if "reset" in low or "socket closed" in low or "stream removed" in low:
+        return "connection closed by the other end"
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return "etcd is overloaded"
+    text = _details(exc) or (code.name if code is not None else type(exc).__name__)
+    return text.splitlines()[0][:160]
+
+
 def describe_rpc_error(exc: BaseException, where: str, user: str | None = None) -> str:
     """One line that says what went wrong talking to etcd (never includes credentials)."""
-    code = exc.code() if isinstance(exc, grpc.RpcError) and hasattr(exc, "code") else None
-    details = ""
-    if isinstance(exc, grpc.RpcError) and hasattr(exc, "details"):
-        details = (exc.details() or "").strip()
+    code = _code(exc)
+    details = _details(exc)
     low = details.lower()
     if code == grpc.StatusCode.UNAVAILABLE:
-        if "ssl" in low or "handshake" in low or "certificate" in low or "tls" in low:
+        if is_tls_error(exc):
             return f"TLS handshake with etcd at {where} failed (check ca_file/cert_file/key_file): {details}"
-        return f"cannot reach etcd at {where} (is it running? is the endpoint right?)"
+        if "etcdserver:" in low:
+            return f"etcd at {where} cannot serve requests: {wait_reason(exc)}"
+        return f"cannot reach etcd at {where} (is it running? is the endpoint right?): {wait_reason(exc)}"
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return f"etcd at {where} did not answer in time"
+        return f"etcd at {where} did not answer in time (raise rdzv-conf rpc_timeout for a slow etcd)"
     if code == grpc.StatusCode.UNAUTHENTICATED or "authentication failed" in low:
         return f"etcd authentication failed at {where} for user {user!r} (wrong user name or password?)"
     if code == grpc.StatusCode.PERMISSION_DENIED or "permission denied" in low:
@@ -106,21 +196,29 @@ def connect(
     password: str | None = None,
     timeout: float = 5.0,
     probe_key: str | None = None,
+    connect_timeout: float = 0.0,
 ) -> MultiEndpointEtcd3Client:
-    """Return an authenticated, reachable etcd v3 client, or fail within about ``timeout`` seconds.
+    """Return an authenticated, reachable etcd v3 client.
+
+    Every member of the list is tried in turn (from a random one, to spread clients); the first that
+    authenticates and answers the probe is used, and later requests fail over to the others
+    (:class:`Etcd`). While none is reachable, the whole list is tried again with a growing pause until
+    ``connect_timeout`` seconds have passed, with a ``waiting for etcd at ...`` warning every
+    :data:`WAIT_LOG_EVERY` seconds. Errors waiting cannot fix (credentials, permissions, TLS) end it at once.
 
     Args:
-        endpoints: ``HOST:PORT[,HOST:PORT...]``.
+        endpoints: ``HOST[:PORT][,HOST[:PORT]...]`` (port 2379 when absent).
         tls: CA bundle and optional client certificate; plain text when ``None`` or empty.
         user: etcd user for password authentication.
         password: that user's password (from an env var or file; never from a command line).
-        timeout: seconds for each RPC, the probe included.
+        timeout: deadline of each RPC, the probe included (also raises the connection-attempt deadline).
         probe_key: a key to read as the reachability/permission probe (default: the cluster status, which
             needs no key permission).
+        connect_timeout: seconds to keep trying an unreachable etcd (0: one pass over the list).
 
     Raises:
-        EtcdError: bad endpoint, unreadable TLS file, unreachable etcd, TLS handshake failure, authentication
-            or permission failure; one line, no credentials.
+        EtcdError: bad endpoint, unreadable TLS file, etcd unreachable for ``connect_timeout``, TLS
+            handshake failure, authentication or permission failure; one line, no credentials.
     """
     pairs = parse_endpoints(endpoints)
     creds = None
@@ -133,40 +231,86 @@ def connect(
         creds = grpc.ssl_channel_credentials(ca, key, cert)
     if (user is None) != (password is None):
         raise EtcdError("etcd authentication needs both a user and a password")
-    where = endpoints
+    where = ",".join(format_endpoint(host, port) for host, port in pairs)
+    opts = grpc_options(max(CONNECT_ATTEMPT_TIMEOUT, timeout))
     eps = [
-        Endpoint(host, port, secure=creds is not None, creds=creds, time_retry=0.5, opts=GRPC_OPTIONS)
+        Endpoint(
+            f"[{host}]" if ":" in host else host,
+            port,
+            secure=creds is not None,
+            creds=creds,
+            time_retry=0.5,
+            opts=opts,
+        )
         for host, port in pairs
     ]
-    try:
-        client = MultiEndpointEtcd3Client(
-            endpoints=eps, timeout=timeout, user=user, password=password, failover=len(eps) > 1
-        )
-        if creds is None:
-            # gRPC refuses call credentials on a plain-text channel; the token travels in the metadata.
-            client.call_credentials = None
-        if probe_key is not None:
-            client.kvstub.Range(
-                etcdrpc.RangeRequest(key=probe_key.encode()),
-                timeout,
-                credentials=client.call_credentials,
-                metadata=client.metadata,
-            )
-        else:
-            client.maintenancestub.Status(
-                etcdrpc.StatusRequest(),
-                timeout,
-                credentials=client.call_credentials,
-                metadata=client.metadata,
-            )
-    except (grpc.RpcError, etcd3.exceptions.Etcd3Exception, ValueError) as exc:
-        for ep in eps:
-            ep.close()
-        raise EtcdError(describe_rpc_error(exc, where, user)) from None
+    client = MultiEndpointEtcd3Client(endpoints=eps, timeout=timeout, failover=len(eps) > 1)
+    if creds is None:
+        # gRPC refuses call credentials on a plain-text channel; the token travels in the metadata.
+        client.call_credentials = None
     client._et_user = user
     client._et_password = password
     client._et_where = where
-    return client
+    labels = list(client.endpoints)
+    first = labels.index(client._current_endpoint_label)
+    order = labels[first:] + labels[:first]
+    started = time.monotonic()
+    pause = 0.5
+    last_log = -WAIT_LOG_EVERY
+    while True:
+        last_exc: BaseException | None = None
+        for label in order:
+            client._current_endpoint_label = label
+            try:
+                _probe(client, probe_key)
+                return client
+            except grpc.RpcError as exc:
+                if not is_transient(exc):
+                    client.close()
+                    raise EtcdError(
+                        describe_rpc_error(exc, label if len(order) > 1 else where, user)
+                    ) from None
+                last_exc = exc
+        assert last_exc is not None
+        waited = time.monotonic() - started
+        if waited >= connect_timeout:
+            client.close()
+            gave_up = f" (gave up after {waited:.0f} s; rdzv-conf connect_timeout)" if connect_timeout else ""
+            raise EtcdError(describe_rpc_error(last_exc, where, user) + gave_up) from None
+        if time.monotonic() - last_log >= WAIT_LOG_EVERY:
+            last_log = time.monotonic()
+            reason = wait_reason(last_exc)
+            log.warning(
+                "etcd_waiting",
+                message=f"waiting for etcd at {where}: {reason} ({waited:.0f} s of {connect_timeout:.0f} s)",
+                endpoint=where,
+                reason=reason,
+                waited_s=round(waited, 1),
+                connect_timeout_s=connect_timeout,
+            )
+        # the last pause ends at the deadline, for one more pass over the list there
+        time.sleep(min(pause * random.uniform(0.8, 1.2), connect_timeout - waited))
+        pause = min(pause * 2, CONNECT_RETRY_MAX)
+
+
+def _probe(client: MultiEndpointEtcd3Client, probe_key: str | None) -> None:
+    """Authenticate on the current member (tokens may be per member) and issue the probe request."""
+    if getattr(client, "_et_user", None) is not None:
+        reauthenticate(client)
+    if probe_key is not None:
+        client.kvstub.Range(
+            etcdrpc.RangeRequest(key=probe_key.encode()),
+            client.timeout,
+            credentials=client.call_credentials,
+            metadata=client.metadata,
+        )
+    else:
+        client.maintenancestub.Status(
+            etcdrpc.StatusRequest(),
+            client.timeout,
+            credentials=client.call_credentials,
+            metadata=client.metadata,
+        )
 
 
 def reauthenticate(client: MultiEndpointEtcd3Client) -> None:
@@ -179,7 +323,7 @@ def reauthenticate(client: MultiEndpointEtcd3Client) -> None:
         etcdrpc.AuthenticateRequest(name=user, password=password), client.timeout
     )
     client.metadata = (("token", resp.token),)
-    if client.call_credentials is not None:
+    if getattr(client.endpoint_in_use, "secure", False):
         client.call_credentials = grpc.metadata_call_credentials(
             etcd3.client.EtcdTokenCallCredentials(resp.token)
         )
@@ -207,13 +351,16 @@ def read_password(cfg: RendezvousConfig) -> str | None:
     )
 
 
-def connect_config(cfg: RendezvousConfig, timeout: float = 5.0) -> MultiEndpointEtcd3Client:
-    """:func:`connect` with a job's rendezvous settings (endpoint, TLS, user, password from env/file).
+def connect_config(
+    cfg: RendezvousConfig, timeout: float | None = None, *, connect_timeout: float | None = None
+) -> MultiEndpointEtcd3Client:
+    """:func:`connect` with a job's rendezvous settings (endpoints, TLS, user, password from env/file).
 
-    The probe reads the run's own ``config`` key, so a user limited to the run prefix passes it.
+    The probe reads the run's own ``config`` key, so a user limited to the run prefix passes it. The RPC
+    deadline and the wait for an unreachable etcd default to ``cfg.rpc_timeout`` and ``cfg.connect_timeout``.
 
     Raises:
-        EtcdError: unreachable, TLS or authentication failure (one line).
+        EtcdError: unreachable for ``connect_timeout``, TLS or authentication failure (one line).
         ConfigError: a user without a password.
     """
     return connect(
@@ -221,8 +368,9 @@ def connect_config(cfg: RendezvousConfig, timeout: float = 5.0) -> MultiEndpoint
         tls=cfg.tls,
         user=cfg.user,
         password=read_password(cfg),
-        timeout=timeout,
+        timeout=cfg.rpc_timeout if timeout is None else timeout,
         probe_key=f"/elastic_train/{cfg.run_id}/config",
+        connect_timeout=cfg.connect_timeout if connect_timeout is None else connect_timeout,
     )
 
 
@@ -257,6 +405,7 @@ class OpCounts:
     txns: int = 0
     leases: int = 0
     watch_events: int = 0
+    failovers: int = 0
 
 
 def _kv(kv: Any) -> KeyValue:
@@ -282,23 +431,58 @@ class Etcd:
         self._lock = threading.Lock()
         self.where = getattr(client, "_et_where", "etcd")
 
-    def _call(self, fn: Callable[[], T]) -> T:
-        for attempt in (0, 1):
+    def _call(self, fn: Callable[[], T], *, idempotent: bool = True) -> T:
+        """Run one RPC; re-authenticate once on an expired token; fail over to another member.
+
+        A member that is unreachable or cannot serve (no leader, shutting down) is left for the next one in
+        the endpoint list, and the request is resent there when that cannot apply it twice: always for
+        reads and keep-alives (``idempotent``), for writes only when the first member never received it.
+        """
+        reauth = True
+        tries = len(self.client.endpoints)
+        while True:
+            label = self.client._current_endpoint_label
             try:
                 return fn()
             except grpc.RpcError as exc:
-                code = exc.code() if hasattr(exc, "code") else None
-                text = (exc.details() or "") if hasattr(exc, "details") else ""
-                if attempt == 0 and (code == grpc.StatusCode.UNAUTHENTICATED or "invalid auth token" in text):
+                code = _code(exc)
+                text = _details(exc)
+                if reauth and (code == grpc.StatusCode.UNAUTHENTICATED or "invalid auth token" in text):
+                    reauth = False
                     with contextlib.suppress(grpc.RpcError):
                         reauthenticate(self.client)
                     continue
+                if is_transient(exc) and self.failover(label):
+                    tries -= 1
+                    if tries > 0 and (idempotent or not_sent(exc)):
+                        reauth = True
+                        continue
                 raise EtcdError(
                     describe_rpc_error(exc, self.where, getattr(self.client, "_et_user", None))
                 ) from exc
             except ValueError as exc:  # python3-etcd3: "Trying to use a failed node"
                 raise EtcdError(f"cannot reach etcd at {self.where}: {exc}") from exc
-        raise AssertionError("unreachable")
+
+    def failover(self, failed: str) -> bool:
+        """Move later requests from member ``failed`` to the next one in the list; False with one member."""
+        labels = list(self.client.endpoints)
+        if len(labels) < 2:
+            return False
+        with self._lock:
+            if self.client._current_endpoint_label == failed:
+                nxt = labels[(labels.index(failed) + 1) % len(labels)]
+                self.client._current_endpoint_label = nxt
+                self.counts.failovers += 1
+                log.info("etcd_failover", failed=failed, now=nxt)
+        if getattr(self.client, "_et_user", None) is not None:
+            with contextlib.suppress(grpc.RpcError):  # simple auth tokens are per member
+                reauthenticate(self.client)
+        return True
+
+    @property
+    def member(self) -> str:
+        """HOST:PORT of the member requests go to now."""
+        return str(self.client._current_endpoint_label)
 
     def _md(self) -> dict[str, Any]:
         return {"credentials": self.client.call_credentials, "metadata": self.client.metadata}
@@ -320,13 +504,17 @@ class Etcd:
         """Write ``key``; returns the new store revision."""
         self.counts.writes += 1
         req = etcdrpc.PutRequest(key=key.encode(), value=value, lease=lease)
-        resp = self._call(lambda: self.client.kvstub.Put(req, self.client.timeout, **self._md()))
+        resp = self._call(
+            lambda: self.client.kvstub.Put(req, self.client.timeout, **self._md()), idempotent=False
+        )
         return int(resp.header.revision)
 
     def delete(self, key: str, prefix: bool = False) -> None:
         self.counts.writes += 1
         req = etcdrpc.DeleteRangeRequest(key=key.encode(), range_end=range_end(key) if prefix else b"")
-        self._call(lambda: self.client.kvstub.DeleteRange(req, self.client.timeout, **self._md()))
+        self._call(
+            lambda: self.client.kvstub.DeleteRange(req, self.client.timeout, **self._md()), idempotent=False
+        )
 
     def txn(
         self,
@@ -340,24 +528,34 @@ class Etcd:
         """
         self.counts.txns += 1
         req = etcdrpc.TxnRequest(compare=compare, success=success, failure=failure or [])
-        resp = self._call(lambda: self.client.kvstub.Txn(req, self.client.timeout, **self._md()))
+        read_only = all(op.WhichOneof("request") == "request_range" for op in success + (failure or []))
+        resp = self._call(
+            lambda: self.client.kvstub.Txn(req, self.client.timeout, **self._md()), idempotent=read_only
+        )
         if resp.succeeded:
             self.counts.writes += sum(1 for op in success if op.WhichOneof("request") != "request_range")
         return bool(resp.succeeded), resp
 
     def lease_grant(self, ttl: int) -> int:
+        """A new lease (a lease granted twice by a resend is never used and expires after ``ttl``)."""
         self.counts.leases += 1
         req = etcdrpc.LeaseGrantRequest(TTL=ttl)
         resp = self._call(lambda: self.client.leasestub.LeaseGrant(req, self.client.timeout, **self._md()))
         return int(resp.ID)
 
-    def lease_keepalive(self, lease_id: int) -> int:
-        """Refresh a lease once; returns its remaining TTL (<= 0: the lease no longer exists)."""
+    def lease_keepalive(self, lease_id: int, timeout: float | None = None) -> int:
+        """Refresh a lease once; returns its remaining TTL (<= 0: the lease no longer exists).
+
+        ``timeout`` (default: the RPC timeout) bounds the whole exchange, failover included; a keep-alive
+        must not outlast the lease it refreshes.
+        """
         self.counts.leases += 1
+        deadline = time.monotonic() + (timeout if timeout is not None else self.client.timeout)
 
         def once() -> int:
+            left = max(0.05, deadline - time.monotonic())
             it = self.client.leasestub.LeaseKeepAlive(
-                iter([etcdrpc.LeaseKeepAliveRequest(ID=lease_id)]), self.client.timeout, **self._md()
+                iter([etcdrpc.LeaseKeepAliveRequest(ID=lease_id)]), left, **self._md()
             )
             for resp in it:
                 return int(resp.TTL)
@@ -385,8 +583,13 @@ class Etcd:
         requests: Any = _RequestQueue(etcdrpc.WatchRequest(create_request=create), stop)
         stub = etcdrpc.WatchStub(self.client.channel)
         self.counts.reads += 1
+        md = self._md()
+        # etcd ends the stream of a member that loses its leader (a partition, lost quorum) instead of
+        # leaving it silent; the caller then re-lists through another member.
+        md["metadata"] = (*(md["metadata"] or ()), ("hasleader", "true"))
+        label = self.client._current_endpoint_label
         try:
-            stream = stub.Watch(requests, **self._md())
+            stream = stub.Watch(requests, **md)
             requests.stream = stream
             for resp in stream:
                 if stop.is_set():
@@ -420,6 +623,8 @@ class Etcd:
             ):
                 with contextlib.suppress(grpc.RpcError):
                     reauthenticate(self.client)
+            elif is_transient(exc):
+                self.failover(label)
             raise EtcdError(
                 describe_rpc_error(exc, self.where, getattr(self.client, "_et_user", None))
             ) from exc

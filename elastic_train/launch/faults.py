@@ -20,7 +20,11 @@ KINDS: dict[str, bool] = {
     "resume-node": True,  # SIGCONT a hung node (it comes back and rejoins)
     "add-node": False,  # start one more node (scale up)
     "restart-etcd": False,  # SIGKILL etcd and start it again on the same port and data
+    "kill-etcd-leader": False,  # SIGKILL the leader of a 3-member etcd (restarted a few seconds later)
+    "etcd-quorum-loss": False,  # SIGSTOP 2 of 3 etcd members (the followers) for a few seconds
 }
+#: Kinds that need a multi-member etcd (``--etcd-members 3``).
+CLUSTER_KINDS = ("kill-etcd-leader", "etcd-quorum-loss")
 
 _SPEC = re.compile(r"^(?P<node>\d+)?@step=(?P<step>\d+)$")
 
@@ -105,14 +109,17 @@ def parse_fault(kind: str, spec: str) -> Fault:
     return Fault(kind=kind, step=int(m["step"]), node=node)
 
 
-def validate_plan(faults: list[Fault], initial_nodes: int, steps: int) -> None:
-    """Check node indices refer to nodes that exist by then, and steps are inside the run.
+def validate_plan(faults: list[Fault], initial_nodes: int, steps: int, etcd_members: int = 1) -> None:
+    """Check node indices refer to nodes that exist by then, steps are inside the run, and etcd faults have
+    the cluster they need.
 
     Raises:
         ConfigError: a fault can never fire or names a node that will not exist.
     """
     nodes = initial_nodes
     for f in sorted(faults, key=lambda f: f.step):
+        if f.kind in CLUSTER_KINDS and etcd_members < 3:
+            raise ConfigError(f"--{f.kind} needs a 3- or 5-member etcd (--etcd-members 3)")
         if f.step >= steps:
             raise ConfigError(f"--{f.kind} @step={f.step}: the job only trains {steps} steps")
         if f.kind == "add-node":

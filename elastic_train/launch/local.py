@@ -15,6 +15,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,10 +24,11 @@ from typing import Any, TextIO
 import psutil
 
 from elastic_train.config import JobConfig
-from elastic_train.etcd.server import EmbeddedEtcd
+from elastic_train.etcd.errors import EtcdError
+from elastic_train.etcd.server import EmbeddedEtcd, EtcdCluster
 from elastic_train.launch import ENV_NODE_ID
 from elastic_train.launch.events import EventTail
-from elastic_train.launch.faults import Fault
+from elastic_train.launch.faults import CLUSTER_KINDS, Fault
 from elastic_train.launch.procs import signal_tree, terminate_tree, tree
 from elastic_train.launch.run import worker_overrides_argv
 from elastic_train.launch.summary import Summary, render_table, world_size_timeline
@@ -40,6 +42,10 @@ ENV_EVENTS = "ELASTIC_TRAIN_EVENTS"
 POLL_INTERVAL = 0.1
 #: Seconds between two reads of the rendezvous state while a fault waits to be detected.
 STATUS_INTERVAL = 0.1
+#: Seconds a killed etcd leader stays down before it is started again (``kill-etcd-leader``).
+LEADER_DOWN_SECONDS = 3.0
+#: Seconds two of three etcd members stay stopped (``etcd-quorum-loss``).
+QUORUM_LOSS_SECONDS = 4.0
 
 
 @dataclass(kw_only=True, slots=True)
@@ -61,6 +67,8 @@ class LocalOptions:
     """Where live lines go."""
     actions: dict[str, Callable[[Fault, Node | None], None]] = field(default_factory=dict)
     """Extra fault kinds (name → action), e.g. storage faults in the chaos suite."""
+    etcd_members: int = 1
+    """Members of the job's etcd: 1, or 3/5 for a cluster (the nodes get the endpoint list)."""
 
 
 @dataclass(slots=True)
@@ -82,7 +90,8 @@ class LocalJob:
         self.run_id = cfg.rendezvous.run_id
         os.makedirs(opts.workdir, exist_ok=True)
         self.events_path = os.path.join(opts.workdir, "events.jsonl")
-        self.etcd: EmbeddedEtcd | None = None
+        self.etcd: EmbeddedEtcd | EtcdCluster | None = None
+        self._later: list[tuple[float, Callable[[], None]]] = []
         self.nodes: list[Node] = []
         self.known_procs: dict[int, psutil.Process] = {}
         self.step_events: list[dict[str, Any]] = []
@@ -180,8 +189,75 @@ class LocalJob:
     def _add_node(self, fault: Fault, _node: None) -> None:
         fault.extra["new_node"] = self.start_node().index
 
+    def _cluster(self, fault: Fault) -> EtcdCluster:
+        if not isinstance(self.etcd, EtcdCluster):
+            raise RuntimeError(f"{fault.kind} needs a multi-member etcd (etcd_members >= 3)")
+        return self.etcd
+
+    @staticmethod
+    def _cluster_whole(cluster: EtcdCluster) -> None:
+        """Start members an earlier etcd fault left down and resume stopped ones (without waiting: the
+        job's loop must go on observing)."""
+        for i, m in enumerate(cluster.members):
+            if m.proc is None or m.proc.poll() is not None:
+                cluster.start_member(i, wait=False)
+            else:
+                cluster.resume(i)
+
+    def _kill_etcd_leader(self, fault: Fault, _node: None) -> None:
+        cluster = self._cluster(fault)
+        self._cluster_whole(cluster)
+        leader = cluster.leader(timeout=30.0)
+        t = time.monotonic()
+        cluster.kill(leader)
+        fault.extra["member"] = leader
+
+        def elected() -> None:  # off the loop: an election takes a second or two
+            with contextlib.suppress(EtcdError):
+                new = cluster.leader(timeout=30.0)
+                fault.detected_at = time.time()
+                fault.extra.update(new_leader=new, election_s=round(time.monotonic() - t, 3))
+
+        threading.Thread(target=elected, name="etcd-election", daemon=True).start()
+
+        def restart() -> None:
+            m = cluster.members[leader]
+            if m.proc is None or m.proc.poll() is not None:  # not already brought back by a later fault
+                cluster.start_member(leader, wait=False)
+
+        self._after(LEADER_DOWN_SECONDS, restart)
+
+    def _etcd_quorum_loss(self, fault: Fault, _node: None) -> None:
+        cluster = self._cluster(fault)
+        self._cluster_whole(cluster)
+        leader = cluster.leader(timeout=30.0)
+        # The two followers: the leader, cut off from them, steps down and no member can serve until they
+        # return. (A stopped leader would, once resumed, find its leases' deadlines passed while it slept.)
+        stopped = [i for i in range(len(cluster.members)) if i != leader][:2]
+        for i in stopped:
+            cluster.pause(i)
+        fault.extra.update(members=stopped, seconds=QUORUM_LOSS_SECONDS)
+
+        def resume() -> None:
+            for i in stopped:
+                cluster.resume(i)
+            fault.detected_at = time.time()
+
+        self._after(QUORUM_LOSS_SECONDS, resume)
+
+    def _after(self, seconds: float, action: Callable[[], None]) -> None:
+        """Run ``action`` from the job's loop ``seconds`` from now (dropped if the job ends first)."""
+        self._later.append((time.monotonic() + seconds, action))
+
+    def _run_due(self) -> None:
+        now = time.monotonic()
+        due_now = [a for t, a in self._later if t <= now]
+        self._later = [(t, a) for t, a in self._later if t > now]
+        for action in due_now:
+            action()
+
     def _restart_etcd(self, fault: Fault, _node: None) -> None:
-        assert self.etcd is not None
+        assert isinstance(self.etcd, EmbeddedEtcd), "restart-etcd restarts a single-member etcd"
         t = time.monotonic()
         self.etcd.restart(down_for=1.0)
         fault.extra["down_s"] = round(time.monotonic() - t, 3)
@@ -239,18 +315,21 @@ class LocalJob:
         pending = [
             f for f in self.opts.faults
             if f.fired_at is not None and f.detected_at is None and f.fired_round is not None
+            and f.kind not in CLUSTER_KINDS  # they record their own end; etcd may not answer meanwhile
         ]  # fmt: skip
         now = time.monotonic()
         if not pending or now - self._last_status < STATUS_INTERVAL or self.etcd is None:
             return
+        if any(f.kind in CLUSTER_KINDS and f.fired_at and f.detected_at is None for f in self.opts.faults):
+            return  # etcd is being broken on purpose: asking it now would stall this loop
         self._last_status = now
-        from elastic_train.etcd.client import connect
+        from elastic_train.etcd.client import Etcd, connect
         from elastic_train.etcd.errors import EtcdError
         from elastic_train.rendezvous.status import read_status
 
         try:
             if self._status_client is None:
-                self._status_client = connect(self.etcd.endpoint, timeout=2.0)
+                self._status_client = Etcd(connect(self.etcd.endpoint, timeout=1.0))
             status = read_status(self._status_client, self.run_id)
         except EtcdError:
             return
@@ -272,7 +351,11 @@ class LocalJob:
         summary = Summary(run_id=self.run_id, steps=self.cfg.train.steps, faults=self.opts.faults)
         tail = EventTail(self.events_path)
         try:
-            self.etcd = EmbeddedEtcd(data_dir=os.path.join(self.opts.workdir, "etcd")).start()
+            data_dir = os.path.join(self.opts.workdir, "etcd")
+            if self.opts.etcd_members > 1:
+                self.etcd = EtcdCluster(self.opts.etcd_members, data_dir=data_dir).start()
+            else:
+                self.etcd = EmbeddedEtcd(data_dir=data_dir).start()
             self._print(f"etcd {self.etcd.version} on {self.etcd.endpoint}; run id {self.run_id}")
             self.t0 = time.time()
             for _ in range(self.opts.nodes):
@@ -286,8 +369,16 @@ class LocalJob:
                 for e in tail.poll():
                     self.on_event(e)
                 for f in self.opts.faults:
-                    if f.fired_at is None and self.completed_step >= f.step and self.step_events:
+                    # a fault due after the job finished tests nothing (and would hit its final checkpoint
+                    # or its exit barrier): it stays unfired
+                    if (
+                        f.fired_at is None
+                        and self.completed_step >= f.step
+                        and self.step_events
+                        and self.done_event is None
+                    ):
                         self.fire(f)
+                self._run_due()
                 self.watch_rendezvous()
                 now = time.monotonic()
                 if now - self._last_scan > 1.0:

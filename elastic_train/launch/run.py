@@ -18,6 +18,7 @@ from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 from elastic_train.config import JobConfig
+from elastic_train.etcd.endpoints import parse_endpoints
 from elastic_train.launch import ENV_NODE_ID
 from elastic_train.launch.procs import die_with_parent
 from elastic_train.log import get_logger
@@ -40,9 +41,12 @@ LOOPBACK_IFNAME = "lo"
 
 
 def endpoint_is_loopback(endpoint: str) -> bool:
-    """True when every HOST of ``HOST:PORT[,HOST:PORT]`` is a loopback address or ``localhost``."""
-    for ep in endpoint.split(","):
-        host = ep.strip().rpartition(":")[0].strip("[]")
+    """True when every HOST of ``HOST[:PORT][,HOST[:PORT]]`` is a loopback address or ``localhost``."""
+    try:
+        hosts = [host for host, _port in parse_endpoints(endpoint)]
+    except ValueError:
+        return False
+    for host in hosts:
         if host == "localhost":
             continue
         try:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from elastic_train.etcd.endpoints import parse_endpoints
+
 #: Run ids become etcd key prefixes and Kubernetes-style names: keep them tame.
 RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 
@@ -44,7 +46,7 @@ class RendezvousConfig:
     """Where and how the agents of a job meet."""
 
     endpoint: str = "127.0.0.1:2379"
-    """etcd client endpoint(s), HOST:PORT, comma-separated for several."""
+    """etcd client endpoint(s), HOST[:PORT] (port 2379 when absent), comma-separated for a cluster."""
     run_id: str = "elastic-train"
     """Job identity; every etcd key of the job lives under a prefix made from it."""
     min_nodes: int = 1
@@ -55,6 +57,15 @@ class RendezvousConfig:
     """Worker processes per node (one per GPU on GPU nodes)."""
     lease_ttl: float = 3.0
     """Seconds without a keep-alive after which a node counts as lost (a kill -9 or SIGSTOP)."""
+    keepalive_interval: float | None = None
+    """Seconds between lease keep-alives, also each keep-alive's deadline (default lease_ttl/3; at most
+    lease_ttl/2, so that a lost keep-alive is retried, on another etcd member, before the lease expires)."""
+    connect_timeout: float = 60.0
+    """Seconds a starting node waits for etcd to become reachable (an etcd still starting, a member
+    restarting) before it fails; wrong credentials and TLS errors fail at once."""
+    rpc_timeout: float = 5.0
+    """Deadline of each etcd request, and of each gRPC connection attempt; raise it for a slow or loaded
+    etcd far away."""
     settle: float = 1.0
     """Seconds without a new joiner before a round with at least min_nodes closes."""
     join_timeout: float = 600.0
@@ -86,7 +97,25 @@ class RendezvousConfig:
             raise ValueError(f"join_timeout: {self.join_timeout} must be > 0")
         if self.failure_budget < 0:
             raise ValueError(f"failure_budget: {self.failure_budget} must be >= 0")
-        for ep in self.endpoint.split(","):
-            host, sep, port = ep.strip().rpartition(":")
-            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-                raise ValueError(f"endpoint: {ep.strip()!r} is not HOST:PORT")
+        if not 0 <= self.connect_timeout <= 3600:
+            raise ValueError(f"connect_timeout: {self.connect_timeout} must be between 0 and 3600 seconds")
+        if not 0.1 <= self.rpc_timeout <= 300:
+            raise ValueError(f"rpc_timeout: {self.rpc_timeout} must be between 0.1 and 300 seconds")
+        if self.keepalive_interval is not None and not (
+            0.05 <= self.keepalive_interval <= self.lease_ttl / 2
+        ):
+            raise ValueError(
+                f"keepalive_interval: {self.keepalive_interval:g} s does not fit "
+                f"lease_ttl {self.lease_ttl:g} s "
+                "(it must be between 0.05 s and lease_ttl/2, so that a failed keep-alive is retried before "
+                "the lease expires)"
+            )
+        try:
+            parse_endpoints(self.endpoint)
+        except ValueError as exc:
+            raise ValueError(f"endpoint: {exc}") from None
+
+    @property
+    def keepalive_every(self) -> float:
+        """The effective keep-alive interval: ``keepalive_interval``, else a third of the lease TTL."""
+        return self.keepalive_interval if self.keepalive_interval is not None else self.lease_ttl / 3.0

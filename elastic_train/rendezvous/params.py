@@ -1,8 +1,8 @@
 """Translate between torchrun's rendezvous parameters and :class:`RendezvousConfig`.
 
-``--rdzv-conf`` keys of the ``etcd3`` handler: lease_ttl, settle, join_timeout (alias timeout),
-failure_budget, user, password_env, password_file, ca_file, cert_file, key_file. Anything else is refused
-with one clear line.
+``--rdzv-conf`` keys of the ``etcd3`` handler: lease_ttl, keepalive_interval, settle, join_timeout (alias
+timeout), failure_budget, connect_timeout, rpc_timeout, user, password_env, password_file, ca_file,
+cert_file, key_file. Anything else is refused with one clear line.
 """
 
 from __future__ import annotations
@@ -26,6 +26,9 @@ CONF_KEYS = (
     "settle",
     "join_timeout",
     "failure_budget",
+    "keepalive_interval",
+    "connect_timeout",
+    "rpc_timeout",
     "user",
     "password_env",
     "password_file",
@@ -43,7 +46,7 @@ DYNAMIC_KEYS = (
     "keep_alive_interval",
     "keep_alive_max_attempt",
 )
-_FLOATS = ("lease_ttl", "settle", "join_timeout")
+_FLOATS = ("lease_ttl", "settle", "join_timeout", "keepalive_interval", "connect_timeout", "rpc_timeout")
 _INTS = ("failure_budget",)
 
 
@@ -119,7 +122,11 @@ def rdzv_conf(cfg: RendezvousConfig) -> dict[str, str]:
         "settle": f"{cfg.settle:g}",
         "join_timeout": f"{cfg.join_timeout:g}",
         "failure_budget": str(cfg.failure_budget),
+        "connect_timeout": f"{cfg.connect_timeout:g}",
+        "rpc_timeout": f"{cfg.rpc_timeout:g}",
     }
+    if cfg.keepalive_interval is not None:
+        out["keepalive_interval"] = f"{cfg.keepalive_interval:g}"
     if cfg.user is not None:
         out["user"] = cfg.user
         out["password_env"] = cfg.password_env

@@ -110,6 +110,7 @@ class ProtocolSettings:
     settle: float = 1.0
     join_timeout: float = 600.0
     failure_budget: int = 10
+    keepalive_interval: float | None = None
 
 
 class Participant:
@@ -144,7 +145,9 @@ class Participant:
         self.store_port = store_port
         self._own_view = view is None
         self.view = view if view is not None else run_view(etcd, settings.run_id)
-        self.lease = LeaseKeeper(etcd, settings.lease_ttl, self._write_leased_keys)
+        self.lease = LeaseKeeper(
+            etcd, settings.lease_ttl, self._write_leased_keys, interval=settings.keepalive_interval
+        )
         self.round: int | None = None
         self.members: list[str] = []
         self._join_value: bytes | None = None

@@ -25,7 +25,7 @@ ENV_DISABLE_SHARED_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 Creator = Callable[[RendezvousParameters], RendezvousHandler]
 
 
-def open_etcd(cfg: RendezvousConfig, timeout: float = 5.0) -> Etcd:
+def open_etcd(cfg: RendezvousConfig, timeout: float | None = None) -> Etcd:
     """Connect to the job's etcd with its TLS/auth settings; the probe reads the run's own prefix.
 
     Raises:
@@ -46,6 +46,7 @@ def settings_from_config(cfg: RendezvousConfig) -> ProtocolSettings:
         settle=cfg.settle,
         join_timeout=cfg.join_timeout,
         failure_budget=cfg.failure_budget,
+        keepalive_interval=cfg.keepalive_interval,
     )
 
 

@@ -2,9 +2,11 @@
 
 :class:`RunView` lists the run prefix once, then follows a watch; every reader (``num_nodes_waiting`` on each
 0.1 s monitor tick, the round-closing loop) reads the in-memory copy. When the watch breaks (etcd restart) it
-re-lists and watches again. :class:`LeaseKeeper` refreshes a lease every TTL/3 and, when the lease is gone
-(etcd lost it, or this process was stopped longer than the TTL), grants a new one and re-writes the node's
-keys through a callback.
+re-lists and watches again. :class:`LeaseKeeper` refreshes a lease every TTL/3 (or the configured keep-alive
+interval), each refresh bounded by that interval and failing over to another etcd member, and, when the
+lease is gone (etcd lost it, or this process was stopped longer than the TTL), grants a new one and
+re-writes the node's keys through a callback. An etcd that cannot answer (an election, lost quorum) is not a
+lost lease: the keeper retries until etcd answers, and only a lease etcd reports gone is re-created.
 """
 
 from __future__ import annotations
@@ -148,14 +150,32 @@ class LeaseKeeper:
         etcd: client.
         ttl: lease TTL in seconds (etcd rounds to whole seconds; at least 1).
         on_new_lease: called with the new lease id after (re-)granting, to (re-)write the keys on it.
+        interval: seconds between keep-alives, and each one's deadline (default ``ttl / 3``, at least
+            0.2 s); at most ``ttl / 2`` so that a failed one is retried before the lease expires.
+
+    Raises:
+        ValueError: ``interval`` does not fit ``ttl``.
     """
 
-    def __init__(self, etcd: Etcd, ttl: float, on_new_lease: Callable[[int], None]) -> None:
+    def __init__(
+        self,
+        etcd: Etcd,
+        ttl: float,
+        on_new_lease: Callable[[int], None],
+        *,
+        interval: float | None = None,
+    ) -> None:
         self.etcd = etcd
         self.ttl = max(1, round(ttl))
-        self.interval = max(0.2, ttl / 3.0)
+        self.interval = max(0.2, ttl / 3.0) if interval is None else interval
+        if not 0 < self.interval <= max(ttl, 1) / 2:
+            raise ValueError(
+                f"keep-alive interval {self.interval:g} s does not fit lease TTL {ttl:g} s "
+                "(at most half of it, so that a failed keep-alive is retried before the lease expires)"
+            )
         self.on_new_lease = on_new_lease
         self.lease_id = 0
+        self._slow_warned = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -176,11 +196,23 @@ class LeaseKeeper:
         failures = 0
         while not self._stop.wait(self.interval if not failures else min(self.interval, 0.25)):
             try:
-                left = self.etcd.lease_keepalive(self.lease_id)
+                t0 = time.monotonic()
+                left = self.etcd.lease_keepalive(self.lease_id, timeout=self.interval)
+                took = time.monotonic() - t0
+                if took > self.interval / 2 and not self._slow_warned:
+                    self._slow_warned = True
+                    log.warning(
+                        "lease_keepalive_slow",
+                        took_s=round(took, 3),
+                        interval_s=round(self.interval, 3),
+                        hint="etcd answers slowly for this lease TTL: raise rdzv-conf lease_ttl",
+                    )
                 if left <= 0:
                     log.warning("lease_lost", lease=self.lease_id)
                     self._renew()
                     log.info("lease_recreated", lease=self.lease_id)
+                if failures:
+                    log.info("lease_keepalive_recovered", attempts=failures, member=self.etcd.member)
                 failures = 0
             except EtcdError as exc:
                 failures += 1

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from elastic_train.launch.faults import Fault
 
 #: Every kind the chaos suite injects; the last three are chaos-only actions (see test_chaos.py).
+#: ``restart-etcd`` goes to runs on one etcd member, the etcd cluster kinds to runs on three.
 CHAOS_KINDS = (
     "kill-worker",
     "kill-node",
@@ -22,6 +23,8 @@ CHAOS_KINDS = (
     "kill-during-checkpoint",
     "corrupt-checkpoint",
     "storage-outage",
+    "kill-etcd-leader",
+    "etcd-quorum-loss",
 )
 
 
@@ -37,14 +40,29 @@ class PlanSpec:
     spacing: int = 8
 
 
+def etcd_members(seed: int) -> int:
+    """Members of the etcd a chaos run uses: every other seed (the odd ones) runs on a 3-member cluster."""
+    return 3 if seed % 2 else 1
+
+
 def make_plan(seed: int, spec: PlanSpec) -> list[Fault]:
-    """A list of faults for one chaos run; node indices follow launch order (joiners get new indices)."""
+    """A list of faults for one chaos run; node indices follow launch order (joiners get new indices).
+
+    On a 3-member etcd (:func:`etcd_members`), the etcd faults are a leader kill and a quorum loss instead of
+    a restart of the single member, and the plan starts with one of them.
+    """
     rng = random.Random(seed)
+    etcd_kinds = ["restart-etcd"] if etcd_members(seed) == 1 else ["kill-etcd-leader", "etcd-quorum-loss"]
     alive = list(range(spec.initial_nodes))
     next_index = spec.initial_nodes
     hung: list[int] = []
     plan: list[Fault] = []
     step = spec.first_step + rng.randrange(3)
+    if etcd_members(seed) > 1:
+        # every 3-member run opens with an etcd fault, the two kinds taking turns (seeds 1, 5, 9 … a leader
+        # kill; 3, 7, 11 … a quorum loss), so that a handful of seeds covers both
+        plan.append(Fault(kind=etcd_kinds[(seed // 2) % 2], step=step))
+        step += spec.spacing + rng.randrange(3)
     while len(plan) < spec.faults and step < spec.steps - spec.spacing:
         if hung and rng.random() < 0.6:
             node = hung.pop()
@@ -54,7 +72,7 @@ def make_plan(seed: int, spec: PlanSpec) -> list[Fault]:
             continue
         can_lose = len(alive) > spec.min_nodes
         can_add = len(alive) + len(hung) < spec.max_nodes
-        kinds = ["kill-worker", "restart-etcd", "corrupt-checkpoint", "storage-outage"]
+        kinds = ["kill-worker", *etcd_kinds, "corrupt-checkpoint", "storage-outage"]
         if can_lose:
             kinds += ["kill-node", "hang-node", "kill-during-checkpoint"]
         if can_add:

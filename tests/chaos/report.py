@@ -16,7 +16,8 @@ def render(results: list[dict[str, Any]]) -> str:
     recovered: Counter[str] = Counter()
     redone: list[int] = []
     resume_s: list[float] = []
-    lines = [f"{'seed':>5} {'faults':>7} {'wall s':>7}  " + " ".join(f"{i[:12]:>12}" for i in INVARIANTS)]
+    head = f"{'seed':>5} {'etcd':>4} {'faults':>7} {'wall s':>7}  "
+    lines = [head + " ".join(f"{i[:12]:>12}" for i in INVARIANTS)]
     for r in results:
         for f in r["faults"]:
             kinds[f["kind"]] += 1
@@ -26,7 +27,8 @@ def render(results: list[dict[str, Any]]) -> str:
             if f.get("steps_redone") is not None:
                 redone.append(f["steps_redone"])
         marks = " ".join(f"{'ok' if r['invariants'].get(i) else 'FAIL':>12}" for i in INVARIANTS)
-        lines.append(f"{r['seed']:>5} {len(r['faults']):>7} {r['wall_s']:>7.1f}  {marks}")
+        members = r.get("etcd_members", 1)
+        lines.append(f"{r['seed']:>5} {members:>4} {len(r['faults']):>7} {r['wall_s']:>7.1f}  {marks}")
     lines.append("")
     lines.append(f"{'fault kind':<24}{'injected':>9}{'recovered in a new round':>26}")
     for kind, n in sorted(kinds.items()):
@@ -69,7 +71,9 @@ def markdown(results: list[dict[str, Any]], *, command: str) -> str:
             "regression task, 3 nodes on 2:4, 90 steps) with faults drawn from the seed "
             "(tests/chaos/plan.py): kill -9 of a worker, of a node (also right when a durable checkpoint "
             "is due), SIGSTOP and later SIGCONT of a node, a node joining, etcd killed and restarted, the "
-            "newest checkpoint corrupted on disk, storage failing for 3 s. Invariants checked after each "
+            "newest checkpoint corrupted on disk, storage failing for 3 s. Odd seeds run on a 3-member etcd "
+            "(column `etcd`) and open with an etcd fault: the leader killed (restarted 3 s later) or two of "
+            "three members stopped for 4 s (no quorum), instead of a restart. Invariants checked after each "
             "run: "
             "finished; every sample of each epoch trained exactly once (audit files); no resume from a "
             "corrupted checkpoint; every committed checkpoint verifies and the corrupted ones are reported; "
@@ -81,7 +85,8 @@ def markdown(results: list[dict[str, Any]], *, command: str) -> str:
             "```",
             "",
             "Recovery: from a membership fault (kill, hang, resume, join) to the first step completed in a "
-            "later rendezvous round. etcd restarts, storage outages and corruption need no new round: "
+            "later rendezvous round. etcd restarts, leader kills and quorum losses, storage outages and "
+            "corruption need no new round: "
             "training goes on through them. A join (or a hang of a node that is still starting) that lands "
             "in the last seconds of a 90-step run can end with the job before any new round forms: those are "
             "the injected faults without a recovery.",

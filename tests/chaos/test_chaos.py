@@ -31,7 +31,7 @@ from elastic_train.launch.faults import Fault
 from elastic_train.launch.local import LocalJob, LocalOptions, Node
 from elastic_train.train.audit import check_exactly_once
 from tests.chaos.chaos_task import ENV_FLAG
-from tests.chaos.plan import PlanSpec, make_plan
+from tests.chaos.plan import PlanSpec, etcd_members, make_plan
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -156,6 +156,7 @@ def test_chaos_invariants(
         LocalOptions(
             config_path=None, overrides=ov, nodes=SPEC.initial_nodes, faults=plan,
             workdir=str(tmp_path / "work"), timeout=420.0, out=io.StringIO(), actions=actions,
+            etcd_members=etcd_members(chaos_seed),
         ),
     )  # fmt: skip
     job_ref["job"] = job
@@ -206,6 +207,7 @@ def test_chaos_invariants(
     chaos_results.append(
         {
             "seed": chaos_seed,
+            "etcd_members": etcd_members(chaos_seed),
             "faults": [f.to_json() for f in plan],
             "wall_s": summary.wall_s,
             "invariants": inv,

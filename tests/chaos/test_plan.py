@@ -48,3 +48,17 @@ def test_plan_keeps_the_job_alive(seed: int) -> None:
 def test_plans_cover_every_kind() -> None:
     seen = {f.kind for seed in range(40) for f in make_plan(seed, SPEC)}
     assert set(CHAOS_KINDS) <= seen
+
+
+def test_three_member_runs_open_with_an_etcd_fault() -> None:
+    from tests.chaos.plan import etcd_members
+
+    assert [etcd_members(s) for s in range(4)] == [1, 3, 1, 3]
+    assert make_plan(1, SPEC)[0].kind == "kill-etcd-leader"
+    assert make_plan(3, SPEC)[0].kind == "etcd-quorum-loss"
+    for seed in range(40):
+        kinds = {f.kind for f in make_plan(seed, SPEC)}
+        if etcd_members(seed) == 1:
+            assert not kinds & {"kill-etcd-leader", "etcd-quorum-loss"}
+        else:
+            assert "restart-etcd" not in kinds

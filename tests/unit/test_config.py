@@ -63,7 +63,7 @@ def test_nested_values_and_types(tmp_path: Path) -> None:
         ("checkpoint: {on_error: ignore}", "checkpoint.on_error: 'ignore' is not one of retry, log, fatal"),
         ("rendezvous: {min_nodes: 3, max_nodes: 2}", "rendezvous.max_nodes: 2 must be >= min_nodes (3)"),
         ("rendezvous: {run_id: 'a/b'}", "rendezvous.run_id: 'a/b' is invalid"),
-        ("rendezvous: {endpoint: 'nohost'}", "rendezvous.endpoint: 'nohost' is not HOST:PORT"),
+        ("rendezvous: {endpoint: 'h:x'}", "rendezvous.endpoint: etcd endpoint 'h:x': port 'x' is not"),
         ("rendezvous: {tls: {cert_file: c.pem}}", "rendezvous.tls.cert_file/key_file: give both or neither"),
         ("rendezvous: []", "rendezvous: expected a mapping, got [] (list)"),
         ("logging: {level: loud}", "logging.level: 'loud' is not one of debug, info, warning, error"),

@@ -1,4 +1,5 @@
-"""The embedded etcd: found, started on a free loopback port, usable through etcd3, stopped by PID."""
+"""The embedded etcd (one member or a 3-member cluster): found, started on free loopback ports, usable,
+stopped by PID; the endpoint parser and the connection settings."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ import etcd3
 import psutil
 import pytest
 
+from elastic_train.etcd.client import Etcd, connect, grpc_options, parse_endpoints
 from elastic_train.etcd.errors import EtcdError
-from elastic_train.etcd.server import EmbeddedEtcd, find_etcd_binary
+from elastic_train.etcd.server import EmbeddedEtcd, EtcdCluster, find_etcd_binary
 
 
 def test_put_get_lease_round_trip(any_etcd: EmbeddedEtcd) -> None:
@@ -82,3 +84,122 @@ def test_cli_serves_real_etcd() -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_cli_serves_a_three_member_cluster() -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "elastic_train", "etcd", "--members", "3", "--port", "0"],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert "(3 members, dev/test only) serving on " in line, line
+        endpoint = line.split("serving on ")[1].split()[0]
+        pids = [int(p) for p in line.split("(pid ")[1].split(")")[0].split(", ")]
+        assert len(endpoint.split(",")) == 3 and len(pids) == 3
+        etcd = Etcd(connect(endpoint))
+        etcd.put("/cli3", b"ok")
+        for ep in endpoint.split(","):  # every member serves the same data
+            one = Etcd(connect(ep))
+            assert one.get("/cli3").value == b"ok"  # type: ignore[union-attr]
+            one.close()
+        etcd.close()
+        proc.send_signal(2)
+        assert proc.wait(timeout=30) == 0
+        assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_cluster_elects_a_new_leader_and_a_killed_member_rejoins(etcd_cluster: EtcdCluster) -> None:
+    assert len(etcd_cluster.endpoint.split(",")) == 3 and etcd_cluster.healthy()
+    leader = etcd_cluster.leader()
+    assert etcd_cluster.members[leader].is_leader()
+    etcd = Etcd(connect(etcd_cluster.endpoint))
+    etcd.put("/before", b"1")
+    etcd_cluster.kill(leader)
+    new = etcd_cluster.leader(timeout=30)
+    assert new != leader
+    etcd.put("/during", b"2")  # fails over if it was on the killed member
+    etcd_cluster.start_member(leader)
+    only = Etcd(connect(etcd_cluster.members[leader].endpoint))
+    deadline = time.monotonic() + 30
+    while only.get("/during") is None and time.monotonic() < deadline:  # it catches up from its peers
+        time.sleep(0.2)
+    assert only.get("/during") is not None and only.get("/before") is not None
+    only.close()
+    etcd.close()
+
+
+def test_cluster_pause_and_resume_a_member(etcd_cluster: EtcdCluster) -> None:
+    m = etcd_cluster.members[0]
+    etcd_cluster.pause(0)
+    try:
+        assert psutil.Process(m.pid).status() == psutil.STATUS_STOPPED
+        assert not m.healthy()
+    finally:
+        etcd_cluster.resume(0)
+    deadline = time.monotonic() + 30
+    while not m.healthy() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert m.healthy()
+
+
+def test_cluster_rejects_a_bad_size() -> None:
+    with pytest.raises(EtcdError, match="at least one member"):
+        EtcdCluster(0)
+    with pytest.raises(EtcdError, match="2 client ports given for 3 members"):
+        EtcdCluster(3, client_ports=[1, 2])
+
+
+@pytest.mark.parametrize(
+    ("text", "pairs"),
+    [
+        ("h:1", [("h", 1)]),
+        ("etcd-host", [("etcd-host", 2379)]),
+        ("a:2380, b ,http://c:3/", [("a", 2380), ("b", 2379), ("c", 3)]),
+        ("[::1]", [("::1", 2379)]),
+        ("[::1]:2400", [("::1", 2400)]),
+        ("10.0.0.7", [("10.0.0.7", 2379)]),
+    ],
+)
+def test_parse_endpoints_defaults_the_port_to_2379(text: str, pairs: list[tuple[str, int]]) -> None:
+    assert parse_endpoints(text) == pairs
+
+
+@pytest.mark.parametrize("text", ["", "a:", "a:x", "a:0", "a:70000", "::1", "a,,b", "[::1", "a b:1"])
+def test_parse_endpoints_rejects_bad_entries_in_one_line(text: str) -> None:
+    with pytest.raises(EtcdError) as info:
+        parse_endpoints(text)
+    assert "\n" not in str(info.value)
+
+
+def test_rendezvous_config_checks_timeouts_against_each_other() -> None:
+    from elastic_train.errors import ConfigError
+    from elastic_train.rendezvous.params import conf_to_config, rdzv_conf
+
+    base = {"endpoint": "etcd-host", "run_id": "r", "min_nodes": 1, "max_nodes": 2}
+    cfg = conf_to_config({"connect_timeout": "5", "rpc_timeout": "2", "keepalive_interval": "1"}, **base)
+    assert (cfg.connect_timeout, cfg.rpc_timeout, cfg.keepalive_every) == (5.0, 2.0, 1.0)
+    assert conf_to_config({}, **base).keepalive_every == pytest.approx(1.0)  # lease_ttl 3 / 3
+    assert rdzv_conf(cfg)["keepalive_interval"] == "1" and rdzv_conf(cfg)["connect_timeout"] == "5"
+    with pytest.raises(ConfigError, match=r"keepalive_interval: 2 s does not fit lease_ttl 3 s"):
+        conf_to_config({"keepalive_interval": "2"}, **base)
+    with pytest.raises(ConfigError, match="rpc_timeout"):
+        conf_to_config({"rpc_timeout": "0"}, **base)
+    with pytest.raises(ConfigError, match="connect_timeout"):
+        conf_to_config({"connect_timeout": "-1"}, **base)
+    with pytest.raises(ConfigError, match="endpoint: etcd endpoint 'a:x'"):
+        conf_to_config({}, **{**base, "endpoint": "a:x"})
+
+
+def test_grpc_connect_deadline_is_apart_from_the_reconnect_backoff() -> None:
+    """gRPC core takes min_reconnect_backoff_ms as the connection deadline: it must allow slow links."""
+    opts = dict(grpc_options())
+    assert opts["grpc.min_reconnect_backoff_ms"] >= 2000
+    assert opts["grpc.initial_reconnect_backoff_ms"] <= 200 and opts["grpc.max_reconnect_backoff_ms"] <= 2000

@@ -134,3 +134,18 @@ def test_event_tail_reads_only_complete_lines(tmp_path: Path) -> None:
     with open(path, "ab") as f:
         f.write(b'ep", "step": 2}\nnot json\n')
     assert tail.poll() == [{"event": "step", "step": 2}]
+
+
+def test_etcd_cluster_faults_need_a_cluster() -> None:
+    for kind in ("kill-etcd-leader", "etcd-quorum-loss"):
+        fault = parse_fault(kind, "@step=5")
+        validate_plan([fault], 2, 20, etcd_members=3)
+        with pytest.raises(ConfigError, match=f"--{kind} needs a 3- or 5-member etcd"):
+            validate_plan([fault], 2, 20)
+        with pytest.raises(ConfigError, match="takes no node index"):
+            parse_fault(kind, "1@step=5")
+
+
+def test_endpoint_is_loopback_without_ports() -> None:
+    assert endpoint_is_loopback("127.0.0.1") and endpoint_is_loopback("localhost,[::1]")
+    assert not endpoint_is_loopback("etcd-0,127.0.0.1") and not endpoint_is_loopback("a:x")
