@@ -71,6 +71,12 @@ ETCD3_INSTEAD = {
     "keep_alive_interval": "the lease keep-alive runs every lease_ttl/3",
     "keep_alive_max_attempt": "liveness is an etcd lease (`lease_ttl`)",
 }
+#: Our etcd3 protocol keys, without effect under etcd3-dynamic (ignored there with a warning).
+DYNAMIC_INSTEAD = {
+    "lease_ttl": "liveness is torch's heartbeat (keep_alive_interval, heartbeat_timeout)",
+    "settle": "rounds close after torch's last_call_timeout",
+    "failure_budget": "restarts are counted by torchrun's --max-restarts",
+}
 #: Default of ``state_ttl`` (etcd3-dynamic): torch's etcd-v2 backend keeps its state two hours after a write.
 DEFAULT_STATE_TTL = 7200
 _FLOATS = ("lease_ttl", "settle", "join_timeout")
@@ -164,6 +170,9 @@ def parse_conf(
                 continue
         elif not dynamic and key in ETCD3_INSTEAD:
             ignored[key] = f"torch's DynamicRendezvousHandler key; in etcd3 {ETCD3_INSTEAD[key]}"
+            continue
+        elif dynamic and key in DYNAMIC_INSTEAD:
+            ignored[key] = f"etcd3 handler key; in etcd3-dynamic {DYNAMIC_INSTEAD[key]}"
             continue
         if key in IGNORED_KEYS:
             ignored[key] = IGNORED_KEYS[key]

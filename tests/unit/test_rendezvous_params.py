@@ -68,7 +68,7 @@ def test_bad_rdzv_conf_is_one_clear_config_error(conf, needle):
         ({"state_ttl": "ten"}, "state_ttl='ten' is not a whole number"),
         ({"state_ttl": "5"}, "state_ttl: 5 s must exceed keep_alive_interval (5 s)"),
         ({"state_ttl": "3", "keep_alive_interval": "3"}, "must exceed keep_alive_interval (3 s)"),
-        ({"settle": "1", "bogus": "x"}, "unknown key 'bogus'"),
+        ({"user": "u", "bogus": "x"}, "unknown key 'bogus'"),
     ],
 )
 def test_bad_etcd3_dynamic_conf_is_one_clear_config_error(conf, needle):
@@ -101,6 +101,11 @@ def test_torch_keys_without_a_meaning_here_are_ignored_with_a_reason():
     assert set(parsed.ignored) == {"last_call_timeout", "keep_alive_interval", "store_type", "is_host"}
     assert "settle" in parsed.ignored["last_call_timeout"]
     assert set(dynamic(store_type="file").ignored) == {"store_type"}
+    assert set(dynamic(lease_ttl="2", settle="1", failure_budget="3").ignored) == {
+        "lease_ttl",
+        "settle",
+        "failure_budget",
+    }
 
 
 def test_etcd_v2_tls_names_are_aliases():
