@@ -138,15 +138,30 @@ def test_state_expires_after_the_last_write_and_the_run_id_is_reusable(etcd_serv
     etcd.close()
 
 
-def test_a_lease_lost_while_stopped_is_replaced(etcd_server):
+@pytest.mark.parametrize(
+    ("ttl", "pause"),
+    [
+        pytest.param(
+            7200, 0.0, id="lost-seen-by-the-write"
+        ),  # no refresh due: the put fails, then a new lease
+        pytest.param(
+            5, 0.1, id="lost-seen-by-the-refresh"
+        ),  # a refresh is due (> 5/100 s): keep-alive sees it
+    ],
+)
+def test_a_lease_lost_while_stopped_is_replaced(etcd_server, ttl, pause):
     etcd = Etcd(connect(etcd_server.endpoint))
-    lease = NodeLease(etcd, ttl=5)
+    lease = NodeLease(etcd, ttl=ttl)
     b = Etcd3RendezvousBackend(etcd, "lost", lease=lease)
     b.set_state(b"one")
-    etcd.lease_revoke(lease.current())  # as if this node was stopped longer than the TTL
+    lost = lease.current()
+    etcd.lease_revoke(lost)  # as if this node was stopped longer than the TTL
     assert b.get_state() is None
+    time.sleep(pause)
     state, _, ok = b.set_state(b"two")
     assert (state, ok) == (b"two", True)
+    kv = etcd.get(STATE.format("lost"))
+    assert kv is not None and kv.lease not in (0, lost)
     etcd.close()
 
 
