@@ -50,10 +50,18 @@ class Etcd3RendezvousHandler(RendezvousHandler):
         etcd: a connected :class:`~elastic_train.etcd.client.Etcd`.
         settings: run id, node range, lease TTL, settle window, join timeout, failure budget.
         local_addr: address peers and workers reach this node at (``--local-addr``; else the FQDN).
+        store_timeout: the store timeout in seconds (rdzv-conf ``read_timeout``).
     """
 
-    def __init__(self, etcd: Etcd, settings: ProtocolSettings, local_addr: str | None = None) -> None:
+    def __init__(
+        self,
+        etcd: Etcd,
+        settings: ProtocolSettings,
+        local_addr: str | None = None,
+        store_timeout: float = STORE_TIMEOUT,
+    ) -> None:
         self._etcd = etcd
+        self._store_timeout = timedelta(seconds=store_timeout)
         self._settings = settings
         self._addr = local_addr or socket.getfqdn()
         self._server: dist.TCPStore | None = None
@@ -81,7 +89,7 @@ class Etcd3RendezvousHandler(RendezvousHandler):
                 0,
                 is_master=True,
                 wait_for_workers=False,
-                timeout=timedelta(seconds=STORE_TIMEOUT),
+                timeout=self._store_timeout,
             )
             self._participant = Participant(
                 self._etcd, self._settings, addr=self._addr, store_port=self._server.port
@@ -117,7 +125,7 @@ class Etcd3RendezvousHandler(RendezvousHandler):
             node = result.nodes.get(rank0) or {}
             host, port = str(node.get("addr")), int(node.get("store_port") or 0)
             base = self._clients.get((host, port)) or dist.TCPStore(
-                host, port, is_master=False, timeout=timedelta(seconds=STORE_TIMEOUT)
+                host, port, is_master=False, timeout=self._store_timeout
             )
             self._clients[(host, port)] = base
         store = dist.PrefixStore(f"elastic_train/round/{result.round}/", base)

@@ -1,20 +1,30 @@
 """torchrun entry points (group ``torchrun.handlers``): ``etcd3`` and ``etcd3-dynamic``.
 
 Each entry point is a zero-argument function returning the creator torch registers,
-``(RendezvousParameters) -> RendezvousHandler``.
+``(RendezvousParameters) -> RendezvousHandler``. A creator that cannot build its handler (a bad rdzv-conf,
+etcd unreachable, TLS or authentication failure) prints one line, ``torchrun: error: ...``, and exits
+(status 2 for a configuration mistake, 1 otherwise) instead of a traceback through torchrun.
 """
 
 from __future__ import annotations
 
+import functools
 import os
+import sys
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
-from torch.distributed.elastic.rendezvous.api import RendezvousHandler, RendezvousParameters
+from torch.distributed.elastic.rendezvous.api import (
+    RendezvousConnectionError,
+    RendezvousHandler,
+    RendezvousParameters,
+)
 
+from elastic_train.errors import ElasticTrainError
 from elastic_train.etcd.client import Etcd, connect_config
+from elastic_train.log import get_logger
 from elastic_train.rendezvous.config import RendezvousConfig
-from elastic_train.rendezvous.params import DYNAMIC_KEYS, config_from_params
+from elastic_train.rendezvous.params import DYNAMIC_KEYS, ETCD3, parse_params
 
 if TYPE_CHECKING:
     from elastic_train.rendezvous.protocol import ProtocolSettings
@@ -23,6 +33,8 @@ if TYPE_CHECKING:
 ENV_DISABLE_SHARED_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
 Creator = Callable[[RendezvousParameters], RendezvousHandler]
+
+log = get_logger(__name__)
 
 
 def open_etcd(cfg: RendezvousConfig, timeout: float | None = None) -> Etcd:
@@ -50,12 +62,45 @@ def settings_from_config(cfg: RendezvousConfig) -> ProtocolSettings:
     )
 
 
-def create_etcd3_handler(params: RendezvousParameters) -> RendezvousHandler:
-    """The ``etcd3`` handler for torchrun's parameters (our --rdzv-conf keys only)."""
-    from elastic_train.rendezvous.handler import Etcd3RendezvousHandler
+def _exit_with_one_line(exc: BaseException, code: int) -> NoReturn:
+    sys.stderr.write(f"torchrun: error: {exc}\n")
+    sys.stderr.flush()
+    raise SystemExit(code) from None
 
-    cfg = config_from_params(params)
-    return Etcd3RendezvousHandler(open_etcd(cfg), settings_from_config(cfg), params.local_addr)
+
+def _one_line_errors(create: Creator) -> Creator:
+    """Turn a creator's configuration and connection errors into one line and an exit status."""
+
+    @functools.wraps(create)
+    def wrapper(params: RendezvousParameters) -> RendezvousHandler:
+        try:
+            return create(params)
+        except ElasticTrainError as exc:
+            _exit_with_one_line(exc, exc.exit_code)
+        except RendezvousConnectionError as exc:
+            _exit_with_one_line(exc, 1)
+
+    return wrapper
+
+
+def create_etcd3_handler(params: RendezvousParameters) -> RendezvousHandler:
+    """The ``etcd3`` handler for torchrun's parameters (docs/rendezvous.md lists the rdzv-conf keys).
+
+    Raises:
+        ConfigError: unknown rdzv-conf key or invalid value.
+        EtcdError: etcd unreachable, TLS or authentication failure.
+    """
+    from elastic_train.rendezvous.handler import STORE_TIMEOUT, Etcd3RendezvousHandler
+
+    parsed = parse_params(params, backend=ETCD3)
+    for key, why in parsed.ignored.items():
+        log.warning("rdzv_conf_ignored", backend=ETCD3, key=key, reason=why)
+    return Etcd3RendezvousHandler(
+        open_etcd(parsed.config),
+        settings_from_config(parsed.config),
+        params.local_addr,
+        store_timeout=parsed.store.read_timeout or STORE_TIMEOUT,
+    )
 
 
 def create_etcd3_dynamic_handler(params: RendezvousParameters) -> RendezvousHandler:
@@ -63,6 +108,10 @@ def create_etcd3_dynamic_handler(params: RendezvousParameters) -> RendezvousHand
 
     Sets ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` unless the environment already chose: with the shared
     store, stale bootstrap keys survive rounds and scale-ups block (DESIGN.md, "Measured pitfalls").
+
+    Raises:
+        ConfigError: unknown rdzv-conf key or invalid value.
+        RendezvousConnectionError: etcd unreachable, TLS or authentication failure.
     """
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
 
@@ -75,12 +124,12 @@ def create_etcd3_dynamic_handler(params: RendezvousParameters) -> RendezvousHand
 
 def etcd3() -> Creator:
     """Entry point ``etcd3``."""
-    return create_etcd3_handler
+    return _one_line_errors(create_etcd3_handler)
 
 
 def etcd3_dynamic() -> Creator:
     """Entry point ``etcd3-dynamic``."""
-    return create_etcd3_dynamic_handler
+    return _one_line_errors(create_etcd3_dynamic_handler)
 
 
 __all__ = ["DYNAMIC_KEYS", "etcd3", "etcd3_dynamic", "open_etcd"]

@@ -319,14 +319,25 @@ def _become_worker(request: dict[str, Any], fds: list[int]) -> int:
 
 
 def run_entry(entry: list[str], argv: list[str]) -> int:
-    """Run the worker ``entry`` (see :func:`run_standin`) with ``argv`` in this process; its exit code."""
+    """Run the worker ``entry`` (see :func:`run_standin`) with ``argv`` in this process; its exit code.
+
+    Wrapped in torch's ``@record``: an exception the worker (ours or a user's script) lets escape is written
+    to torchrun's error file, so the agent's failure summary shows it and its traceback. (Imported here: the
+    stand-in, which imports this module, must stay free of torch.)
+    """
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    return record(_run_entry)(entry, argv) or 0
+
+
+def _run_entry(entry: list[str], argv: list[str]) -> int:
     import runpy
 
     if not entry:
         sys.argv = [sys.argv[0], *argv]
         from elastic_train.worker.main import main
 
-        return main(argv)
+        return main(argv) or 0
     try:
         if entry[0] == "-m":
             sys.argv = [entry[1], *argv]

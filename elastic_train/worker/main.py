@@ -1,13 +1,22 @@
-"""Worker entry point: parse, load the config, configure logging, run; known errors become one line."""
+"""Worker entry point: parse, load the config, configure logging, run; known errors become one line.
+
+torchrun's failure summary names what went wrong in a worker: ``main`` is wrapped in torch's ``@record``, so
+an unexpected exception lands in the worker's error file (``TORCHELASTIC_ERROR_FILE``) with its traceback,
+and a known error's one line is written there too.
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import os
 import sys
 import time
 from collections.abc import Sequence
 from typing import Any
+
+from torch.distributed.elastic.multiprocessing.errors import record
 
 from elastic_train.cli.main import OneLineParser
 from elastic_train.config import load_job_config, parse_override
@@ -43,6 +52,30 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
     return overrides
 
 
+#: Where torchrun's agent reads a failed worker's error (set by the agent for every worker).
+ENV_ERROR_FILE = "TORCHELASTIC_ERROR_FILE"
+
+
+def report_error(exc: ElasticTrainError, prefix: str = "") -> int:
+    """Print a known error as one line and leave it in torchrun's error file; its exit code."""
+    line = f"{prefix}{exc}"
+    sys.stderr.write(f"{PROG}: error: {line}\n")
+    path = os.environ.get(ENV_ERROR_FILE)
+    if path:
+        # torch's ErrorHandler format; the one line stands in for a traceback in the agent's summary.
+        message = f"{type(exc).__name__}: {line}"
+        data = {
+            "message": {
+                "message": message,
+                "extraInfo": {"py_callstack": message, "timestamp": str(int(time.time()))},
+            }
+        }
+        with contextlib.suppress(OSError), open(path, "w", encoding="utf-8") as f:
+            json.dump(data, f)
+    return exc.exit_code
+
+
+@record
 def main(argv: Sequence[str] | None = None) -> int:
     started = time.perf_counter()
     args = build_parser().parse_args(argv)
@@ -52,8 +85,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = load_job_config(args.config, overrides_from_args(args))
         env = WorkerEnv.from_environ(os.environ)
     except ElasticTrainError as exc:
-        sys.stderr.write(f"{PROG}: error: {exc}\n")
-        return exc.exit_code
+        return report_error(exc)
     configure_logging(cfg.logging)
     bind_context(
         run_id=env.run_id or cfg.rendezvous.run_id, rank=env.rank, world_size=env.world_size, round=env.round
@@ -63,5 +95,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return run_worker(cfg, env, started=started)
     except ElasticTrainError as exc:
-        sys.stderr.write(f"{PROG}: error: rank {env.rank}: {exc}\n")
-        return exc.exit_code
+        return report_error(exc, f"rank {env.rank}: ")
