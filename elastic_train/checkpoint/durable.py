@@ -49,6 +49,8 @@ MANIFEST = "manifest.json"
 LATEST = "latest"
 #: Directory under the run root holding retired share files for reuse (local disks only).
 POOL = ".recycle"
+#: Why a step directory without a manifest is not a checkpoint (yet).
+NO_MANIFEST = "no manifest.json (interrupted or in-progress save)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,7 +251,7 @@ def read_entry(storage: Storage, path: str, *, check_sizes: bool = True) -> Entr
         raw = storage.read(storage.join(path, MANIFEST))
     except StorageError:
         if storage.size(storage.join(path, MANIFEST)) is None:
-            return Entry(step_no, path, None, "no manifest.json (interrupted or in-progress save)")
+            return Entry(step_no, path, None, NO_MANIFEST)
         raise
     try:
         m = json.loads(raw)
