@@ -9,6 +9,7 @@ worker failure that restarting cannot cure.
 
 from __future__ import annotations
 
+import errno
 import os
 import tempfile
 import uuid
@@ -25,15 +26,18 @@ log = get_logger(__name__)
 PROBE_PREFIX = ".elastic_train-write-check-"
 
 
-def check_root(url: str, options: dict | None = None) -> None:
+def check_root(url: str, options: dict | None = None, *, probe_remote: bool = True) -> None:
     """The checkpoint root ``url`` is a directory this process can write to, or can be created as one.
 
     Nothing is created: a missing local root needs a writable directory as its nearest existing ancestor;
-    an existing one gets an unnamed temporary file; an object store an empty object, deleted at once.
+    an existing one gets an unnamed temporary file; an object store an empty object, deleted at once (unless
+    ``probe_remote`` is false). Only a failure that will happen again is refused (a regular file, permission
+    denied, a read-only filesystem); a failed write for another reason (an outage) is logged: a node must
+    not end a job over a storage hiccup at start-up.
 
     Raises:
         CheckpointSetupError: the root (or a parent of it) is a regular file, or it is not writable.
-        StorageError: the storage cannot be opened or listed.
+        StorageError: the storage cannot be opened or looked at.
     """
     storage = open_storage(url, options)
     root = storage.root
@@ -42,12 +46,23 @@ def check_root(url: str, options: dict | None = None) -> None:
     if isinstance(storage, LocalStorage):
         _check_local_root(url, root)
         return
+    if not probe_remote:
+        return
     probe = storage.join(root, f"{PROBE_PREFIX}{uuid.uuid4().hex[:12]}")
     try:
         storage.write_small(probe, b"")
         storage.remove(probe)
     except StorageError as exc:
-        raise CheckpointSetupError(f"checkpoint root {url}: not writable: {exc}") from exc
+        if _permanent(exc.__cause__):
+            raise CheckpointSetupError(f"checkpoint root {url}: not writable: {exc}") from exc
+        log.warning("checkpoint_root_write_failed", url=url, error=str(exc))
+
+
+def _permanent(exc: BaseException | None) -> bool:
+    """Whether a failed write will fail again the same way (permissions, a read-only filesystem …)."""
+    return isinstance(exc, (PermissionError, NotADirectoryError, IsADirectoryError)) or (
+        isinstance(exc, OSError) and exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM)
+    )
 
 
 def _check_local_root(url: str, root: str) -> None:
@@ -64,7 +79,9 @@ def _check_local_root(url: str, root: str) -> None:
         with tempfile.TemporaryFile(dir=root):
             pass
     except OSError as exc:
-        raise CheckpointSetupError(f"checkpoint root {url}: not writable: {exc.strerror or exc}") from exc
+        if _permanent(exc):
+            raise CheckpointSetupError(f"checkpoint root {url}: not writable: {exc.strerror or exc}") from exc
+        log.warning("checkpoint_root_write_failed", url=url, error=str(exc))
 
 
 def check_resume_source(url: str, options: dict | None = None) -> durable.Entry:

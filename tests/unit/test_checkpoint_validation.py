@@ -9,8 +9,10 @@ import uuid
 import zlib
 from typing import Any
 
+import fsspec
 import pytest
 import torch
+from fsspec.implementations.memory import MemoryFileSystem
 
 from elastic_train.checkpoint import (
     CheckpointConfig,
@@ -255,3 +257,22 @@ def test_resume_source_checks(saved, tmp_path, memdir):
     check_settings(own, "r")
     with pytest.raises(CheckpointSetupError, match="does not exist"):
         check_settings(own, "another")
+
+
+class _ReadOnlyMemory(MemoryFileSystem):
+    """memory:// whose writes fail: with PermissionError (denied) or a plain OSError (an outage)."""
+
+    protocol = ("etreadonly",)
+    error: type[OSError] = PermissionError
+
+    def pipe_file(self, path: str, value: bytes, *args: Any, **kwargs: Any) -> None:
+        raise self.error(f"cannot write {path}")
+
+
+def test_object_store_root_refused_only_when_writes_are_denied(monkeypatch):
+    fsspec.register_implementation("etreadonly", _ReadOnlyMemory, clobber=True)
+    with pytest.raises(CheckpointSetupError, match="not writable"):
+        check_root("etreadonly://bucket/ckpt")
+    check_root("etreadonly://bucket/ckpt", probe_remote=False)  # the worker does not write
+    monkeypatch.setattr(_ReadOnlyMemory, "error", OSError)
+    check_root("etreadonly://bucket/ckpt")  # an outage at start-up is not a reason to end the job
