@@ -400,7 +400,8 @@ def _fast_one_line(proc: subprocess.CompletedProcess, started: float, expected: 
     line = one_line(proc)
     assert expected in line, line
     assert proc.returncode == 2, proc
-    assert elapsed < 30, f"took {elapsed:.1f}s"  # an interpreter with torch imported, on a loaded machine
+    # Seconds: an interpreter importing torch (14 s seen on a loaded 2-core machine), not a training run.
+    assert elapsed < 60, f"took {elapsed:.1f}s"
 
 
 def test_run_refuses_a_checkpoint_root_that_is_a_file(etcd_server: Any, tmp_path: Path) -> None:
@@ -462,7 +463,8 @@ def test_plain_worker_fails_at_start(tmp_path: Path) -> None:
     save or after retries."""
     afile = tmp_path / "ckpt.bin"
     afile.write_text("x")
-    common = [*TASK, "--set", "rendezvous.run_id=pw", "--steps", "2000", "--checkpoint-every", "1000"]
+    # Its first save would come after a million steps: failing within seconds means failing at start.
+    common = [*TASK, "--set", "rendezvous.run_id=pw", "--steps", "1000000", "--checkpoint-every", "1000000"]
     t = time.monotonic()
     proc = cli(*common, "--checkpoint", str(afile), module="elastic_train.worker")
     _fast_one_line(proc, t, "is a file, not a directory")
