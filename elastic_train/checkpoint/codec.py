@@ -24,6 +24,8 @@ from elastic_train.checkpoint.errors import CheckpointCorrupt, CheckpointError
 ALIGN = 64
 _TENSOR, _NDARRAY, _DICT, _TUPLE, _BYTES = "__tensor__", "__ndarray__", "__dict__", "__tuple__", "__bytes__"
 _MARKERS = frozenset((_TENSOR, _NDARRAY, _DICT, _TUPLE, _BYTES))
+MARKERS = _MARKERS
+"""Keys of the one-key dicts that stand for a tensor, a numpy array, a dict, a tuple or bytes."""
 _PLAIN = frozenset({int, float, str, bool, type(None)})
 """Types a list or tuple of which is stored as is (no per-element walk)."""
 
@@ -49,6 +51,11 @@ _DTYPES: dict[str, torch.dtype] = {
         ),
     )
 }
+
+DTYPE_SIZES: dict[str, int] = {name: d.itemsize for name, d in _DTYPES.items()}
+"""Bytes per element of every dtype a checkpoint may hold."""
+NUMPY_DTYPES = frozenset(n for n in _DTYPES if n != "bfloat16" and not n.startswith("float8"))
+"""Dtypes a tensor can be handed out in as a numpy array."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 import elastic_train
-from elastic_train.checkpoint import digest
+from elastic_train.checkpoint import digest, schema
 from elastic_train.checkpoint.codec import TensorSpec, fingerprint_from_specs
 from elastic_train.checkpoint.errors import CheckpointCorrupt, CheckpointNotFound, StorageError
 from elastic_train.checkpoint.policy import parse_step_dir, retention, step_dir
@@ -49,6 +49,8 @@ MANIFEST = "manifest.json"
 LATEST = "latest"
 #: Directory under the run root holding retired share files for reuse (local disks only).
 POOL = ".recycle"
+#: Why a step directory without a manifest is not a checkpoint (yet).
+NO_MANIFEST = "no manifest.json (interrupted or in-progress save)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,37 +225,21 @@ def commit(storage: Storage, run_path: str, manifest: dict[str, Any]) -> str:
 
 
 def check_manifest(m: Any, step: int | None = None) -> str | None:
-    """Why ``m`` is not a usable manifest (None when it is)."""
+    """Why ``m`` is not a usable manifest (None when it is): see :mod:`elastic_train.checkpoint.schema`."""
     if not isinstance(m, dict) or m.get("kind") != KIND:
         return "not an elastic_train manifest"
-    if m.get("format") not in READABLE_FORMATS:
+    if type(m.get("format")) is not int or m["format"] not in READABLE_FORMATS:
         readable = ", ".join(map(str, READABLE_FORMATS))
         return f"unsupported format {m.get('format')!r} (this version reads {readable})"
     for key in ("step", "world_size", "files", "tensors", "skeleton"):
         if key not in m:
             return f"manifest lacks {key!r}"
+    try:
+        schema.manifest(m)
+    except ValueError as exc:
+        return str(exc)
     if step is not None and m["step"] != step:
         return f"manifest says step {m['step']}, directory says {step}"
-    if m["format"] >= 3:
-        return _check_tiling(m)
-    return None
-
-
-def _check_tiling(m: dict[str, Any]) -> str | None:
-    """Format 3: the files must cover the flat buffer exactly, and every tensor must lie inside it."""
-    try:
-        total = int(m["layout_bytes"])
-        pos = 0
-        for f in sorted(m["files"], key=lambda f: int(f["offset"])):
-            if int(f["offset"]) != pos:
-                return f"files do not cover the state: a gap or overlap at byte {pos}"
-            pos += int(f["size"])
-        if pos != total:
-            return f"files hold {pos} bytes, the state has {total}"
-        if any(int(t["offset"]) + int(t["nbytes"]) > total for t in m["tensors"]):
-            return "a tensor lies beyond the end of the state"
-    except (KeyError, TypeError, ValueError) as exc:
-        return f"malformed manifest: {type(exc).__name__}: {exc}"
     return None
 
 
@@ -265,11 +251,11 @@ def read_entry(storage: Storage, path: str, *, check_sizes: bool = True) -> Entr
         raw = storage.read(storage.join(path, MANIFEST))
     except StorageError:
         if storage.size(storage.join(path, MANIFEST)) is None:
-            return Entry(step_no, path, None, "no manifest.json (interrupted or in-progress save)")
+            return Entry(step_no, path, None, NO_MANIFEST)
         raise
     try:
         m = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):
         return Entry(step_no, path, None, "manifest.json is not valid JSON")
     problem = check_manifest(m, step)
     if problem:
@@ -291,6 +277,32 @@ def list_entries(storage: Storage, run_path: str, *, check_sizes: bool = True) -
         if parse_step_dir(name) is not None:
             out.append(read_entry(storage, storage.join(run_path, name), check_sizes=check_sizes))
     return sorted(out, key=lambda e: e.step)
+
+
+def step_names(storage: Storage, run_path: str) -> list[str]:
+    """Names of the step directories directly under ``run_path``, newest first."""
+    names = [n for n in storage.listdir(run_path) if parse_step_dir(n) is not None]
+    return sorted(names, key=lambda n: parse_step_dir(n) or 0, reverse=True)
+
+
+def runs_under(storage: Storage, root: str) -> list[str]:
+    """Names of the runs directly under the checkpoint root ``root`` (directories with step directories)."""
+    return [
+        name
+        for name in storage.listdir(root)
+        if not name.startswith(".")
+        and parse_step_dir(name) is None
+        and step_names(storage, storage.join(root, name))
+    ]
+
+
+def newest_valid(storage: Storage, run_path: str) -> Entry | None:
+    """The newest valid checkpoint of a run (manifests and sizes checked, newest first until one is valid)."""
+    for name in step_names(storage, run_path):
+        entry = read_entry(storage, storage.join(run_path, name))
+        if entry.valid:
+            return entry
+    return None
 
 
 def load(storage: Storage, entry: Entry) -> tuple[torch.Tensor, list[TensorSpec]]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from elastic_train.errors import ElasticTrainError
+from elastic_train.errors import ConfigError, ElasticTrainError
 
 
 class CheckpointError(ElasticTrainError):
@@ -21,7 +21,15 @@ class CheckpointCorrupt(CheckpointError):
     """A checkpoint exists but is torn or corrupt (no manifest, missing file, size or sha256 mismatch)."""
 
 
-class ModelMismatch(CheckpointError):
+class CheckpointSetupError(CheckpointError, ConfigError):
+    """The job's checkpoint settings can never work: the checkpoint root is a file or not writable, the resume
+    source does not exist or holds no valid checkpoint, the checkpoint is of another model. Restarting the
+    workers cannot help, so it is not worth a retry (exit code 2, like any configuration error)."""
+
+    exit_code = 2
+
+
+class ModelMismatch(CheckpointSetupError):
     """A checkpoint was saved from a different model (parameter names, shapes or dtypes differ)."""
 
 

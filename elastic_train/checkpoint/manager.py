@@ -36,9 +36,16 @@ from elastic_train.checkpoint.codec import (
     unflatten,
 )
 from elastic_train.checkpoint.config import CheckpointConfig
-from elastic_train.checkpoint.errors import CheckpointError, CheckpointNotFound, ModelMismatch, WriteFailed
+from elastic_train.checkpoint.errors import (
+    CheckpointError,
+    CheckpointNotFound,
+    CheckpointSetupError,
+    ModelMismatch,
+    WriteFailed,
+)
 from elastic_train.checkpoint.memory import MemorySnapshot, snapshot_files, sweep_stale
 from elastic_train.checkpoint.policy import SHARE_ALIGN, durable_due, restore_plan, share_ranges, step_dir
+from elastic_train.checkpoint.preflight import check_resume_source
 from elastic_train.checkpoint.storage import open_storage
 from elastic_train.log import get_logger
 
@@ -177,13 +184,14 @@ class CheckpointManager:
         if self.rank == 0 or not self.coordinated:
             try:
                 decision, loaded = self._decide(mem_steps)
-            except CheckpointError as exc:
-                decision = [None, -1, None, str(exc)]
+            except CheckpointError as exc:  # every rank raises it, of the same kind
+                decision = [None, -1, None, (str(exc), isinstance(exc, CheckpointSetupError))]
         if self.coordinated:
             dist.broadcast_object_list(decision, src=self._global(0), group=self._ctl)
         source, step, holder, error = decision
         if error:
-            raise CheckpointError(error)
+            message, setup = error
+            raise (CheckpointSetupError if setup else CheckpointError)(message)
         if source is None:
             log.info("restore_nothing_found", run=self.run_path)
             return None
@@ -229,14 +237,15 @@ class CheckpointManager:
             assert entry.manifest is not None
             return ["durable", cand.step, None, None], (entry.manifest["skeleton"], specs, buf)
         if self.cfg.resume_from:
+            check_resume_source(self.cfg.resume_from, self.cfg.storage_options)  # one precise line
             store = open_storage(self.cfg.resume_from, self.cfg.storage_options)
             _, cands = durable.resolve(store, store.root)
             try:
                 entry, buf, specs = durable.load_newest(
                     store, cands, what=f"checkpoint in {self.cfg.resume_from}"
                 )
-            except CheckpointNotFound as exc:
-                raise CheckpointNotFound(f"resume_from {self.cfg.resume_from}: {exc}") from exc
+            except CheckpointNotFound as exc:  # the same at every attempt: not worth a restart
+                raise CheckpointSetupError(f"resume_from {self.cfg.resume_from}: {exc}") from exc
             assert entry.manifest is not None
             return ["resume_from", entry.step, None, None], (entry.manifest["skeleton"], specs, buf)
         return [None, -1, None, None], None
@@ -481,6 +490,8 @@ class CheckpointManager:
                 self._submit(step, flatten(state), None, final=True)
             self.wait()
             self._raise_pending()
+            if self.rank == 0 and self.storage.recycles:  # no later save reuses retired files
+                durable.trim_pool(self.storage, durable.pool_path(self.storage, self.run_path), 0)
         finally:
             self._shutdown(release_memory=True)
         return self.last_committed if self.rank == 0 else None

@@ -32,6 +32,7 @@ import psutil
 import torch
 import xxhash
 
+from elastic_train.checkpoint import schema
 from elastic_train.checkpoint.codec import Flat, TensorSpec, copy_to, destinations
 from elastic_train.checkpoint.errors import CheckpointError
 from elastic_train.log import get_logger
@@ -194,7 +195,7 @@ class MemorySnapshot:
         self._mm = mm
         self._buf = torch.frombuffer(mm, dtype=torch.uint8)
         self._slot_bytes, self._meta_cap, self._data_cap = slot_bytes, meta_cap, data_cap
-        self._layout = key.rstrip(b"\0").decode()
+        self._layout = key.rstrip(b"\0").decode("ascii", "replace")
         return True
 
     def _unmap(self) -> None:
@@ -254,9 +255,12 @@ class MemorySnapshot:
             if not ok:
                 log.warning("memory_snapshot_torn", path=self.path, slot=slot, step=step)
                 continue
-            m = json.loads(bytes(meta))
-            specs = tuple(TensorSpec.from_json(s) for s in m["specs"])
-            found.append(Held(slot, step, m["skeleton"], specs, data_len))
+            try:  # checksums catch torn writes, not a bad writer: validate before anything is used
+                skeleton, specs = schema.snapshot_meta(bytes(meta), data_len)
+            except ValueError as exc:
+                log.warning("memory_snapshot_invalid", path=self.path, slot=slot, step=step, reason=str(exc))
+                continue
+            found.append(Held(slot, step, skeleton, specs, data_len))
             self._seq = max(self._seq, seq)
             self._slot_seq[slot] = seq
         if not found:

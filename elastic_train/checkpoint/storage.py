@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
@@ -69,6 +70,10 @@ class Storage(Protocol):
 
     def size(self, path: str) -> int | None:
         """Size in bytes, or None when the file does not exist."""
+        ...
+
+    def kind(self, path: str) -> str | None:
+        """``"dir"``, ``"file"``, or None when nothing is at ``path``."""
         ...
 
     def listdir(self, path: str) -> list[str]:
@@ -181,6 +186,14 @@ class LocalStorage:
         try:
             return os.stat(path).st_size
         except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise StorageError(f"cannot stat {path}: {exc.strerror or exc}") from exc
+
+    def kind(self, path: str) -> str | None:
+        try:
+            return "dir" if stat.S_ISDIR(os.stat(path).st_mode) else "file"
+        except (FileNotFoundError, NotADirectoryError):
             return None
         except OSError as exc:
             raise StorageError(f"cannot stat {path}: {exc.strerror or exc}") from exc
@@ -357,6 +370,16 @@ class FsspecStorage:
         except Exception as exc:
             raise self._wrap("stat", path, exc) from exc
         return None if info.get("type") == "directory" else int(info.get("size") or 0)
+
+    def kind(self, path: str) -> str | None:
+        try:
+            self.fs.invalidate_cache(path)
+            info = self.fs.info(path)
+        except FileNotFoundError:
+            return None
+        except Exception as exc:
+            raise self._wrap("stat", path, exc) from exc
+        return "dir" if info.get("type") == "directory" else "file"
 
     def listdir(self, path: str) -> list[str]:
         try:

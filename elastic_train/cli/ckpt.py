@@ -1,7 +1,8 @@
 """``elastic-train ckpt``: list, show, verify, export and remove durable checkpoints.
 
-URL is a run root (``ROOT/RUN_ID``) or one step directory (``ROOT/RUN_ID/step-00000123``); without a step,
-``show``/``verify``/``export`` take the newest valid checkpoint.
+URL is a checkpoint root (``ls`` lists its runs), a run root (``ROOT/RUN_ID``) or one step directory
+(``ROOT/RUN_ID/step-00000123``); without a step, ``show``/``verify``/``export`` take the newest valid
+checkpoint.
 """
 
 from __future__ import annotations
@@ -34,9 +35,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="fsspec option of the filesystem (e.g. endpoint_url=http://127.0.0.1:9000)",
     )
     ls = sub.add_parser(
-        "ls", parents=[opts], help="list checkpoints of a run: step, time, world size, size, validity"
+        "ls",
+        parents=[opts],
+        help="list the checkpoints of a run (step, time, world size, size, validity; exit 1 if one is "
+        "invalid), or the runs of a checkpoint root with their newest valid step",
     )
-    ls.add_argument("url", help="run root URL (ROOT/RUN_ID)")
+    ls.add_argument("url", help="checkpoint root (ROOT), run root (ROOT/RUN_ID) or step directory")
     ls.set_defaults(func=_lazy("cmd_ls"))
     show = sub.add_parser("show", parents=[opts], help="print a manifest and a tensor summary")
     show.add_argument("url", help="run root or step directory URL")
@@ -48,9 +52,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     export = sub.add_parser("export", parents=[opts], help="write the model state_dict as a plain torch file")
     export.add_argument("url", help="run root or step directory URL")
     export.add_argument(
-        "--to", required=True, metavar="FILE", help="output file (torch.load weights_only=True)"
+        "--to",
+        required=True,
+        metavar="FILE",
+        help="output file outside the checkpoint store (torch.load weights_only=True)",
     )
+    export.add_argument("--force", action="store_true", help="overwrite FILE if it exists")
     export.set_defaults(func=_lazy("cmd_export"))
-    rm = sub.add_parser("rm", parents=[opts], help="delete one checkpoint (a step directory)")
+    rm = sub.add_parser(
+        "rm",
+        parents=[opts],
+        help="delete one checkpoint (a step directory); asks on a terminal, else needs --yes",
+    )
     rm.add_argument("url", help="step directory URL (ROOT/RUN_ID/step-XXXXXXXX)")
+    rm.add_argument("-y", "--yes", action="store_true", help="do not ask for confirmation")
+    rm.add_argument(
+        "--force",
+        action="store_true",
+        help="also remove the newest valid checkpoint of the run, or a step directory without a manifest",
+    )
     rm.set_defaults(func=_lazy("cmd_rm"))

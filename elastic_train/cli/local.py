@@ -90,6 +90,9 @@ def run(args: argparse.Namespace) -> int:
     if args.initial_nodes > cfg.rendezvous.max_nodes:
         raise ConfigError(f"--nodes {args.initial_nodes}: more than max nodes ({cfg.rendezvous.max_nodes})")
     validate_plan(faults, args.initial_nodes, cfg.train.steps, args.etcd_members)
+    from elastic_train.checkpoint.preflight import check_settings
+
+    check_settings(cfg.checkpoint, cfg.rendezvous.run_id)
 
     job = LocalJob(cfg, LocalOptions(config_path=args.config, overrides=overrides, nodes=args.initial_nodes,
                                      faults=faults, workdir=workdir, timeout=args.timeout,

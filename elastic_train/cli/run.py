@@ -56,6 +56,10 @@ def run(args: argparse.Namespace) -> int:
         return 0
     launch_run.prepare_environment(cfg, local_addr, os.environ)
     launch_run.preflight(cfg)
+    if not args.entry:
+        from elastic_train.checkpoint.preflight import check_settings
+
+        check_settings(cfg.checkpoint, cfg.rendezvous.run_id)
     forkserver = launch_run.ForkServerSupervisor(os.environ) if args.worker_start == "forkserver" else None
     try:
         return launch_run.launch(argv)

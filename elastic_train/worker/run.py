@@ -87,6 +87,10 @@ def run_worker(cfg: JobConfig, env: WorkerEnv, *, started: float) -> int:
     from elastic_train.worker.faults import ENV_FAULT, ENV_STEP_DELAY, delay_hook, fault_hook
 
     timings["import_s"] = time.perf_counter() - t
+    if env.local_rank == 0 and env.restart_count == 0:  # fail at start, not at the first save
+        from elastic_train.checkpoint.preflight import check_root
+
+        check_root(cfg.checkpoint.url, cfg.checkpoint.storage_options, probe_remote=False)
     t = time.perf_counter()
     device = init_process_group(cfg, env)
     timings["pg_init_s"] = time.perf_counter() - t

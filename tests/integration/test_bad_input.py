@@ -190,4 +190,4 @@ def test_resume_from_a_missing_step(saved_run: Path, tmp_path: Path) -> None:
     assert "step-00000999" in line, line
     assert tree_digest(saved_run) == before
     verify = cli("ckpt", "verify", str(saved_run / "saved" / "step-00000999"))
-    assert verify.returncode == 1 and "step-00000999: no manifest.json" in verify.stdout
+    assert verify.returncode == 1 and "step-00000999: does not exist" in verify.stderr

@@ -133,7 +133,7 @@ def test_format_3_files_must_tile_the_state(tmp_path):
     for change, problem in [
         ({"offset": 64}, "gap or overlap at byte 0"),
         ({"size": f["size"] - 64}, "files hold"),
-        ({"offset": "x"}, "malformed manifest"),
+        ({"offset": "x"}, "invalid manifest: files.0.offset: Input should be a valid integer"),
     ]:
         m = dict(entry.manifest, files=[dict(f, **change)])
         assert problem in (durable.check_manifest(m) or "")

@@ -16,6 +16,7 @@ from elastic_train.checkpoint import (
     CheckpointConfig,
     CheckpointError,
     CheckpointManager,
+    CheckpointSetupError,
     ModelMismatch,
     StorageError,
     WriteFailed,
@@ -147,7 +148,7 @@ def test_resume_from_used_only_without_own_state(tmp_path, memdir):
     manager(cfg(str(tmp_path / "dst"), memdir), "new").finalize(6, make_state(6))
     r = manager(cfg(str(tmp_path / "dst"), memdir, resume_from=step_url), "new").restore()
     assert r is not None and r.source == "durable" and r.step == 6
-    with pytest.raises(CheckpointError, match="no valid checkpoint"):
+    with pytest.raises(CheckpointSetupError, match="nothing: does not exist"):
         manager(cfg(str(tmp_path / "e"), memdir, resume_from=str(tmp_path / "nothing")), "x").restore()
 
 
