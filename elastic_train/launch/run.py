@@ -100,8 +100,13 @@ def torchrun_argv(
 
 
 def prepare_environment(cfg: JobConfig, local_addr: str | None, environ: MutableMapping[str, str]) -> None:
-    """Set what the agent and its workers inherit: node id, and loopback gloo for a loopback job."""
+    """Set what the agent and its workers inherit: node id, the job's identity (the settings every node of
+    the run must share, checked by the ``etcd3`` handler before this node joins), and loopback gloo for a
+    loopback job."""
+    from elastic_train.rendezvous.identity import ENV_IDENTITY, JobIdentity, job_settings
+
     environ.setdefault(ENV_NODE_ID, socket.gethostname())
+    environ[ENV_IDENTITY] = JobIdentity(job_settings(cfg)).to_json()
     if local_addr and endpoint_is_loopback(cfg.rendezvous.endpoint):
         environ.setdefault("GLOO_SOCKET_IFNAME", LOOPBACK_IFNAME)
 

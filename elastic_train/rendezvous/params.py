@@ -26,6 +26,7 @@ CONF_KEYS = (
     "settle",
     "join_timeout",
     "failure_budget",
+    "identity_wait",
     "user",
     "password_env",
     "password_file",
@@ -43,7 +44,7 @@ DYNAMIC_KEYS = (
     "keep_alive_interval",
     "keep_alive_max_attempt",
 )
-_FLOATS = ("lease_ttl", "settle", "join_timeout")
+_FLOATS = ("lease_ttl", "settle", "join_timeout", "identity_wait")
 _INTS = ("failure_budget",)
 
 
@@ -119,6 +120,7 @@ def rdzv_conf(cfg: RendezvousConfig) -> dict[str, str]:
         "settle": f"{cfg.settle:g}",
         "join_timeout": f"{cfg.join_timeout:g}",
         "failure_budget": str(cfg.failure_budget),
+        "identity_wait": f"{cfg.identity_wait:g}",
     }
     if cfg.user is not None:
         out["user"] = cfg.user

@@ -46,6 +46,7 @@ def settings_from_config(cfg: RendezvousConfig) -> ProtocolSettings:
         settle=cfg.settle,
         join_timeout=cfg.join_timeout,
         failure_budget=cfg.failure_budget,
+        identity_wait=cfg.identity_wait,
     )
 
 

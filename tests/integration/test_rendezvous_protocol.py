@@ -108,7 +108,7 @@ def test_closed_run_turns_late_nodes_away(etcd_server):
         with pytest.raises(RendezvousClosed):
             late.join()
         assert ps[1].num_waiting() == 0
-        assert read_status(ps[1].etcd, "proto").state == "closed"
+        assert read_status(ps[1].etcd, "proto").state == "finished"
     finally:
         for p in ps:
             p.leave()
