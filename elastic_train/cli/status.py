@@ -16,7 +16,9 @@ if TYPE_CHECKING:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("status", help="show a run: state (waiting, running, finished, failed), round, members, failures")
+    p = subparsers.add_parser(
+        "status", help="show a run: state (waiting, running, finished, failed), round, members, failures"
+    )
     p.add_argument("--endpoint", required=True, help="etcd HOST:PORT[,HOST:PORT...]")
     p.add_argument("--run-id", required=True, help="the job's run id (--rdzv-id)")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")

@@ -91,6 +91,10 @@ class LocalJob:
         self.world_size: int | None = None
         self.t0 = 0.0
         self.done_event: dict[str, Any] | None = None
+        #: Step of another run's checkpoint (``--resume-from``) this job started from; ``None``: from scratch.
+        self.resumed_from_step: int | None = None
+        #: The run's rendezvous state read just before etcd stopped (why it failed, if it did).
+        self.final_status: Any = None
         self._last_scan = 0.0
         self._last_status = 0.0
         self._status_client: Any = None
@@ -199,6 +203,11 @@ class LocalJob:
                 if kind == "resumed" and f.resumed_from is None:
                     f.resumed_from = e.get("from_step")
                     f.source = e.get("source")
+        if kind == "resumed" and e.get("source") == "resume_from" and isinstance(e.get("from_step"), int):
+            step = int(e["from_step"])
+            self.resumed_from_step = (
+                step if self.resumed_from_step is None else min(self.resumed_from_step, step)
+            )
         if kind == "resumed":
             self._print(
                 f"   resumed round {rnd} at world size {e.get('world_size')} from step {e.get('from_step')}"
@@ -262,6 +271,21 @@ class LocalJob:
                 self._print(f"   {f.label}: rendezvous reacted after {seen - (f.fired_at or seen):.2f}s "
                             f"({status.state}, round {status.round})")  # fmt: skip
 
+    def _read_final_status(self) -> Any:
+        """The run's lifecycle state in etcd (``None`` if etcd cannot say)."""
+        from elastic_train.etcd.client import connect
+        from elastic_train.etcd.errors import EtcdError
+        from elastic_train.rendezvous.status import read_status
+
+        if self.etcd is None:
+            return None
+        try:
+            if self._status_client is None:
+                self._status_client = connect(self.etcd.endpoint, timeout=2.0)
+            return read_status(self._status_client, self.run_id)
+        except EtcdError:
+            return None
+
     def _all_exited(self) -> bool:
         return all(n.proc.poll() is not None or n.killed or n.stopped for n in self.nodes)
 
@@ -303,6 +327,7 @@ class LocalJob:
                 time.sleep(POLL_INTERVAL)
             for e in tail.poll():
                 self.on_event(e)
+            self.final_status = self._read_final_status()
         finally:
             self.cleanup()
         summary.wall_s = time.time() - self.t0 if self.t0 else 0.0

@@ -40,9 +40,9 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousStoreInfo,
 )
 
+from elastic_train.errors import ConfigError
 from elastic_train.etcd.client import Etcd
 from elastic_train.log import bind_context, get_logger
-from elastic_train.errors import ConfigError
 from elastic_train.rendezvous import ENV_ROUND
 from elastic_train.rendezvous.errors import JobFailed, RunRefused
 from elastic_train.rendezvous.identity import JobIdentity, identity_from_environ, torchrun_settings
@@ -122,7 +122,9 @@ class Etcd3RendezvousHandler(RendezvousHandler):
         if not failed or self._participant is None:
             return
         message = str(failed[0].get("message") or "a worker failed with an error no restart can fix")
-        log.error("worker_failed_for_good", run_id=self._settings.run_id, rank=failed[0].get("rank"), error=message)
+        log.error(
+            "worker_failed_for_good", run_id=self._settings.run_id, rank=failed[0].get("rank"), error=message
+        )
         self._participant.close("failed", message)
         self._closed_by_us = True
         raise JobFailed(f"run {self._settings.run_id} failed: {message}")

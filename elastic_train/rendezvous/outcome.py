@@ -57,7 +57,7 @@ def read_outcomes(directory: str) -> list[dict[str, Any]]:
             continue
         if isinstance(d, dict) and d.get("state") in ("finished", "failed"):
             out.append(d)
-    return sorted(out, key=lambda d: d.get("rank") if isinstance(d.get("rank"), int) else 0)
+    return sorted(out, key=lambda d: d["rank"] if isinstance(d.get("rank"), int) else 0)
 
 
 def clear_outcomes(directory: str) -> None:

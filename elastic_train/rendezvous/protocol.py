@@ -288,7 +288,11 @@ class Participant:
     def _take_over(self, identity_rev: int, mine: JobIdentity) -> bool:
         """Replace the identity of a run nobody holds (compare-and-set on its revision)."""
         cfg = json.dumps(
-            {"failure_budget": self.s.failure_budget, "min_nodes": self.s.min_nodes, "max_nodes": self.s.max_nodes}
+            {
+                "failure_budget": self.s.failure_budget,
+                "min_nodes": self.s.min_nodes,
+                "max_nodes": self.s.max_nodes,
+            }
         ).encode()
         ok, _ = self.etcd.txn(
             [cmp_mod(self.prefix + "identity", identity_rev), cmp_version(self.prefix + "closed", 0)],
@@ -620,7 +624,12 @@ class Participant:
                 mark, a node that starts after the others finished would wait for peers until its join
                 timeout.
         """
-        record: dict[str, Any] = {"reason": reason, "message": message, "by": self.node_id, "time": time.time()}
+        record: dict[str, Any] = {
+            "reason": reason,
+            "message": message,
+            "by": self.node_id,
+            "time": time.time(),
+        }
         if step is not None:
             record["step"] = step
         value = json.dumps(record).encode()

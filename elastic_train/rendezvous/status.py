@@ -100,8 +100,8 @@ def read_status(client: Any, run_id: str) -> JobStatus:
     ident = _json(keys.get("identity")) or {}
     rnd = _int(rec.get("round")) if rec else 0
     members = []
-    nodes = rec.get("nodes") if rec and isinstance(rec.get("nodes"), dict) else {}
-    order = rec.get("members") if rec and isinstance(rec.get("members"), list) else []
+    nodes: dict[str, Any] = rec["nodes"] if rec and isinstance(rec.get("nodes"), dict) else {}
+    order: list[Any] = rec["members"] if rec and isinstance(rec.get("members"), list) else []
     for rank, node in enumerate(str(n) for n in order):
         entry = nodes.get(node)
         addr = entry.get("addr") if isinstance(entry, dict) else None
