@@ -20,7 +20,13 @@ KINDS: dict[str, bool] = {
     "resume-node": True,  # SIGCONT a hung node (it comes back and rejoins)
     "add-node": False,  # start one more node (scale up)
     "restart-etcd": False,  # SIGKILL etcd and start it again on the same port and data
+    # Operator mistakes: one more node started with the job's run id but other settings. It must be refused
+    # (exit 2, one line) without the job noticing.
+    "collide-checkpoint": False,  # ... another checkpoint URL
+    "collide-nodes": False,  # ... another node range (max nodes + 1)
 }
+#: Kinds that start an intruding node (see :data:`KINDS`); their outcome is in ``Fault.extra``.
+COLLISION_KINDS = ("collide-checkpoint", "collide-nodes")
 
 _SPEC = re.compile(r"^(?P<node>\d+)?@step=(?P<step>\d+)$")
 

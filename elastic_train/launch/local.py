@@ -26,7 +26,7 @@ from elastic_train.config import JobConfig
 from elastic_train.etcd.server import EmbeddedEtcd
 from elastic_train.launch import ENV_NODE_ID
 from elastic_train.launch.events import EventTail
-from elastic_train.launch.faults import Fault
+from elastic_train.launch.faults import COLLISION_KINDS, Fault
 from elastic_train.launch.procs import signal_tree, terminate_tree, tree
 from elastic_train.launch.run import worker_overrides_argv
 from elastic_train.launch.summary import Summary, render_table, world_size_timeline
@@ -98,6 +98,8 @@ class LocalJob:
         self._last_scan = 0.0
         self._last_status = 0.0
         self._status_client: Any = None
+        #: Nodes started by collision faults (same run id, other settings), with their fault.
+        self.intruders: list[tuple[Fault, Node]] = []
 
     # -- actions ------------------------------------------------------------------------------------------
 
@@ -106,8 +108,13 @@ class LocalJob:
         self.opts.out.flush()
 
     def start_node(self) -> Node:
+        node = self._spawn(len(self.nodes), f"node-{len(self.nodes)}", {})
+        self.nodes.append(node)
+        return node
+
+    def _spawn(self, index: int, name: str, extra: dict[str, Any]) -> Node:
+        """Start one ``elastic-train run`` agent (``extra``: overrides applied after the job's own)."""
         assert self.etcd is not None
-        index = len(self.nodes)
         rdzv = self.cfg.rendezvous
         cmd = [sys.executable, "-m", "elastic_train", "--log-format", "json", "run"]
         if self.opts.config_path:
@@ -118,7 +125,7 @@ class LocalJob:
             "--run-id", self.run_id,
             "--local-addr", "127.0.0.1",
         ]  # fmt: skip
-        cmd += worker_overrides_argv(self.opts.overrides)
+        cmd += worker_overrides_argv(self.opts.overrides) + worker_overrides_argv(extra)
         env = dict(os.environ)
         # All nodes share this machine's cores: one intra-op thread pool per worker would oversubscribe them.
         workers = rdzv.max_nodes * rdzv.nproc_per_node
@@ -126,13 +133,13 @@ class LocalJob:
         env.update(
             {
                 ENV_EVENTS: self.events_path,
-                ENV_NODE_ID: f"node-{index}",
+                ENV_NODE_ID: name,
                 "GLOO_SOCKET_IFNAME": "lo",
                 "PYTHONUNBUFFERED": "1",
                 "ELASTIC_TRAIN_LOG_FORMAT": "json",
             }
         )
-        log_path = os.path.join(self.opts.workdir, f"node-{index}.log")
+        log_path = os.path.join(self.opts.workdir, f"{name}.log")
         with open(log_path, "ab") as logf:
             logf.write(f"$ {shlex.join(cmd)}\n".encode())
             logf.flush()
@@ -141,7 +148,6 @@ class LocalJob:
                 start_new_session=True,
             )  # fmt: skip
         node = Node(index=index, proc=proc, log_path=log_path, started_at=time.time())
-        self.nodes.append(node)
         self._remember(proc.pid)
         return node
 
@@ -183,6 +189,42 @@ class LocalJob:
 
     def _add_node(self, fault: Fault, _node: None) -> None:
         fault.extra["new_node"] = self.start_node().index
+
+    def _collide_checkpoint(self, fault: Fault, _node: None) -> None:
+        url = os.path.abspath(os.path.join(self.opts.workdir, "collision-checkpoints"))
+        self._intrude(fault, {"checkpoint.url": url})
+
+    def _collide_nodes(self, fault: Fault, _node: None) -> None:
+        rdzv = self.cfg.rendezvous
+        self._intrude(
+            fault, {"rendezvous.min_nodes": rdzv.min_nodes, "rendezvous.max_nodes": rdzv.max_nodes + 1}
+        )
+
+    def _intrude(self, fault: Fault, extra: dict[str, Any]) -> None:
+        """Start a node with the job's run id and ``extra`` settings; :meth:`_settle_intruders` records how
+        it was turned away."""
+        node = self._spawn(len(self.intruders), f"intruder-{len(self.intruders)}", extra)
+        self.intruders.append((fault, node))
+        fault.extra["settings"] = {k: v for k, v in extra.items()}
+
+    def _settle_intruders(self, wait: float) -> None:
+        """Record each intruder's exit code and last line once it exited (waiting up to ``wait`` seconds)."""
+        deadline = time.monotonic() + wait
+        for fault, node in self.intruders:
+            if "exit_code" in fault.extra:
+                continue
+            code = node.proc.poll()
+            while code is None and time.monotonic() < deadline:
+                time.sleep(0.1)
+                code = node.proc.poll()
+            if code is None:
+                continue
+            fault.extra["exit_code"] = code
+            fault.extra["seconds"] = round(time.time() - node.started_at, 2)
+            fault.extra["line"] = _last_plain_line(node.log_path)
+            self._print(
+                f"   {fault.label}: exit {code} after {fault.extra['seconds']}s: {fault.extra['line']}"
+            )
 
     def _restart_etcd(self, fault: Fault, _node: None) -> None:
         assert self.etcd is not None
@@ -248,6 +290,7 @@ class LocalJob:
         pending = [
             f for f in self.opts.faults
             if f.fired_at is not None and f.detected_at is None and f.fired_round is not None
+            and f.kind not in COLLISION_KINDS
         ]  # fmt: skip
         now = time.monotonic()
         if not pending or now - self._last_status < STATUS_INTERVAL or self.etcd is None:
@@ -328,6 +371,7 @@ class LocalJob:
             for e in tail.poll():
                 self.on_event(e)
             self.final_status = self._read_final_status()
+            self._settle_intruders(wait=15.0)
         finally:
             self.cleanup()
         summary.wall_s = time.time() - self.t0 if self.t0 else 0.0
@@ -342,7 +386,7 @@ class LocalJob:
 
     def cleanup(self) -> None:
         """Stop every process this job started (stopped ones resumed first), etcd, and shared memory."""
-        for n in self.nodes:
+        for n in [*self.nodes, *(node for _, node in self.intruders)]:
             if n.proc.poll() is None:
                 self._remember(n.proc.pid)
                 terminate_tree(n.proc.pid, grace=10.0)
@@ -366,6 +410,16 @@ class LocalJob:
         for path in snapshot_files(self.cfg.checkpoint.memory_dir, self.run_id):
             with contextlib.suppress(OSError):
                 os.unlink(path)
+
+
+def _last_plain_line(path: str) -> str:
+    """The last line of a node log that is not a JSON log record (what the node said to a person)."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            lines = [ln.strip() for ln in f if ln.strip() and not ln.lstrip().startswith("{")]
+    except OSError:
+        return ""
+    return lines[-1] if lines else ""
 
 
 def _is_worker(p: psutil.Process) -> bool:

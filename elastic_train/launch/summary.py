@@ -79,15 +79,18 @@ def render_table(summary: Summary) -> str:
         + " -> ".join(f"{p['world_size']}@step{p['step']}" for p in summary.world_size_timeline),
     ]
     if summary.faults:
-        header = f"{'fault':<24}{'detected':>10}{'resumed':>10}{'world':>7}{'redone':>8}  source"
+        width = max(24, *(len(f.label) + 2 for f in summary.faults))
+        header = f"{'fault':<{width}}{'detected':>10}{'resumed':>10}{'world':>7}{'redone':>8}  source"
         lines += ["", header, "-" * len(header)]
         for f in summary.faults:
             j = f.to_json()
             lines.append(
-                f"{f.label:<24}{_fmt(j['detected_s']):>10}{_fmt(j['resumed_s']):>10}"  # type: ignore[arg-type]
+                f"{f.label:<{width}}{_fmt(j['detected_s']):>10}{_fmt(j['resumed_s']):>10}"  # type: ignore[arg-type]
                 f"{j['resumed_world_size'] if j['resumed_world_size'] is not None else '-':>7}"
                 f"{j['steps_redone'] if j['steps_redone'] is not None else '-':>8}  {j['source'] or '-'}"
             )
+            if "exit_code" in f.extra:  # an intruding node (collision faults): how it was turned away
+                lines.append(f"  -> exit {f.extra['exit_code']}: {f.extra.get('line', '')}")
     if summary.exactly_once is not None:
         eo = summary.exactly_once
         verdict = "OK" if eo.get("ok") else "VIOLATED"
