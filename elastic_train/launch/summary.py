@@ -96,7 +96,13 @@ def render_table(summary: Summary) -> str:
         verdict = "OK" if eo.get("ok") else "VIOLATED"
         lines += [
             "",
-            f"exactly-once: {verdict} ({eo.get('steps', 0)} steps, {eo.get('samples', 0)} samples checked)",
+            f"exactly-once: {verdict} ({_checked(eo)}, {eo.get('samples', 0)} samples checked)",
         ]
         lines += [f"  {p}" for p in eo.get("problems", [])[:10]]
     return "\n".join(lines)
+
+
+def _checked(eo: dict[str, Any]) -> str:
+    """``80 steps``, or ``steps 41..80`` for a run resumed from another run's checkpoint."""
+    first, last = int(eo.get("first_step") or 1), int(eo.get("steps") or 0)
+    return f"{last} steps" if first == 1 else f"steps {first}..{last}"

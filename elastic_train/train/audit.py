@@ -116,13 +116,15 @@ class AuditReport:
     ok: bool
     """True when no problem was found."""
     steps: int
-    """Steps checked."""
+    """Last step checked."""
     samples: int
     """Samples trained over all counted steps."""
     problems: list[str] = field(default_factory=list)
     """One line per violation (empty when ok)."""
     redone_steps: dict[int, int] = field(default_factory=dict)
     """Steps that appear in more than one round → number of rounds they appear in."""
+    first_step: int = 1
+    """First step checked (after the step a run resumed from another run's checkpoint at)."""
     world_sizes: dict[int, int] = field(default_factory=dict)
     """World size of the counted (latest) round of each step."""
     rounds: dict[int, int] = field(default_factory=dict)
@@ -143,6 +145,7 @@ class AuditReport:
         return {
             "ok": self.ok,
             "steps": self.steps,
+            "first_step": self.first_step,
             "samples": self.samples,
             "problems": self.problems,
             "redone_steps": self.redone_steps,
@@ -180,7 +183,7 @@ def check_exactly_once(
     for line in read_audit(directory):
         by_step[int(line["step"])][int(line["round"])].append(line)
     problems: list[str] = []
-    report = AuditReport(ok=False, steps=steps, samples=0, problems=problems)
+    report = AuditReport(ok=False, steps=steps, samples=0, problems=problems, first_step=first_step)
     seen: dict[int, set[int]] = defaultdict(set)  # epoch -> indices trained in it
     plan = expected_steps(steps, global_batch, dataset_len)
     for step, (epoch, size) in enumerate(plan, start=1):

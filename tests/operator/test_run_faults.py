@@ -341,3 +341,32 @@ def test_plain_torchrun_nodes_are_protected_too(
     assert job.poll() is None
     job.send_signal(signal.SIGTERM)
     job.communicate(timeout=60)
+
+
+def local(tmp: Path, *args: str) -> subprocess.CompletedProcess:
+    cmd = [
+        sys.executable, "-m", "elastic_train", "local", "--nodes", "1", "--task", "regression",
+        "--set", "train.task_args={n_samples: 64}", "--set", "train.global_batch=8", "--timeout", "240",
+        *args,
+    ]  # fmt: skip
+    return subprocess.run(cmd, env=base_env(), capture_output=True, text=True, timeout=300, cwd=tmp)
+
+
+def test_local_names_why_the_job_failed(tmp_path: Path) -> None:
+    proc = local(tmp_path, "--steps", "6", "--set", "train.task_args={no_such_arg: 1}", "--run-id", "loc-bad")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    line = one_line(proc.stderr)
+    assert line.startswith(
+        "elastic-train: error: run loc-bad failed: train.task_args: regression rejected"
+    ), line
+
+
+def test_local_resume_from_another_run_checks_exactly_once_for_its_own_steps(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ck"
+    first = local(tmp_path, "--steps", "10", "--checkpoint", str(ckpt), "--checkpoint-every", "5",
+                  "--run-id", "first")  # fmt: skip
+    assert first.returncode == 0, first.stdout + first.stderr
+    second = local(tmp_path, "--steps", "20", "--checkpoint", str(ckpt), "--run-id", "second",
+                   "--resume-from", str(ckpt / "first"))  # fmt: skip
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert "exactly-once: OK (steps 11..20," in second.stdout, second.stdout
