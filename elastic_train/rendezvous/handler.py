@@ -187,9 +187,10 @@ class Etcd3RendezvousHandler(RendezvousHandler):
 
     def shutdown(self) -> bool:
         try:
-            if self._participant is not None and not self._participant.refused:
+            if self._participant is not None:
                 try:
-                    self.set_closed()
+                    if not self._participant.refused:  # a refused node must not close another job's run
+                        self.set_closed()
                 finally:
                     self._participant.leave()
         finally:

@@ -278,6 +278,20 @@ class Participant:
             with self.view.cond:
                 self.view.cond.wait(min(1.0, max(0.05, deadline - time.monotonic())))
 
+    def _check_identity_kept(self) -> None:
+        """Refuse to re-join a run that nodes with other settings took over while this one was away
+        (stopped past its lease, its peers gone). Call with ``view.cond`` held."""
+        mine, kv = self.s.identity, self.view.get("identity")
+        if mine is None or kv is None:
+            return
+        try:
+            theirs = JobIdentity.decode(kv.value)
+        except ValueError:
+            return
+        if theirs.fingerprint != mine.fingerprint:
+            self.refused = True
+            raise RunRefused(f"{theirs.refusal(self.s.run_id, mine)} (the run was taken over)")
+
     def _await_key(self, key: str, timeout: float = 2.0) -> None:
         """Wait (briefly) until the view shows ``key``, after a transaction lost to its writer."""
         end = time.monotonic() + timeout
@@ -454,6 +468,7 @@ class Participant:
         self.start()
         deadline = time.monotonic() + self.s.join_timeout
         with self.view.cond:
+            self._check_identity_kept()
             rec, _ = self._round_record()
             reason = self._waiting_cause or self._classify(
                 rec, self._live(), self._joins(), local_failure=True

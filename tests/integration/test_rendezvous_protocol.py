@@ -244,12 +244,17 @@ def test_identity_binds_live_runs_and_an_abandoned_run_is_taken_over(etcd_server
         assert not [kv.key for kv in kvs if "intruder" in kv.key]  # refused before writing anything
         assert a.num_waiting() == 0
 
-        a.leave()  # every member gone, the run not finished: the new settings take it over
+        a.lease.stop(revoke=True)  # a stops past its lease: every member gone, the run did not finish
         c = make(etcd_server.endpoint, 1, min_nodes=1, identity=_ident(**{"rendezvous.max_nodes": 3}))[0]
         try:
-            assert c.join().round == 2
+            assert c.join().round == 2  # the new settings took the run over
             st = read_status(c.etcd, "proto")
             assert st.identity["rendezvous.max_nodes"] == 3 and st.state == "running"
+            with pytest.raises(
+                RunRefused, match=r"this node has rendezvous.max_nodes=2 \(the run was taken over\)"
+            ):
+                a.join()  # a comes back: it must not join the job that took over
+            assert a.refused and c.num_waiting() == 0
         finally:
             c.leave()
     finally:
