@@ -192,10 +192,10 @@ def test_a_node_with_other_settings_waits_then_is_refused_and_the_job_never_noti
     runs: Runs, etcd: Etcd, tmp_path: Path, other: dict[str, str], theirs: str, ours: str
 ) -> None:
     a, b = tmp_path / "a", tmp_path / "b"
-    job = runs.start("job-42", a, steps=150, delay=0.1)
+    job = runs.start("job-42", a, steps=300, delay=0.1)
     wait_for(lambda: training(etcd, "job-42", a, at_least_step=5), 120, "the job to train and checkpoint")
     t = time.monotonic()
-    intruder = runs.start("job-42", b if "ckpt" in other else a, nodes=other.get("nodes", "1:1"), steps=150)
+    intruder = runs.start("job-42", b if "ckpt" in other else a, nodes=other.get("nodes", "1:1"), steps=300)
     _, err = intruder.communicate(timeout=120)
     waited = time.monotonic() - t
     assert intruder.returncode == 2, err
@@ -210,8 +210,8 @@ def test_a_node_with_other_settings_waits_then_is_refused_and_the_job_never_noti
     assert job.returncode == 0, err
     assert "Traceback" not in err
     st = read_status(etcd, "job-42")
-    assert (st.state, st.finished_step, st.failures_used, st.round) == ("finished", 150, 0, 1)
-    assert "step-00000150" in verify(a, "job-42")
+    assert (st.state, st.finished_step, st.failures_used, st.round) == ("finished", 300, 0, 1)
+    assert "step-00000300" in verify(a, "job-42")
     assert not (b / "job-42").exists()
 
 
