@@ -308,16 +308,18 @@ class Participant:
                 "max_nodes": self.s.max_nodes,
             }
         ).encode()
-        ok, _ = self.etcd.txn(
+        ok, resp = self.etcd.txn(
             [cmp_mod(self.prefix + "identity", identity_rev), cmp_version(self.prefix + "closed", 0)],
             [
                 op_put(self.prefix + "identity", mine.encode(time=time.time(), node=self.node_id)),
                 op_put(self.prefix + "config", cfg),
             ],
         )
-        if not ok:
-            with self.view.cond:
-                self.view.cond.wait(0.2)
+        # Until the watch delivers it, the view would still show the identity just replaced.
+        end = time.monotonic() + (5.0 if ok else 0.2)
+        with self.view.cond:
+            while self.view.revision < int(resp.header.revision) and time.monotonic() < end:
+                self.view.cond.wait(0.05)
         return ok
 
     def _refuse_closed(self, closed: dict[str, Any], identity_raw: bytes | None) -> None:
