@@ -89,6 +89,10 @@ def render(st: JobStatus) -> list[str]:
     if st.identity:
         shown = ", ".join(f"{k}={v}" for k, v in st.identity.items())
         lines.append(f"identity {st.fingerprint or '?'}: {shown}")
+    if st.state == "stopped":
+        lines.append(
+            "no node holds the run and it did not finish: start it again to resume from its checkpoints"
+        )
     if st.state == "failed":
         url = st.identity.get("checkpoint.url") or "CHECKPOINT_URL"
         lines.append(f"to continue: start a new run with --run-id NEW_ID --resume-from {url}/{st.run_id}")

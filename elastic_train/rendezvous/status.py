@@ -1,7 +1,8 @@
 """A run's lifecycle and rendezvous state as read from etcd (``elastic-train status``, ``local`` reports).
 
 States: ``waiting`` (no round yet), ``running``, ``restarting`` (nodes asked for a new round or a member is
-lost), ``finished`` (when, at which step) and ``failed`` (why). A run id with no keys at all does not exist
+lost), ``stopped`` (no node holds the run and it did not finish: starting it again resumes it), ``finished``
+(when, at which step) and ``failed`` (why). A run id with no keys at all does not exist
 (never started, or its record expired). Everything read back is untrusted: a malformed key is reported as
 such, never a traceback.
 """
@@ -34,7 +35,7 @@ class JobStatus:
     round: int
     """Last closed round (0: none yet)."""
     state: str
-    """"waiting", "running", "restarting", "finished" or "failed" (see the module docstring)."""
+    """"waiting", "running", "restarting", "stopped", "finished" or "failed" (see the module docstring)."""
     exists: bool = True
     """False when etcd holds no key of the run."""
     members: list[Member] = field(default_factory=list)
@@ -116,6 +117,8 @@ def read_status(client: Any, run_id: str) -> JobStatus:
         state = "finished" if closed.get("reason") == "finished" else "failed"
     elif rec is None:
         state = "waiting"
+    elif not live:
+        state = "stopped"
     elif waiting or any(not m.alive for m in members):
         state = "restarting"
     else:

@@ -268,6 +268,8 @@ def test_after_all_members_are_gone_a_new_node_range_takes_the_run_over(
     wait_for(lambda: training(etcd, "resize-1", ckpt, at_least_step=10), 120, "a checkpoint at step 10")
     signal_tree(old.pid, signal.SIGKILL)  # the old Job's pods are gone without a word
     old.wait(timeout=30)
+    wait_for(lambda: read_status(etcd, "resize-1").state == "stopped", 30, "the run to show no live node")
+    assert "start it again to resume" in runs.status("resize-1").stdout
     new = runs.start("resize-1", ckpt, steps=60, nodes="1:2", log_level="info")
     _, err = new.communicate(timeout=300)
     assert new.returncode == 0, err[-3000:]
