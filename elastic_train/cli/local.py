@@ -112,6 +112,10 @@ def run(args: argparse.Namespace) -> int:
             print(f"timeline plotted to {plot_path}")
     ok = summary.succeeded and (summary.exactly_once is None or bool(summary.exactly_once.get("ok")))
     if not summary.succeeded:
+        status = job.final_status
+        if status is not None and status.state == "failed" and status.message:
+            sys.stderr.write(f"elastic-train: error: run {job.run_id} failed: {status.message}\n")
+            return 2 if 2 in summary.node_exit_codes.values() else 1
         sys.stderr.write(f"elastic-train: error: the job did not finish; see the node logs in {workdir}\n")
     return 0 if ok else 1
 
@@ -122,5 +126,8 @@ def _check_exactly_once(cfg: JobConfig, job: LocalJob) -> dict[str, Any] | None:
     audit_dir = cfg.train.audit_dir
     if not audit_dir or not os.path.isdir(audit_dir):
         return None
-    report = check_exactly_once(audit_dir, steps=job.completed_step, global_batch=cfg.train.global_batch)
+    first = 1 if job.resumed_from_step is None else job.resumed_from_step + 1
+    report = check_exactly_once(
+        audit_dir, steps=job.completed_step, global_batch=cfg.train.global_batch, first_step=first
+    )
     return report.to_json()

@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(shlex.join([sys.executable, "-m", "torch.distributed.run", *argv]))
         return 0
-    launch_run.prepare_environment(cfg, local_addr, os.environ)
+    launch_run.prepare_environment(cfg, local_addr, os.environ, own_entry=bool(args.entry))
     launch_run.preflight(cfg)
     if not args.entry:
         from elastic_train.checkpoint.preflight import check_settings

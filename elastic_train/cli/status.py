@@ -4,13 +4,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+import time
+from typing import TYPE_CHECKING
 
 from elastic_train.errors import ConfigError
 from elastic_train.rendezvous.config import RendezvousConfig, TLSConfig
 
+if TYPE_CHECKING:
+    from elastic_train.rendezvous.status import JobStatus
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("status", help="show a job's rendezvous: round, members, waiting, failures")
+    p = subparsers.add_parser(
+        "status", help="show a run: state (waiting, running, finished, failed), round, members, failures"
+    )
     p.add_argument("--endpoint", required=True, help="etcd HOST:PORT[,HOST:PORT...]")
     p.add_argument("--run-id", required=True, help="the job's run id (--rdzv-id)")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
@@ -49,16 +57,43 @@ def run(args: argparse.Namespace) -> int:
         st = read_status(etcd, args.run_id)
     finally:
         etcd.close()
+    if not st.exists:
+        if args.json:
+            print(json.dumps(st.to_json(), indent=2))
+        sys.stderr.write(f"elastic-train: error: no such run: {args.run_id} (no key of it in etcd)\n")
+        return 1
     if args.json:
         print(json.dumps(st.to_json(), indent=2))
         return 0
+    for line in render(st):
+        print(line)
+    return 0
+
+
+def render(st: JobStatus) -> list[str]:
+    """The text form of a run's status."""
+    when = time.strftime(" on %Y-%m-%d %H:%M:%S UTC", time.gmtime(st.closed_at)) if st.closed_at else ""
+    if st.state == "finished":
+        at = f" at step {st.finished_step}" if st.finished_step is not None else ""
+        head = f"run {st.run_id}: finished{at}{when}, round {st.round}"
+    elif st.state == "failed":
+        head = f"run {st.run_id}: failed{when}: {st.message or 'no reason recorded'}"
+    else:
+        head = f"run {st.run_id}: {st.state}, round {st.round}, world size {st.world_size}"
     budget = "?" if st.failure_budget is None else str(st.failure_budget)
     left = "?" if st.failure_budget is None else str(max(0, st.failure_budget - st.failures_used))
-    print(f"run {st.run_id}: {st.state}, round {st.round}, world size {st.world_size}")
-    print(f"failures: {st.failures_used} used of {budget} ({left} left)")
+    lines = [head, f"failures: {st.failures_used} used of {budget} ({left} left)"]
     for m in st.members:
-        print(f"  rank {m.rank}: {m.node} {m.addr or '-'}{'' if m.alive else '  (lost)'}")
-    print(f"waiting: {', '.join(st.waiting) if st.waiting else 'none'}")
-    if st.message:
-        print(f"closed: {st.message}")
-    return 0
+        lines.append(f"  rank {m.rank}: {m.node} {m.addr or '-'}{'' if m.alive else '  (lost)'}")
+    lines.append(f"waiting: {', '.join(st.waiting) if st.waiting else 'none'}")
+    if st.identity:
+        shown = ", ".join(f"{k}={v}" for k, v in st.identity.items())
+        lines.append(f"identity {st.fingerprint or '?'}: {shown}")
+    if st.state == "stopped":
+        lines.append(
+            "no node holds the run and it did not finish: start it again to resume from its checkpoints"
+        )
+    if st.state == "failed":
+        url = st.identity.get("checkpoint.url") or "CHECKPOINT_URL"
+        lines.append(f"to continue: start a new run with --run-id NEW_ID --resume-from {url}/{st.run_id}")
+    return lines

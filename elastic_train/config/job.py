@@ -14,7 +14,7 @@ from typing import Any
 import yaml
 
 from elastic_train.checkpoint.config import CheckpointConfig
-from elastic_train.config.loader import apply_overrides, from_dict
+from elastic_train.config.loader import MAX_CONFIG_BYTES, apply_overrides, from_dict, safe_load_bounded
 from elastic_train.errors import ConfigError
 from elastic_train.log import LoggingConfig
 from elastic_train.rendezvous.config import RendezvousConfig
@@ -43,14 +43,23 @@ class JobConfig:
 
 
 def read_yaml(path: str) -> dict[str, Any]:
-    """Read a YAML mapping from ``path``.
+    """Read a YAML mapping from ``path`` (at most :data:`MAX_CONFIG_BYTES`, aliases bounded).
 
     Raises:
-        ConfigError: the file is missing, unreadable, not YAML, or not a mapping.
+        ConfigError: the file is missing, unreadable, too large, not YAML, or not a mapping.
     """
     try:
-        with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
+        with open(path, "rb") as f:
+            raw = f.read(MAX_CONFIG_BYTES + 1)
+        if len(raw) > MAX_CONFIG_BYTES:
+            raise ConfigError(
+                f"{path}: refused, larger than {MAX_CONFIG_BYTES // 1024} KiB (not a job config?)"
+            )
+        data = safe_load_bounded(raw.decode("utf-8"), path)
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start})") from exc
+    except IsADirectoryError as exc:
+        raise ConfigError(f"{path}: is a directory, not a config file") from exc
     except FileNotFoundError as exc:
         raise ConfigError(f"{path}: no such config file") from exc
     except OSError as exc:

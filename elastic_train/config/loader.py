@@ -116,6 +116,63 @@ def from_dict(cls: type[T], data: Any, path: str = "") -> T:
         raise ConfigError(f"{_join(path, str(exc))}" if path else str(exc)) from exc
 
 
+#: Largest config file read (a job.yaml is a few KiB).
+MAX_CONFIG_BYTES = 1 << 20
+#: Most YAML nodes a document may expand to once aliases are followed (a job.yaml has a few hundred).
+MAX_CONFIG_NODES = 100_000
+
+
+def safe_load_bounded(text: str, source: str = "config") -> Any:
+    """``yaml.safe_load`` that refuses a document whose aliases expand it beyond :data:`MAX_CONFIG_NODES`.
+
+    PyYAML builds an aliased node once and shares it, but everything downstream (overrides, validation)
+    walks the expanded tree: a few hundred bytes of nested aliases (a "billion laughs") expand to billions of
+    nodes. The expanded size is counted on the composed node graph, each distinct node once, before any
+    value is constructed: time and memory stay linear in the file.
+
+    Raises:
+        ConfigError: the document expands too far or refers to itself.
+        yaml.YAMLError: the text is not YAML.
+    """
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        size = _expanded_size(node, {}, set(), source)
+        if size > MAX_CONFIG_NODES:
+            raise ConfigError(_too_big(source))
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
+def _too_big(source: str) -> str:
+    return (
+        f"{source}: refused, its aliases expand to more than {MAX_CONFIG_NODES} values (a YAML alias bomb?)"
+    )
+
+
+def _expanded_size(node: yaml.Node, sizes: dict[int, int], active: set[int], source: str) -> int:
+    """Nodes in the tree ``node`` expands to (aliases followed), memoized per node; stops past the bound."""
+    key = id(node)
+    if key in sizes:
+        return sizes[key]
+    if key in active:
+        raise ConfigError(f"{source}: refused, an alias refers to a value that contains it")
+    total = 1
+    if isinstance(node, yaml.SequenceNode | yaml.MappingNode):
+        active.add(key)
+        children = node.value if isinstance(node, yaml.SequenceNode) else [n for kv in node.value for n in kv]
+        for child in children:
+            total += _expanded_size(child, sizes, active, source)
+            if total > MAX_CONFIG_NODES:
+                raise ConfigError(_too_big(source))
+        active.discard(key)
+    sizes[key] = total
+    return total
+
+
 def parse_override(text: str) -> tuple[str, Any]:
     """Parse ``a.b.c=value`` (value in YAML syntax) into ``("a.b.c", value)``.
 
@@ -126,7 +183,7 @@ def parse_override(text: str) -> tuple[str, Any]:
     if not sep or not key.strip():
         raise ConfigError(f"--set {text!r}: expected KEY.PATH=VALUE")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = safe_load_bounded(raw, f"--set {key.strip()}") if raw.strip() else ""
     except yaml.YAMLError as exc:
         raise ConfigError(f"--set {text!r}: value is not valid YAML") from exc
     return key.strip(), value

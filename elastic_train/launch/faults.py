@@ -22,9 +22,15 @@ KINDS: dict[str, bool] = {
     "restart-etcd": False,  # SIGKILL etcd and start it again on the same port and data
     "kill-etcd-leader": False,  # SIGKILL the leader of a 3-member etcd (restarted a few seconds later)
     "etcd-quorum-loss": False,  # SIGSTOP 2 of 3 etcd members (the followers) for a few seconds
+    # Operator mistakes: one more node started with the job's run id but other settings. It must be refused
+    # (exit 2, one line) without the job noticing.
+    "collide-checkpoint": False,  # ... another checkpoint URL
+    "collide-nodes": False,  # ... another node range (max nodes + 1)
 }
 #: Kinds that need a multi-member etcd (``--etcd-members 3``).
 CLUSTER_KINDS = ("kill-etcd-leader", "etcd-quorum-loss")
+#: Kinds that start an intruding node (see :data:`KINDS`); their outcome is in ``Fault.extra``.
+COLLISION_KINDS = ("collide-checkpoint", "collide-nodes")
 
 _SPEC = re.compile(r"^(?P<node>\d+)?@step=(?P<step>\d+)$")
 

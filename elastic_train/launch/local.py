@@ -28,7 +28,7 @@ from elastic_train.etcd.errors import EtcdError
 from elastic_train.etcd.server import EmbeddedEtcd, EtcdCluster
 from elastic_train.launch import ENV_NODE_ID
 from elastic_train.launch.events import EventTail
-from elastic_train.launch.faults import CLUSTER_KINDS, Fault
+from elastic_train.launch.faults import CLUSTER_KINDS, COLLISION_KINDS, Fault
 from elastic_train.launch.procs import signal_tree, terminate_tree, tree
 from elastic_train.launch.run import worker_overrides_argv
 from elastic_train.launch.summary import Summary, render_table, world_size_timeline
@@ -100,9 +100,15 @@ class LocalJob:
         self.world_size: int | None = None
         self.t0 = 0.0
         self.done_event: dict[str, Any] | None = None
+        #: Step of another run's checkpoint (``--resume-from``) this job started from; ``None``: from scratch.
+        self.resumed_from_step: int | None = None
+        #: The run's rendezvous state read just before etcd stopped (why it failed, if it did).
+        self.final_status: Any = None
         self._last_scan = 0.0
         self._last_status = 0.0
         self._status_client: Any = None
+        #: Nodes started by collision faults (same run id, other settings), with their fault.
+        self.intruders: list[tuple[Fault, Node]] = []
 
     # -- actions ------------------------------------------------------------------------------------------
 
@@ -111,8 +117,13 @@ class LocalJob:
         self.opts.out.flush()
 
     def start_node(self) -> Node:
+        node = self._spawn(len(self.nodes), f"node-{len(self.nodes)}", {})
+        self.nodes.append(node)
+        return node
+
+    def _spawn(self, index: int, name: str, extra: dict[str, Any]) -> Node:
+        """Start one ``elastic-train run`` agent (``extra``: overrides applied after the job's own)."""
         assert self.etcd is not None
-        index = len(self.nodes)
         rdzv = self.cfg.rendezvous
         cmd = [sys.executable, "-m", "elastic_train", "--log-format", "json", "run"]
         if self.opts.config_path:
@@ -123,7 +134,7 @@ class LocalJob:
             "--run-id", self.run_id,
             "--local-addr", "127.0.0.1",
         ]  # fmt: skip
-        cmd += worker_overrides_argv(self.opts.overrides)
+        cmd += worker_overrides_argv(self.opts.overrides) + worker_overrides_argv(extra)
         env = dict(os.environ)
         # All nodes share this machine's cores: one intra-op thread pool per worker would oversubscribe them.
         workers = rdzv.max_nodes * rdzv.nproc_per_node
@@ -131,13 +142,13 @@ class LocalJob:
         env.update(
             {
                 ENV_EVENTS: self.events_path,
-                ENV_NODE_ID: f"node-{index}",
+                ENV_NODE_ID: name,
                 "GLOO_SOCKET_IFNAME": "lo",
                 "PYTHONUNBUFFERED": "1",
                 "ELASTIC_TRAIN_LOG_FORMAT": "json",
             }
         )
-        log_path = os.path.join(self.opts.workdir, f"node-{index}.log")
+        log_path = os.path.join(self.opts.workdir, f"{name}.log")
         with open(log_path, "ab") as logf:
             logf.write(f"$ {shlex.join(cmd)}\n".encode())
             logf.flush()
@@ -146,7 +157,6 @@ class LocalJob:
                 start_new_session=True,
             )  # fmt: skip
         node = Node(index=index, proc=proc, log_path=log_path, started_at=time.time())
-        self.nodes.append(node)
         self._remember(proc.pid)
         return node
 
@@ -256,6 +266,42 @@ class LocalJob:
         for action in due_now:
             action()
 
+    def _collide_checkpoint(self, fault: Fault, _node: None) -> None:
+        url = os.path.abspath(os.path.join(self.opts.workdir, "collision-checkpoints"))
+        self._intrude(fault, {"checkpoint.url": url})
+
+    def _collide_nodes(self, fault: Fault, _node: None) -> None:
+        rdzv = self.cfg.rendezvous
+        self._intrude(
+            fault, {"rendezvous.min_nodes": rdzv.min_nodes, "rendezvous.max_nodes": rdzv.max_nodes + 1}
+        )
+
+    def _intrude(self, fault: Fault, extra: dict[str, Any]) -> None:
+        """Start a node with the job's run id and ``extra`` settings; :meth:`_settle_intruders` records how
+        it was turned away."""
+        node = self._spawn(len(self.intruders), f"intruder-{len(self.intruders)}", extra)
+        self.intruders.append((fault, node))
+        fault.extra["settings"] = {k: v for k, v in extra.items()}
+
+    def _settle_intruders(self, wait: float) -> None:
+        """Record each intruder's exit code and last line once it exited (waiting up to ``wait`` seconds)."""
+        deadline = time.monotonic() + wait
+        for fault, node in self.intruders:
+            if "exit_code" in fault.extra:
+                continue
+            code = node.proc.poll()
+            while code is None and time.monotonic() < deadline:
+                time.sleep(0.1)
+                code = node.proc.poll()
+            if code is None:
+                continue
+            fault.extra["exit_code"] = code
+            fault.extra["seconds"] = round(time.time() - node.started_at, 2)
+            fault.extra["line"] = _last_plain_line(node.log_path)
+            self._print(
+                f"   {fault.label}: exit {code} after {fault.extra['seconds']}s: {fault.extra['line']}"
+            )
+
     def _restart_etcd(self, fault: Fault, _node: None) -> None:
         assert isinstance(self.etcd, EmbeddedEtcd), "restart-etcd restarts a single-member etcd"
         t = time.monotonic()
@@ -275,6 +321,11 @@ class LocalJob:
                 if kind == "resumed" and f.resumed_from is None:
                     f.resumed_from = e.get("from_step")
                     f.source = e.get("source")
+        if kind == "resumed" and e.get("source") == "resume_from" and isinstance(e.get("from_step"), int):
+            step = int(e["from_step"])
+            self.resumed_from_step = (
+                step if self.resumed_from_step is None else min(self.resumed_from_step, step)
+            )
         if kind == "resumed":
             self._print(
                 f"   resumed round {rnd} at world size {e.get('world_size')} from step {e.get('from_step')}"
@@ -316,6 +367,7 @@ class LocalJob:
             f for f in self.opts.faults
             if f.fired_at is not None and f.detected_at is None and f.fired_round is not None
             and f.kind not in CLUSTER_KINDS  # they record their own end; etcd may not answer meanwhile
+            and f.kind not in COLLISION_KINDS
         ]  # fmt: skip
         now = time.monotonic()
         if not pending or now - self._last_status < STATUS_INTERVAL or self.etcd is None:
@@ -340,6 +392,21 @@ class LocalJob:
                 f.detected_at = seen
                 self._print(f"   {f.label}: rendezvous reacted after {seen - (f.fired_at or seen):.2f}s "
                             f"({status.state}, round {status.round})")  # fmt: skip
+
+    def _read_final_status(self) -> Any:
+        """The run's lifecycle state in etcd (``None`` if etcd cannot say)."""
+        from elastic_train.etcd.client import connect
+        from elastic_train.etcd.errors import EtcdError
+        from elastic_train.rendezvous.status import read_status
+
+        if self.etcd is None:
+            return None
+        try:
+            if self._status_client is None:
+                self._status_client = connect(self.etcd.endpoint, timeout=2.0)
+            return read_status(self._status_client, self.run_id)
+        except EtcdError:
+            return None
 
     def _all_exited(self) -> bool:
         return all(n.proc.poll() is not None or n.killed or n.stopped for n in self.nodes)
@@ -394,6 +461,8 @@ class LocalJob:
                 time.sleep(POLL_INTERVAL)
             for e in tail.poll():
                 self.on_event(e)
+            self.final_status = self._read_final_status()
+            self._settle_intruders(wait=15.0)
         finally:
             self.cleanup()
         summary.wall_s = time.time() - self.t0 if self.t0 else 0.0
@@ -408,7 +477,7 @@ class LocalJob:
 
     def cleanup(self) -> None:
         """Stop every process this job started (stopped ones resumed first), etcd, and shared memory."""
-        for n in self.nodes:
+        for n in [*self.nodes, *(node for _, node in self.intruders)]:
             if n.proc.poll() is None:
                 self._remember(n.proc.pid)
                 terminate_tree(n.proc.pid, grace=10.0)
@@ -432,6 +501,16 @@ class LocalJob:
         for path in snapshot_files(self.cfg.checkpoint.memory_dir, self.run_id):
             with contextlib.suppress(OSError):
                 os.unlink(path)
+
+
+def _last_plain_line(path: str) -> str:
+    """The last line of a node log that is not a JSON log record (what the node said to a person)."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            lines = [ln.strip() for ln in f if ln.strip() and not ln.lstrip().startswith("{")]
+    except OSError:
+        return ""
+    return lines[-1] if lines else ""
 
 
 def _is_worker(p: psutil.Process) -> bool:

@@ -103,10 +103,27 @@ def torchrun_argv(
     return argv + worker_overrides_argv(overrides)
 
 
-def prepare_environment(cfg: JobConfig, local_addr: str | None, environ: MutableMapping[str, str]) -> None:
-    """Set what the agent and its workers inherit: node id, and loopback gloo for a loopback job."""
+def prepare_environment(
+    cfg: JobConfig, local_addr: str | None, environ: MutableMapping[str, str], *, own_entry: bool = False
+) -> None:
+    """Set what the agent and its workers inherit: node id, the job's identity, and loopback gloo for a
+    loopback job.
+
+    The identity is what the ``etcd3`` handler compares before this node joins: every setting all nodes must
+    share, or with ``own_entry`` (a user's script, which ignores the train and checkpoint sections) only what
+    torchrun knows.
+    """
+    from elastic_train.rendezvous.identity import ENV_IDENTITY, JobIdentity, job_settings, torchrun_settings
+
+    rdzv = cfg.rendezvous
     environ.setdefault(ENV_NODE_ID, socket.gethostname())
-    if local_addr and endpoint_is_loopback(cfg.rendezvous.endpoint):
+    settings = (
+        torchrun_settings(rdzv.min_nodes, rdzv.max_nodes, rdzv.nproc_per_node)
+        if own_entry
+        else job_settings(cfg)
+    )
+    environ[ENV_IDENTITY] = JobIdentity(settings).to_json()
+    if local_addr and endpoint_is_loopback(rdzv.endpoint):
         environ.setdefault("GLOO_SOCKET_IFNAME", LOOPBACK_IFNAME)
 
 

@@ -79,21 +79,30 @@ def render_table(summary: Summary) -> str:
         + " -> ".join(f"{p['world_size']}@step{p['step']}" for p in summary.world_size_timeline),
     ]
     if summary.faults:
-        header = f"{'fault':<24}{'detected':>10}{'resumed':>10}{'world':>7}{'redone':>8}  source"
+        width = max(24, *(len(f.label) + 2 for f in summary.faults))
+        header = f"{'fault':<{width}}{'detected':>10}{'resumed':>10}{'world':>7}{'redone':>8}  source"
         lines += ["", header, "-" * len(header)]
         for f in summary.faults:
             j = f.to_json()
             lines.append(
-                f"{f.label:<24}{_fmt(j['detected_s']):>10}{_fmt(j['resumed_s']):>10}"  # type: ignore[arg-type]
+                f"{f.label:<{width}}{_fmt(j['detected_s']):>10}{_fmt(j['resumed_s']):>10}"  # type: ignore[arg-type]
                 f"{j['resumed_world_size'] if j['resumed_world_size'] is not None else '-':>7}"
                 f"{j['steps_redone'] if j['steps_redone'] is not None else '-':>8}  {j['source'] or '-'}"
             )
+            if "exit_code" in f.extra:  # an intruding node (collision faults): how it was turned away
+                lines.append(f"  -> exit {f.extra['exit_code']}: {f.extra.get('line', '')}")
     if summary.exactly_once is not None:
         eo = summary.exactly_once
         verdict = "OK" if eo.get("ok") else "VIOLATED"
         lines += [
             "",
-            f"exactly-once: {verdict} ({eo.get('steps', 0)} steps, {eo.get('samples', 0)} samples checked)",
+            f"exactly-once: {verdict} ({_checked(eo)}, {eo.get('samples', 0)} samples checked)",
         ]
         lines += [f"  {p}" for p in eo.get("problems", [])[:10]]
     return "\n".join(lines)
+
+
+def _checked(eo: dict[str, Any]) -> str:
+    """``80 steps``, or ``steps 41..80`` for a run resumed from another run's checkpoint."""
+    first, last = int(eo.get("first_step") or 1), int(eo.get("steps") or 0)
+    return f"{last} steps" if first == 1 else f"steps {first}..{last}"

@@ -72,6 +72,9 @@ class RendezvousConfig:
     """Seconds a node waits for a round to reach min_nodes before giving up."""
     failure_budget: int = 10
     """Worker-group failures the whole job may survive (scale-ups do not count)."""
+    identity_wait: float = 120.0
+    """Seconds a node whose settings differ from a live run's waits for that run's nodes to leave (a Job
+    deleted moments ago) before it is refused; then it takes the run over."""
     user: str | None = None
     """etcd user name for password authentication."""
     password_env: str = "ELASTIC_TRAIN_ETCD_PASSWORD"
@@ -95,6 +98,8 @@ class RendezvousConfig:
             raise ValueError(f"settle: {self.settle} must be between 0 and 600 seconds")
         if self.join_timeout <= 0:
             raise ValueError(f"join_timeout: {self.join_timeout} must be > 0")
+        if not 0 <= self.identity_wait <= 3600:
+            raise ValueError(f"identity_wait: {self.identity_wait} must be between 0 and 3600 seconds")
         if self.failure_budget < 0:
             raise ValueError(f"failure_budget: {self.failure_budget} must be >= 0")
         if not 0 <= self.connect_timeout <= 3600:

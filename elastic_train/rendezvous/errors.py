@@ -33,3 +33,22 @@ class FailureBudgetExhausted(SystemExit):
 
     def __str__(self) -> str:
         return self.message
+
+
+class RunRefused(SystemExit):
+    """This node must not take part in the run (other settings, a finished or failed run, a failed job).
+
+    Exit status 2 without a traceback: a retry cannot help, and on Kubernetes ``podFailurePolicy: FailJob``
+    fails the whole Job instead of re-creating the pod. The handler writes :attr:`message` as one line.
+    """
+
+    def __init__(self, message: str) -> None:
+        super().__init__(2)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class JobFailed(RunRefused):
+    """A worker failed with an error no retry can fix; the run is closed as failed (exit status 2)."""

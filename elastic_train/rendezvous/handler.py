@@ -10,6 +10,13 @@ What torchrun's agent does with it (torch 2.13, ``agent/server/api.py``):
 - ``shutdown()`` when the agent leaves other than by a signal: the run is closed (late agents leave cleanly)
   and the lease revoked so peers see the departure at once.
 
+Before its first round a node checks the run's identity (:mod:`elastic_train.rendezvous.identity`): the
+settings the launcher left in ``ELASTIC_TRAIN_JOB_IDENTITY``, or for plain torchrun the node range and
+processes per node. A node turned away (other settings, a finished or failed run) prints one line and exits
+with status 2, having written nothing the job would notice. Workers report their outcome through
+:mod:`elastic_train.rendezvous.outcome`: a non-retryable failure closes the run as failed instead of
+restarting the worker group.
+
 Store: every agent hosts a small TCPStore from its first rendezvous and advertises its port in its node key;
 the round's rank 0 store, wrapped in a per-round PrefixStore, is the agent store. Workers do not share it
 (``use_agent_store`` is False): rank 0 picks a fresh MASTER_PORT each round, so no gloo/c10d bootstrap state
@@ -19,7 +26,10 @@ survives from one worker group to the next.
 from __future__ import annotations
 
 import os
+import shutil
 import socket
+import sys
+import tempfile
 from datetime import timedelta
 from typing import Any
 
@@ -30,9 +40,13 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousStoreInfo,
 )
 
+from elastic_train.errors import ConfigError
 from elastic_train.etcd.client import Etcd
 from elastic_train.log import bind_context, get_logger
 from elastic_train.rendezvous import ENV_ROUND
+from elastic_train.rendezvous.errors import JobFailed, RunRefused
+from elastic_train.rendezvous.identity import JobIdentity, identity_from_environ, torchrun_settings
+from elastic_train.rendezvous.outcome import ENV_OUTCOME_DIR, clear_outcomes, read_outcomes
 from elastic_train.rendezvous.protocol import Participant, ProtocolSettings, RoundResult
 
 log = get_logger(__name__)
@@ -68,6 +82,10 @@ class Etcd3RendezvousHandler(RendezvousHandler):
         self._clients: dict[tuple[str, int], dist.TCPStore] = {}
         self._participant: Participant | None = None
         self._closed_by_us = False
+        if settings.identity is None:
+            settings.identity = local_identity(settings)
+        self._outcomes = tempfile.mkdtemp(prefix=f"elastic_train-outcome-{os.getpid()}-")
+        os.environ[ENV_OUTCOME_DIR] = self._outcomes
 
     # -- RendezvousHandler --------------------------------------------------------------------------------
 
@@ -97,6 +115,29 @@ class Etcd3RendezvousHandler(RendezvousHandler):
         return self._participant
 
     def next_rendezvous(self) -> RendezvousInfo:
+        try:
+            self._end_if_workers_gave_up()
+            return self._next_rendezvous()
+        except RunRefused as exc:
+            sys.stderr.write(f"elastic-train: error: {exc.message}\n")
+            sys.stderr.flush()
+            raise
+
+    def _end_if_workers_gave_up(self) -> None:
+        """Close the run as failed when a worker of the last group failed with a non-retryable error."""
+        failed = [o for o in read_outcomes(self._outcomes) if o["state"] == "failed"]
+        clear_outcomes(self._outcomes)
+        if not failed or self._participant is None:
+            return
+        message = str(failed[0].get("message") or "a worker failed with an error no restart can fix")
+        log.error(
+            "worker_failed_for_good", run_id=self._settings.run_id, rank=failed[0].get("rank"), error=message
+        )
+        self._participant.close("failed", message)
+        self._closed_by_us = True
+        raise JobFailed(f"run {self._settings.run_id} failed: {message}")
+
+    def _next_rendezvous(self) -> RendezvousInfo:
         while True:
             result = self.participant.join()
             try:
@@ -136,7 +177,15 @@ class Etcd3RendezvousHandler(RendezvousHandler):
         return self.participant.is_closed()
 
     def set_closed(self) -> None:
-        self.participant.close("finished")
+        if self._participant is not None and self._participant.refused:
+            return
+        outcomes = read_outcomes(self._outcomes)
+        failed = [o for o in outcomes if o["state"] == "failed"]
+        steps = [o["step"] for o in outcomes if o["state"] == "finished" and isinstance(o.get("step"), int)]
+        if failed:
+            self.participant.close("failed", str(failed[0].get("message") or "a worker failed"))
+        else:
+            self.participant.close("finished", step=max(steps) if steps else None)
         self._closed_by_us = True
 
     def num_nodes_waiting(self) -> int:
@@ -145,10 +194,46 @@ class Etcd3RendezvousHandler(RendezvousHandler):
         return self._participant.num_waiting()
 
     def shutdown(self) -> bool:
-        if self._participant is None:
-            return True
         try:
-            self.set_closed()
+            if self._participant is not None:
+                try:
+                    if not self._participant.refused:  # a refused node must not close another job's run
+                        self.set_closed()
+                finally:
+                    self._participant.leave()
         finally:
-            self._participant.leave()
+            shutil.rmtree(self._outcomes, ignore_errors=True)
         return True
+
+
+def local_identity(settings: ProtocolSettings) -> JobIdentity:
+    """This node's identity: the job settings ``elastic-train run`` left in the environment, or what torchrun
+    knows (node range and, read from torchrun's launch config, processes per node).
+
+    Raises:
+        ConfigError: the environment holds a malformed identity.
+    """
+    try:
+        ident = identity_from_environ(os.environ)
+    except ValueError as exc:
+        raise ConfigError(f"job identity in the environment: {exc}") from exc
+    if ident is not None:
+        return ident
+    return JobIdentity(torchrun_settings(settings.min_nodes, settings.max_nodes, _torchrun_nproc_per_node()))
+
+
+def _torchrun_nproc_per_node() -> int | None:
+    """``nproc_per_node`` of the torchrun launch creating this handler, or ``None`` outside one.
+
+    torch passes a handler only the rendezvous parameters; the worker count per node lives in the
+    ``LaunchConfig`` of ``launch_agent``, the caller that creates the handler.
+    """
+    from torch.distributed.launcher.api import LaunchConfig
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        config = frame.f_locals.get("config")
+        if isinstance(config, LaunchConfig):
+            return int(config.nproc_per_node)
+        frame = frame.f_back  # type: ignore[assignment]
+    return None

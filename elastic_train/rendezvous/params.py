@@ -1,11 +1,12 @@
 """Translate between torchrun's rendezvous parameters and :class:`RendezvousConfig`.
 
 One table says what each handler does with each ``--rdzv-conf`` key (docs/rendezvous.md shows it next to
-torch's ``c10d`` and ``etcd-v2``): our keys (lease_ttl, keepalive_interval, settle, join_timeout, failure_budget,
-connect_timeout, rpc_timeout, user, password_env, password_file, ca_file, cert_file, key_file), the keys torch's backends take that mean the
-same here (``timeout``, ``read_timeout``, etcd-v2's ``protocol``/``ca_cert``/``ssl_cert``/``ssl_cert_key``),
-torch's DynamicRendezvousHandler keys (``etcd3-dynamic``), and torch keys without a meaning here, which are
-ignored with a warning. Anything else is refused with one clear line.
+torch's ``c10d`` and ``etcd-v2``): our keys (lease_ttl, keepalive_interval, settle, join_timeout,
+failure_budget, identity_wait, connect_timeout, rpc_timeout, user, password_env, password_file, ca_file,
+cert_file, key_file), the keys torch's backends take that mean the same here (``timeout``, ``read_timeout``,
+etcd-v2's ``protocol``/``ca_cert``/``ssl_cert``/``ssl_cert_key``), torch's DynamicRendezvousHandler keys
+(``etcd3-dynamic``), and torch keys without a meaning here, which are ignored with a warning. Anything else
+is refused with one clear line.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ CONF_KEYS = (
     "keepalive_interval",
     "connect_timeout",
     "rpc_timeout",
+    "identity_wait",
     "user",
     "password_env",
     "password_file",
@@ -83,7 +85,15 @@ DYNAMIC_INSTEAD = {
 }
 #: Default of ``state_ttl`` (etcd3-dynamic): torch's etcd-v2 backend keeps its state two hours after a write.
 DEFAULT_STATE_TTL = 7200
-_FLOATS = ("lease_ttl", "settle", "join_timeout", "keepalive_interval", "connect_timeout", "rpc_timeout")
+_FLOATS = (
+    "lease_ttl",
+    "settle",
+    "join_timeout",
+    "keepalive_interval",
+    "connect_timeout",
+    "rpc_timeout",
+    "identity_wait",
+)
 _INTS = ("failure_budget",)
 _TLS = ("ca_file", "cert_file", "key_file")
 
@@ -267,6 +277,7 @@ def rdzv_conf(cfg: RendezvousConfig) -> dict[str, str]:
         "failure_budget": str(cfg.failure_budget),
         "connect_timeout": f"{cfg.connect_timeout:g}",
         "rpc_timeout": f"{cfg.rpc_timeout:g}",
+        "identity_wait": f"{cfg.identity_wait:g}",
     }
     if cfg.keepalive_interval is not None:
         out["keepalive_interval"] = f"{cfg.keepalive_interval:g}"

@@ -7,8 +7,15 @@ Keys of a run, all under ``/elastic_train/<run_id>/``:
 - ``round``         ``{"round", "members": [rank order], "nodes": {id: {"addr", "store_port"}}, "failure"}``:
   the last closed round, written only by a compare-and-set on its own mod revision.
 - ``failures``      failures spent so far (written in the same transaction as the round it caused).
-- ``closed``        ``{"reason": "finished"|"budget", "message"}``: no more rounds.
+- ``closed``        ``{"reason": "finished"|"budget"|"failed", "message", "step", "time"}``: no more rounds.
 - ``config``        ``{"failure_budget", "min_nodes", "max_nodes"}``: written once, by the first node.
+- ``identity``      ``{"fingerprint", "settings", "time", "node"}``: the settings every node must share
+  (:mod:`elastic_train.rendezvous.identity`), written once by the first node; a node with other settings is
+  refused before it writes any key.
+
+Lifecycle: waiting (no round yet) → running → finished | failed (``closed``). Once a run is closed, its keys
+are moved onto a lease of :data:`RUN_RECORD_TTL`: the record stays readable by ``status`` and keeps the name
+from being silently reopened, then expires so the name can be used again.
 
 Per round each node writes one join key and one node closes the round with one transaction: O(N) writes.
 """
@@ -35,7 +42,14 @@ from elastic_train.rendezvous.decide import (
     decide_close,
     is_failure_transition,
 )
-from elastic_train.rendezvous.errors import FailureBudgetExhausted, RendezvousClosed, RendezvousJoinTimeout
+from elastic_train.rendezvous.errors import (
+    FailureBudgetExhausted,
+    JobFailed,
+    RendezvousClosed,
+    RendezvousJoinTimeout,
+    RunRefused,
+)
+from elastic_train.rendezvous.identity import JobIdentity
 from elastic_train.rendezvous.view import LeaseKeeper, RunView
 
 log = get_logger(__name__)
@@ -49,6 +63,12 @@ CLOSER_EVAL_INTERVAL = 0.02
 FOLLOWER_EVAL_INTERVAL = 0.25
 #: Seconds a finishing node keeps trying to write the run's ``closed`` mark while etcd is unreachable.
 CLOSE_PATIENCE = 30.0
+#: Seconds a closed run's record (closed mark, identity, last round, failures) stays in etcd.
+RUN_RECORD_TTL = 7 * 24 * 3600
+#: Keys of a run that are not on a node's lease (they outlive the nodes until the run is closed).
+RUN_RECORD_KEYS = ("closed", "identity", "round", "failures", "config")
+#: Seconds an identity written by a node binds the run even before that node's lease shows up.
+IDENTITY_FRESH = 10.0
 
 
 def run_prefix(run_id: str) -> str:
@@ -111,6 +131,10 @@ class ProtocolSettings:
     join_timeout: float = 600.0
     failure_budget: int = 10
     keepalive_interval: float | None = None
+    identity: JobIdentity | None = None
+    """The settings every node of the run must share (``None``: not checked)."""
+    identity_wait: float = 120.0
+    """Seconds a node whose identity differs from a live run's waits for that run's nodes to go away."""
 
 
 class Participant:
@@ -156,6 +180,8 @@ class Participant:
         self._waiting_cause: str | None = None
         self._join_cache: dict[str, tuple[int, Joiner | None]] = {}
         self._rec_cache: tuple[int, RoundRecord | None] = (0, None)
+        #: Set when this node was turned away: it wrote nothing and must not close the run.
+        self.refused = False
 
     # -- lifecycle -------------------------------------------------------------------------------------
 
@@ -166,6 +192,13 @@ class Participant:
                 return
             if self._own_view:
                 self.view.start()
+            try:
+                self._claim(time.monotonic() + self.s.identity_wait)
+            except (RunRefused, RendezvousClosed):
+                self.refused = True
+                if self._own_view:
+                    self.view.stop()
+                raise
             cfg = json.dumps(
                 {
                     "failure_budget": self.s.failure_budget,
@@ -177,6 +210,154 @@ class Participant:
             self.lease.start()
             self._started = True
             log.info("rendezvous_node_started", node=self.node_id, addr=self.addr, run_id=self.s.run_id)
+
+    # -- identity and lifecycle checks before any key is written ---------------------------------------------
+
+    def _claim(self, deadline: float) -> None:
+        """Make sure this node may take part in the run, before it writes a lease or a join key.
+
+        Records this node's identity if the run has none (create-if-absent), takes over a run whose nodes are
+        all gone, and waits up to ``deadline`` for a live run with other settings to go away.
+
+        Raises:
+            RunRefused: the run finished or failed, or a live run with other settings held it until
+                ``deadline``.
+            RendezvousClosed: the run finished moments ago with this node's settings (a late node of it).
+        """
+        mine = self.s.identity
+        announced = False
+        while True:
+            with self.view.cond:
+                closed = self._closed()
+                kv = self.view.get("identity")
+                live = self._live()
+            if closed is not None:
+                self._refuse_closed(closed, kv.value if kv else None)
+            if mine is None:
+                return
+            if kv is None:
+                value = mine.encode(time=time.time(), node=self.node_id)
+                ok, _ = self.etcd.txn(
+                    [cmp_version(self.prefix + "identity", 0), cmp_version(self.prefix + "closed", 0)],
+                    [op_put(self.prefix + "identity", value)],
+                )
+                if ok:
+                    log.info("run_identity_recorded", run_id=self.s.run_id, fingerprint=mine.fingerprint)
+                    return
+                self._await_key("identity")
+                continue
+            try:
+                theirs = JobIdentity.decode(kv.value)
+                recorded_at = float(json.loads(kv.value).get("time") or 0.0)
+            except (ValueError, TypeError, AttributeError):
+                theirs, recorded_at = JobIdentity({"identity": "(unreadable)"}), 0.0
+            if theirs.fingerprint == mine.fingerprint:
+                return
+            line = theirs.refusal(self.s.run_id, mine)
+            if not live and time.time() - recorded_at > max(IDENTITY_FRESH, 3 * self.s.lease_ttl):
+                if self._take_over(kv.mod_revision, mine):
+                    log.warning(
+                        "run_taken_over",
+                        run_id=self.s.run_id,
+                        reason="no live node holds the run and it did not finish; resuming it with this "
+                        "node's settings",
+                        previous=line,
+                    )
+                    return
+                continue
+            if time.monotonic() >= deadline:
+                raise RunRefused(line)
+            if not announced:
+                announced = True
+                log.warning(
+                    "run_identity_differs",
+                    run_id=self.s.run_id,
+                    detail=line,
+                    waiting_s=round(max(0.0, deadline - time.monotonic()), 1),
+                    live_nodes=len(live),
+                    hint="waiting for that job's nodes to leave (a Job deleted moments ago); then this node "
+                    "takes the run over",
+                )
+            with self.view.cond:
+                self.view.cond.wait(min(1.0, max(0.05, deadline - time.monotonic())))
+
+    def _check_identity_kept(self) -> None:
+        """Refuse to re-join a run that nodes with other settings took over while this one was away
+        (stopped past its lease, its peers gone). Call with ``view.cond`` held."""
+        mine, kv = self.s.identity, self.view.get("identity")
+        if mine is None or kv is None:
+            return
+        try:
+            theirs = JobIdentity.decode(kv.value)
+        except ValueError:
+            return
+        if theirs.fingerprint != mine.fingerprint:
+            self.refused = True
+            raise RunRefused(f"{theirs.refusal(self.s.run_id, mine)} (the run was taken over)")
+
+    def _await_key(self, key: str, timeout: float = 2.0) -> None:
+        """Wait (briefly) until the view shows ``key``, after a transaction lost to its writer."""
+        end = time.monotonic() + timeout
+        with self.view.cond:
+            while self.view.get(key) is None and time.monotonic() < end:
+                self.view.cond.wait(0.1)
+
+    def _take_over(self, identity_rev: int, mine: JobIdentity) -> bool:
+        """Replace the identity of a run nobody holds (compare-and-set on its revision)."""
+        cfg = json.dumps(
+            {
+                "failure_budget": self.s.failure_budget,
+                "min_nodes": self.s.min_nodes,
+                "max_nodes": self.s.max_nodes,
+            }
+        ).encode()
+        ok, resp = self.etcd.txn(
+            [cmp_mod(self.prefix + "identity", identity_rev), cmp_version(self.prefix + "closed", 0)],
+            [
+                op_put(self.prefix + "identity", mine.encode(time=time.time(), node=self.node_id)),
+                op_put(self.prefix + "config", cfg),
+            ],
+        )
+        # Until the watch delivers it, the view would still show the identity just replaced.
+        end = time.monotonic() + (5.0 if ok else 0.2)
+        with self.view.cond:
+            while self.view.revision < int(resp.header.revision) and time.monotonic() < end:
+                self.view.cond.wait(0.05)
+        return ok
+
+    def _refuse_closed(self, closed: dict[str, Any], identity_raw: bytes | None) -> None:
+        """Turn a new node away from a closed run, with the way forward in the line."""
+        run = self.s.run_id
+        theirs: JobIdentity | None = None
+        if identity_raw is not None:
+            try:
+                theirs = JobIdentity.decode(identity_raw)
+            except ValueError:
+                theirs = None
+        url = (theirs.settings.get("checkpoint.url") if theirs else None) or "CHECKPOINT_URL"
+        forward = f"--run-id NEW_ID --resume-from {url}/{run}"
+        reason = closed.get("reason")
+        if reason == "finished":
+            mine = self.s.identity
+            same = mine is None or theirs is None or theirs.fingerprint == mine.fingerprint
+            try:
+                age = time.time() - float(closed.get("time") or 0.0)
+            except (TypeError, ValueError):
+                age = float("inf")
+            if same and age < self.s.identity_wait:
+                log.info("rendezvous_run_already_finished", run_id=run, finished_s_ago=round(age, 1))
+                raise RendezvousClosed(f"rendezvous of run {run!r} is closed (the job finished)")
+            step = closed.get("step")
+            at = f" at step {step}" if isinstance(step, int) else ""
+            when = _when(closed.get("time"))
+            raise RunRefused(
+                f"run {run} finished{at}{when}; start a new run with another run id "
+                f"(to continue from its checkpoint: {forward})"
+            )
+        why = str(closed.get("message") or reason or "failed")
+        raise RunRefused(
+            f"run {run} failed: {why}; to continue, start a new run from its newest checkpoint: {forward}"
+        )
 
     def _write_leased_keys(self, lease_id: int) -> None:
         node = {
@@ -243,7 +424,8 @@ class Participant:
         with self.view.cond:
             closed = self._closed()
             if closed is not None:
-                return 1 if closed.get("reason") == "budget" and self.round is not None else 0
+                failed = closed.get("reason") in ("budget", "failed")
+                return 1 if failed and self.round is not None else 0
             rec, _ = self._round_record()
             live = self._live()
             joins = self._joins()
@@ -291,6 +473,7 @@ class Participant:
         self.start()
         deadline = time.monotonic() + self.s.join_timeout
         with self.view.cond:
+            self._check_identity_kept()
             rec, _ = self._round_record()
             reason = self._waiting_cause or self._classify(
                 rec, self._live(), self._joins(), local_failure=True
@@ -376,6 +559,8 @@ class Participant:
             return
         if closed.get("reason") == "budget":
             raise FailureBudgetExhausted(str(closed.get("message") or "failure budget exhausted"))
+        if closed.get("reason") == "failed":
+            raise JobFailed(f"run {self.s.run_id} failed: {closed.get('message') or 'a worker failed'}")
         raise RendezvousClosed(f"rendezvous of run {self.s.run_id!r} is closed (the job finished)")
 
     def _put_join(self, target: int, reason: str) -> None:
@@ -414,6 +599,7 @@ class Participant:
             )
             if ok:
                 log.error("failure_budget_exhausted", run_id=self.s.run_id, failures=used + 1)
+                self._expire_record()
             return ok
         record = RoundRecord(target, members, nodes, failure)
         ops = [op_put(self.prefix + "round", record.encode())]
@@ -440,20 +626,42 @@ class Participant:
 
     # -- closing -----------------------------------------------------------------------------------------
 
-    def close(self, reason: str = "finished", message: str = "", *, patience: float = CLOSE_PATIENCE) -> None:
+    def close(
+        self,
+        reason: str = "finished",
+        message: str = "",
+        *,
+        step: int | None = None,
+        patience: float = CLOSE_PATIENCE,
+    ) -> None:
         """Mark the run closed (first writer wins; later rounds are refused).
 
-        Retried for up to ``patience`` seconds while etcd is unreachable (it may be restarting): without the
-        mark, a node that starts after the others finished would wait for peers until its join timeout.
+        Args:
+            reason: ``finished``, or ``failed`` (a non-retryable worker error; ``message`` says why).
+            message: one line for ``status`` and for nodes turned away.
+            step: the step the job ended at, when known.
+            patience: seconds to keep retrying while etcd is unreachable (it may be restarting): without the
+                mark, a node that starts after the others finished would wait for peers until its join
+                timeout.
         """
-        value = json.dumps({"reason": reason, "message": message, "by": self.node_id}).encode()
+        record: dict[str, Any] = {
+            "reason": reason,
+            "message": message,
+            "by": self.node_id,
+            "time": time.time(),
+        }
+        if step is not None:
+            record["step"] = step
+        value = json.dumps(record).encode()
         deadline = time.monotonic() + patience
         delay = 0.2
         while True:
             try:
-                self.etcd.txn(
+                ok, _ = self.etcd.txn(
                     [cmp_version(self.prefix + "closed", 0)], [op_put(self.prefix + "closed", value)]
                 )
+                if ok:
+                    self._expire_record()
                 return
             except EtcdError as exc:
                 if time.monotonic() + delay > deadline:
@@ -462,3 +670,26 @@ class Participant:
                 log.info("rendezvous_close_retrying", error=str(exc), in_s=delay)
                 time.sleep(delay)
                 delay = min(delay * 2, 5.0)
+
+    def _expire_record(self) -> None:
+        """Move the closed run's record keys onto a lease of :data:`RUN_RECORD_TTL` (best effort).
+
+        Each key is re-written with its own value under a compare on its revision: nothing changes them once
+        the run is closed, and a key changed meanwhile is left for the next closer.
+        """
+        try:
+            kvs, _ = self.etcd.get_prefix(self.prefix)
+            lease = self.etcd.lease_grant(RUN_RECORD_TTL)
+            for kv in kvs:
+                if kv.key[len(self.prefix) :] in RUN_RECORD_KEYS and kv.lease == 0:
+                    self.etcd.txn([cmp_mod(kv.key, kv.mod_revision)], [op_put(kv.key, kv.value, lease)])
+        except EtcdError as exc:
+            log.warning("run_record_expiry_failed", run_id=self.s.run_id, error=str(exc))
+
+
+def _when(t: Any) -> str:
+    """`` on 2026-12-01 06:40 UTC`` for a Unix time read from etcd (empty if it is not one)."""
+    try:
+        return time.strftime(" on %Y-%m-%d %H:%M UTC", time.gmtime(float(t)))
+    except (TypeError, ValueError, OverflowError):
+        return ""

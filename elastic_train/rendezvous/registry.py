@@ -59,6 +59,7 @@ def settings_from_config(cfg: RendezvousConfig) -> ProtocolSettings:
         join_timeout=cfg.join_timeout,
         failure_budget=cfg.failure_budget,
         keepalive_interval=cfg.keepalive_interval,
+        identity_wait=cfg.identity_wait,
     )
 
 

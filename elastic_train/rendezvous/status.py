@@ -1,4 +1,11 @@
-"""A job's rendezvous state as read from etcd (``elastic-train status``, ``elastic-train local`` reports)."""
+"""A run's lifecycle and rendezvous state as read from etcd (``elastic-train status``, ``local`` reports).
+
+States: ``waiting`` (no round yet), ``running``, ``restarting`` (nodes asked for a new round or a member is
+lost), ``stopped`` (no node holds the run and it did not finish: starting it again resumes it), ``finished``
+(when, at which step) and ``failed`` (why). A run id with no keys at all does not exist
+(never started, or its record expired). Everything read back is untrusted: a malformed key is reported as
+such, never a traceback.
+"""
 
 from __future__ import annotations
 
@@ -28,19 +35,47 @@ class JobStatus:
     round: int
     """Last closed round (0: none yet)."""
     state: str
-    """"waiting" (no round yet), "running", "restarting" (nodes asked for a new round or a member is lost),
-    "closed" (finished) or "failed" (failure budget spent)."""
+    """"waiting", "running", "restarting", "stopped", "finished" or "failed" (see the module docstring)."""
+    exists: bool = True
+    """False when etcd holds no key of the run."""
     members: list[Member] = field(default_factory=list)
     world_size: int = 0
     waiting: list[str] = field(default_factory=list)
     """Nodes that asked for a round after the current one."""
+    live_nodes: int = 0
+    """Nodes holding a lease on the run (members or not)."""
     failures_used: int = 0
     failure_budget: int | None = None
     closed: bool = False
     message: str = ""
+    """Why the run failed (or the finishing node's note)."""
+    finished_step: int | None = None
+    """Step the run finished at (when the workers reported it)."""
+    closed_at: float | None = None
+    """Unix time the run finished or failed."""
+    identity: dict[str, Any] = field(default_factory=dict)
+    """The settings every node of the run shares (readable copy)."""
+    fingerprint: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def _json(raw: bytes | None) -> dict[str, Any] | None:
+    if raw is None:
+        return None
+    try:
+        d = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return {}
+    return d if isinstance(d, dict) else {}
+
+
+def _int(value: Any, default: int = 0) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return default
 
 
 def read_status(client: Any, run_id: str) -> JobStatus:
@@ -57,32 +92,41 @@ def read_status(client: Any, run_id: str) -> JobStatus:
     prefix = run_prefix(run_id)
     kvs, _ = etcd.get_prefix(prefix)
     keys = {kv.key[len(prefix) :]: kv.value for kv in kvs}
+    if not keys:
+        return JobStatus(run_id=run_id, round=0, state="unknown", exists=False)
     live = {k[len("nodes/") :] for k in keys if k.startswith("nodes/")}
-    rec = json.loads(keys["round"]) if "round" in keys else None
-    cfg = json.loads(keys["config"]) if "config" in keys else {}
-    closed = json.loads(keys["closed"]) if "closed" in keys else None
-    rnd = int(rec["round"]) if rec else 0
+    rec = _json(keys.get("round"))
+    cfg = _json(keys.get("config")) or {}
+    closed = _json(keys.get("closed"))
+    ident = _json(keys.get("identity")) or {}
+    rnd = _int(rec.get("round")) if rec else 0
     members = []
-    nodes = rec.get("nodes", {}) if rec else {}
-    for rank, node in enumerate(rec["members"] if rec else []):
-        addr = (nodes.get(node) or {}).get("addr")
+    nodes: dict[str, Any] = rec["nodes"] if rec and isinstance(rec.get("nodes"), dict) else {}
+    order: list[Any] = rec["members"] if rec and isinstance(rec.get("members"), list) else []
+    for rank, node in enumerate(str(n) for n in order):
+        entry = nodes.get(node)
+        addr = entry.get("addr") if isinstance(entry, dict) else None
         members.append(Member(node=node, addr=addr, rank=rank, alive=node in live))
     waiting = []
     for k, v in keys.items():
         if k.startswith("join/"):
-            try:
-                if int(json.loads(v)["target"]) > rnd and k[5:] in live:
-                    waiting.append(k[5:])
-            except (ValueError, KeyError, TypeError):
-                continue
+            j = _json(v) or {}
+            if _int(j.get("target")) > rnd and k[5:] in live:
+                waiting.append(k[5:])
     if closed is not None:
-        state = "failed" if closed.get("reason") == "budget" else "closed"
+        state = "finished" if closed.get("reason") == "finished" else "failed"
     elif rec is None:
         state = "waiting"
+    elif not live:
+        state = "stopped"
     elif waiting or any(not m.alive for m in members):
         state = "restarting"
     else:
         state = "running"
+    step = closed.get("step") if closed else None
+    at = closed.get("time") if closed else None
+    budget = cfg.get("failure_budget")
+    settings = ident.get("settings")
     return JobStatus(
         run_id=run_id,
         round=rnd,
@@ -90,8 +134,13 @@ def read_status(client: Any, run_id: str) -> JobStatus:
         members=members,
         world_size=len(members),
         waiting=sorted(waiting),
-        failures_used=int(keys.get("failures", b"0")),
-        failure_budget=cfg.get("failure_budget"),
+        live_nodes=len(live),
+        failures_used=_int(keys.get("failures", b"0")),
+        failure_budget=budget if isinstance(budget, int) else None,
         closed=closed is not None,
         message=str(closed.get("message", "")) if closed else "",
+        finished_step=step if isinstance(step, int) and state == "finished" else None,
+        closed_at=float(at) if isinstance(at, int | float) else None,
+        identity=settings if isinstance(settings, dict) else {},
+        fingerprint=str(ident["fingerprint"]) if "fingerprint" in ident else None,
     )

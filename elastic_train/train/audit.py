@@ -8,7 +8,8 @@ lines of its **latest** round count.
 
 :func:`check_exactly_once` merges the files and checks, from the audit alone, that:
 
-- every step ``1..steps`` has exactly one line per rank ``0..W-1`` of its latest round, all with one ``W``;
+- every step ``first_step..steps`` (``1..steps`` unless the run resumed from another run's checkpoint) has
+  exactly one line per rank ``0..W-1`` of its latest round, all with one ``W``;
 - the step has the expected size and epoch (``G`` samples, fewer for the last step of an epoch) and its ranks'
   indices are disjoint and valid;
 - within an epoch no index is trained twice, and every completed epoch covered the whole dataset.
@@ -115,13 +116,15 @@ class AuditReport:
     ok: bool
     """True when no problem was found."""
     steps: int
-    """Steps checked."""
+    """Last step checked."""
     samples: int
     """Samples trained over all counted steps."""
     problems: list[str] = field(default_factory=list)
     """One line per violation (empty when ok)."""
     redone_steps: dict[int, int] = field(default_factory=dict)
     """Steps that appear in more than one round → number of rounds they appear in."""
+    first_step: int = 1
+    """First step checked (after the step a run resumed from another run's checkpoint at)."""
     world_sizes: dict[int, int] = field(default_factory=dict)
     """World size of the counted (latest) round of each step."""
     rounds: dict[int, int] = field(default_factory=dict)
@@ -142,6 +145,7 @@ class AuditReport:
         return {
             "ok": self.ok,
             "steps": self.steps,
+            "first_step": self.first_step,
             "samples": self.samples,
             "problems": self.problems,
             "redone_steps": self.redone_steps,
@@ -149,16 +153,26 @@ class AuditReport:
 
 
 def check_exactly_once(
-    directory: str, steps: int, global_batch: int | None = None, dataset_len: int | None = None
+    directory: str,
+    steps: int,
+    global_batch: int | None = None,
+    dataset_len: int | None = None,
+    *,
+    first_step: int = 1,
 ) -> AuditReport:
-    """Check from the audit files in ``directory`` that steps ``1..steps`` trained every sample exactly once.
+    """Check from the audit files in ``directory`` that steps ``first_step..steps`` trained every sample
+    exactly once.
 
     Args:
         directory: the ``--audit`` directory of the run.
         steps: number of steps the run completed.
         global_batch: ``train.global_batch`` (default: from the directory's meta.json).
         dataset_len: number of samples in the task's dataset (default: from the directory's meta.json).
+        first_step: first step this run trained (a run started with ``--resume-from`` another run's step
+            ``S`` trains from ``S + 1``; the steps before it were audited, if at all, by that run).
     """
+    if first_step < 1:
+        raise ValueError(f"first_step: {first_step} must be >= 1")
     if global_batch is None or dataset_len is None:
         meta = read_meta(directory)
         if meta is None:
@@ -169,9 +183,12 @@ def check_exactly_once(
     for line in read_audit(directory):
         by_step[int(line["step"])][int(line["round"])].append(line)
     problems: list[str] = []
-    report = AuditReport(ok=False, steps=steps, samples=0, problems=problems)
+    report = AuditReport(ok=False, steps=steps, samples=0, problems=problems, first_step=first_step)
     seen: dict[int, set[int]] = defaultdict(set)  # epoch -> indices trained in it
-    for step, (epoch, size) in enumerate(expected_steps(steps, global_batch, dataset_len), start=1):
+    plan = expected_steps(steps, global_batch, dataset_len)
+    for step, (epoch, size) in enumerate(plan, start=1):
+        if step < first_step:
+            continue
         rounds = by_step.get(step)
         if not rounds:
             problems.append(f"step {step}: no audit lines")
@@ -207,10 +224,16 @@ def check_exactly_once(
             problems.append(f"step {step}: samples trained twice in epoch {epoch}: {sorted(repeated)[:5]}")
         seen[epoch].update(indices)
         report.samples += len(indices)
-    completed = expected_steps(steps, global_batch, dataset_len)
-    last_epoch = completed[-1][0] if completed else 0
-    final_complete = sum(s for e, s in completed if e == last_epoch) == dataset_len
+    last_epoch = plan[-1][0] if plan else 0
+    final_complete = sum(s for e, s in plan if e == last_epoch) == dataset_len
+    # An epoch this run joined half-way was partly trained by the run it resumed from.
+    first_epoch_whole = 0
+    if 1 < first_step <= len(plan):
+        joined = plan[first_step - 1][0]
+        first_epoch_whole = joined if plan[first_step - 2][0] != joined else joined + 1
     for epoch, trained in seen.items():
+        if epoch < first_epoch_whole:
+            continue
         if (epoch < last_epoch or final_complete) and len(trained) != dataset_len:
             problems.append(f"epoch {epoch}: {dataset_len - len(trained)} samples never trained")
     report.ok = not problems

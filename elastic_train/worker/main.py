@@ -20,7 +20,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from elastic_train.cli.main import OneLineParser
 from elastic_train.config import load_job_config, parse_override
-from elastic_train.errors import ElasticTrainError
+from elastic_train.errors import ElasticTrainError, is_non_retryable
 from elastic_train.log import bind_context, configure_logging
 
 PROG = "elastic_train.worker"
@@ -85,6 +85,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = load_job_config(args.config, overrides_from_args(args))
         env = WorkerEnv.from_environ(os.environ)
     except ElasticTrainError as exc:
+        _report_failure(exc, os.environ.get("RANK", "0"))
         return report_error(exc)
     configure_logging(cfg.logging)
     bind_context(
@@ -93,6 +94,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         from elastic_train.worker.run import run_worker
 
-        return run_worker(cfg, env, started=started)
+        code = run_worker(cfg, env, started=started)
     except ElasticTrainError as exc:
+        _report_failure(exc, env.rank)
         return report_error(exc, f"rank {env.rank}: ")
+    if code == 0:
+        from elastic_train.rendezvous.outcome import record_outcome
+
+        record_outcome(os.environ, env.rank, "finished", step=cfg.train.steps)
+    return code
+
+
+def _report_failure(exc: ElasticTrainError, rank: int | str) -> None:
+    """Tell the agent when no restart can fix this failure (it then ends the job instead of retrying)."""
+    if is_non_retryable(exc):
+        from elastic_train.rendezvous.outcome import record_outcome
+
+        record_outcome(os.environ, int(rank) if str(rank).isdigit() else 0, "failed", message=str(exc))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from elastic_train.launch.faults import Fault
+from elastic_train.launch.faults import COLLISION_KINDS, Fault
 
 #: Every kind the chaos suite injects; the last three are chaos-only actions (see test_chaos.py).
 #: ``restart-etcd`` goes to runs on one etcd member, the etcd cluster kinds to runs on three.
@@ -25,6 +25,7 @@ CHAOS_KINDS = (
     "storage-outage",
     "kill-etcd-leader",
     "etcd-quorum-loss",
+    *COLLISION_KINDS,  # operator mistakes: a node with the job's run id and another checkpoint URL/node range
 )
 
 
@@ -73,6 +74,7 @@ def make_plan(seed: int, spec: PlanSpec) -> list[Fault]:
         can_lose = len(alive) > spec.min_nodes
         can_add = len(alive) + len(hung) < spec.max_nodes
         kinds = ["kill-worker", *etcd_kinds, "corrupt-checkpoint", "storage-outage"]
+        kinds.append(COLLISION_KINDS[step % len(COLLISION_KINDS)])  # one weight for both collision kinds
         if can_lose:
             kinds += ["kill-node", "hang-node", "kill-during-checkpoint"]
         if can_add:

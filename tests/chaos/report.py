@@ -9,6 +9,8 @@ from typing import Any
 ROUND_KINDS = ("kill-worker", "kill-node", "kill-during-checkpoint", "hang-node", "resume-node", "add-node")
 INVARIANTS = ("finished", "exactly_once", "no_corrupt_resume", "checkpoints_verify", "weights_equal",
               "no_orphans", "no_shm_leak")  # fmt: skip
+#: A node started with the job's run id and other settings was refused and wrote nothing (collision kinds).
+INVARIANTS += ("intruders_refused",)
 
 
 def render(results: list[dict[str, Any]]) -> str:

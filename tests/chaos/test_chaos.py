@@ -4,7 +4,9 @@ Each seed runs one job through :class:`~elastic_train.launch.local.LocalJob` wit
 :func:`tests.chaos.plan.make_plan` and asserts: the job finishes; every sample of each epoch trained exactly
 once (audit files); no resume ever came from a corrupted checkpoint; every committed checkpoint verifies
 (the deliberately corrupted ones are reported by verify); final weights equal a fault-free run within 1e-5
-relative; no process of the job survives it; no shared-memory snapshot is left behind.
+relative; no process of the job survives it; no shared-memory snapshot is left behind; a node started with the
+job's run id but another checkpoint URL or node range is refused (exit 2, one line naming the run) and
+writes nothing.
 
 ``make test`` runs seed 0; ``make chaos SEEDS=20`` runs seeds 0..19 and prints a table.
 """
@@ -27,7 +29,7 @@ from elastic_train.checkpoint.memory import snapshot_files
 from elastic_train.checkpoint.storage import open_storage
 from elastic_train.config import load_job_config
 from elastic_train.launch.events import read_all
-from elastic_train.launch.faults import Fault
+from elastic_train.launch.faults import COLLISION_KINDS, Fault
 from elastic_train.launch.local import LocalJob, LocalOptions, Node
 from elastic_train.train.audit import check_exactly_once
 from tests.chaos.chaos_task import ENV_FLAG
@@ -39,6 +41,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SPEC = PlanSpec(steps=90, initial_nodes=3, min_nodes=2, max_nodes=4, faults=5, checkpoint_every=10)
 TRAIN_SEED = 1234
 OUTAGE_SECONDS = 3.0
+INTRUDER_WAIT = 3.0
 
 
 def overrides(tmp: Path, run_id: str, ckpt_url: str, max_nodes: int) -> dict[str, Any]:
@@ -57,6 +60,8 @@ def overrides(tmp: Path, run_id: str, ckpt_url: str, max_nodes: int) -> dict[str
         "checkpoint.every_steps": SPEC.checkpoint_every,
         "checkpoint.keep_last": 100,
         "checkpoint.on_error": "log",
+        # a colliding node waits this long for the job to go away before it is refused
+        "rendezvous.identity_wait": INTRUDER_WAIT,
     }
 
 
@@ -200,6 +205,17 @@ def test_chaos_invariants(
         rel, detail["weights"] = float("inf"), repr(exc)
     inv["weights_equal"] = rel <= 1e-5
     detail["max_rel_diff"] = rel
+
+    intruders = [f for f in plan if f.kind in COLLISION_KINDS]
+    refused = [
+        f.extra.get("exit_code") == 2
+        and str(f.extra.get("line", "")).startswith(f"elastic-train: error: run {run_id} ")
+        for f in intruders
+    ]
+    inv["intruders_refused"] = all(refused) and not os.path.exists(
+        os.path.join(job.opts.workdir, "collision-checkpoints", run_id)
+    )
+    detail["intruders"] = [f.extra for f in intruders]
 
     inv["no_orphans"] = not [p.pid for p in job.known_procs.values() if _running(p)]
     inv["no_shm_leak"] = not snapshot_files(cfg.checkpoint.memory_dir, run_id)

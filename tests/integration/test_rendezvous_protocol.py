@@ -108,7 +108,7 @@ def test_closed_run_turns_late_nodes_away(etcd_server):
         with pytest.raises(RendezvousClosed):
             late.join()
         assert ps[1].num_waiting() == 0
-        assert read_status(ps[1].etcd, "proto").state == "closed"
+        assert read_status(ps[1].etcd, "proto").state == "finished"
     finally:
         for p in ps:
             p.leave()
@@ -217,3 +217,66 @@ def test_participants_sharing_one_view_form_rounds_and_see_a_loss(etcd_server):
             p.leave()
         view.stop()
         etcd.close()
+
+
+def _ident(**settings):
+    from elastic_train.rendezvous.identity import JobIdentity
+
+    return JobIdentity({"rendezvous.min_nodes": 1, "rendezvous.max_nodes": 2, **settings})
+
+
+def test_identity_binds_live_runs_and_an_abandoned_run_is_taken_over(etcd_server, monkeypatch):
+    from elastic_train.rendezvous import protocol
+    from elastic_train.rendezvous.errors import RunRefused
+
+    monkeypatch.setattr(protocol, "IDENTITY_FRESH", 0.0)
+    a = make(etcd_server.endpoint, 1, min_nodes=1, identity=_ident(), identity_wait=1.0)[0]
+    b = make(etcd_server.endpoint, 1, min_nodes=1, identity=_ident(**{"rendezvous.max_nodes": 3}),
+             identity_wait=1.0)[0]  # fmt: skip
+    object.__setattr__(b, "node_id", "intruder")
+    try:
+        assert a.join().world_size == 1
+        t = time.monotonic()
+        with pytest.raises(RunRefused, match="max_nodes=2; this node has rendezvous.max_nodes=3") as exc:
+            b.join()
+        assert exc.value.code == 2 and time.monotonic() - t >= 1.0 and b.refused
+        kvs, _ = a.etcd.get_prefix("/elastic_train/proto/")
+        assert not [kv.key for kv in kvs if "intruder" in kv.key]  # refused before writing anything
+        assert a.num_waiting() == 0
+
+        a.lease.stop(revoke=True)  # a stops past its lease: every member gone, the run did not finish
+        c = make(etcd_server.endpoint, 1, min_nodes=1, identity=_ident(**{"rendezvous.max_nodes": 3}))[0]
+        try:
+            assert c.join().round == 2  # the new settings took the run over
+            st = read_status(c.etcd, "proto")
+            assert st.identity["rendezvous.max_nodes"] == 3 and st.state == "running"
+            with pytest.raises(
+                RunRefused, match=r"this node has rendezvous.max_nodes=2 \(the run was taken over\)"
+            ):
+                a.join()  # a comes back: it must not join the job that took over
+            assert a.refused and c.num_waiting() == 0
+        finally:
+            c.leave()
+    finally:
+        a.leave()
+        b.leave()
+
+
+def test_a_closed_runs_record_expires_so_the_name_can_be_used_again(etcd_server, monkeypatch):
+    from elastic_train.rendezvous import protocol
+
+    monkeypatch.setattr(protocol, "RUN_RECORD_TTL", 2)
+    ps = make(etcd_server.endpoint, 1, min_nodes=1, identity=_ident())
+    try:
+        join_all(ps)
+        ps[0].close("finished", step=12)
+        st = read_status(ps[0].etcd, "proto")
+        assert (st.state, st.finished_step) == ("finished", 12)
+        ps[0].leave()
+        assert wait_for(lambda: not read_status(ps[0].etcd, "proto").exists, timeout=15)
+        again = make(etcd_server.endpoint, 1, min_nodes=1, identity=_ident(**{"train.steps": 5}))[0]
+        ps.append(again)
+        assert again.join().round == 1
+    finally:
+        for p in ps:
+            p.leave()

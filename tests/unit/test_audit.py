@@ -99,3 +99,27 @@ def test_events_are_json_lines(tmp_path: Path) -> None:
     events = read_events(str(path))
     assert [e["event"] for e in events] == ["started", "step"]
     assert events[1]["round"] == 2 and events[1]["world_size"] == 3 and events[1]["loss"] == 1.5
+
+
+def test_a_run_resumed_from_another_runs_checkpoint_is_checked_from_its_first_step(tmp_path: Path) -> None:
+    """Steps 1..7 were trained by another run; this run's audit (8..12) is complete on its own."""
+    full = tmp_path / "full"
+    simulate(full, [(1, 2, 12)])
+    write_meta(str(full), dataset_len=N, global_batch=G, seed=4)
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    for line in read_audit(str(full)):
+        if line["step"] >= 8:
+            with open(resumed / f"rank-{line['rank']}-round-1.jsonl", "a") as f:
+                f.write(json.dumps(line) + "\n")
+    write_meta(str(resumed), dataset_len=N, global_batch=G, seed=4)
+    assert not check_exactly_once(str(resumed), steps=11).ok  # steps 1..7 have no lines here
+    report = check_exactly_once(str(resumed), steps=11, first_step=8)
+    assert report.ok, report.problems
+    assert report.samples == sum(size for _, size in expected_steps(11, G, N)[7:])
+    # a step of this run that is missing is still caught
+    lines = (resumed / "rank-0-round-1.jsonl").read_text().splitlines()
+    (resumed / "rank-0-round-1.jsonl").write_text(
+        "\n".join(ln for ln in lines if '"step": 9,' not in ln) + "\n"
+    )
+    assert "step 9" in check_exactly_once(str(resumed), steps=11, first_step=8).problems[0]

@@ -129,3 +129,51 @@ def test_cli_reports_usage_error_in_one_line() -> None:
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0
     assert "invalid choice" in proc.stderr
+
+
+def test_yaml_aliases_used_normally_still_work(tmp_path) -> None:
+    from elastic_train.config.loader import safe_load_bounded
+
+    job = tmp_path / "job.yaml"
+    job.write_text("x-args: &args {n_samples: 64}\ntrain: {task: regression, task_args: *args, steps: 7}\n")
+    data = safe_load_bounded(job.read_text())
+    assert data["train"]["task_args"] == {"n_samples": 64}
+    job.write_text("train: {task: regression, task_args: &args {n_samples: 64}, steps: 7}\n")
+    assert load_job_config(str(job)).train.task_args == {"n_samples": 64}
+    doc = "defaults: &d {every_steps: 5}\nother: *d\n"
+    assert safe_load_bounded(doc) == {"defaults": {"every_steps": 5}, "other": {"every_steps": 5}}
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        (
+            "a: &a [x, x, x, x, x, x, x, x, x, x]\n"
+            + "".join(
+                f"{c}: &{c} [{', '.join(['*' + p] * 10)}]\n"
+                for p, c in zip("abcdefgh", "bcdefghi", strict=True)
+            )
+            + "train: {steps: 1}\n",
+            "aliases expand to more than",
+        ),
+        ("a: &a [1, *a]\n", "refers to a value that contains it"),
+    ],
+)
+def test_yaml_alias_bombs_are_refused_fast(tmp_path, text: str, needle: str) -> None:
+    import time
+
+    job = tmp_path / "job.yaml"
+    job.write_text(text)
+    t = time.perf_counter()
+    with pytest.raises(ConfigError, match=needle):
+        load_job_config(str(job))
+    assert time.perf_counter() - t < 1.0
+
+
+def test_an_oversized_config_file_is_refused_unread(tmp_path) -> None:
+    from elastic_train.config.loader import MAX_CONFIG_BYTES
+
+    job = tmp_path / "job.yaml"
+    job.write_text("# " + "x" * MAX_CONFIG_BYTES + "\n")
+    with pytest.raises(ConfigError, match="larger than 1024 KiB"):
+        load_job_config(str(job))
