@@ -1,8 +1,11 @@
 """CheckpointManager: the one object the training loop talks to.
 
-``save`` after each optimizer step copies the state into the shared-memory tier (the loop's only stall) and,
-when a durable checkpoint is due, hands it to a background writer; ``restore`` is collective and returns the
-newest valid state held anywhere; ``finalize`` commits a last checkpoint; ``close`` stops on error paths.
+``save`` after each optimizer step snapshots the state into the shared-memory tier and, when a durable
+checkpoint is due, hands it to a background writer. With an optimizer :meth:`~CheckpointManager.attach`-ed,
+the copy of the parameters and optimizer state into shared memory runs while the next step's forward and
+backward do, and its step pre-hook waits for it before the optimizer changes them. ``restore`` is
+collective and returns the newest valid state held anywhere; ``finalize`` commits a last checkpoint;
+``close`` stops on error paths.
 
 Concurrency: the writer uses its own gloo process group (``io``) and the loop-side collectives another
 (``ctl``), so background collectives never interleave with the training group's. At most one durable write
@@ -85,6 +88,21 @@ class _Job:
     final: bool = False
 
 
+class _Attachment:
+    """An optimizer attached to a manager (see :meth:`CheckpointManager.attach`)."""
+
+    def __init__(self, manager: CheckpointManager, optimizer: torch.optim.Optimizer, hook: Any) -> None:
+        self.manager, self.optimizer, self._hook = manager, optimizer, hook
+
+    def remove(self) -> None:
+        """Detach: wait for a copy in flight, drop the step pre-hook."""
+        if self in self.manager._attached:
+            if self.manager.memory is not None:
+                self.manager.memory.wait_idle()
+            self.manager._attached.remove(self)
+            self._hook.remove()
+
+
 class CheckpointManager:
     """Both checkpoint tiers of one worker.
 
@@ -148,6 +166,7 @@ class CheckpointManager:
         self._stop = False
         self._closed = False
         self._writer: threading.Thread | None = None
+        self._attached: list[_Attachment] = []
 
     @property
     def coordinated(self) -> bool:
@@ -280,9 +299,56 @@ class CheckpointManager:
         if not (mem_due or dur_due):
             return
         flat = flatten(state() if callable(state) else state)
-        slot = self.memory.save(step, flat) if self.memory is not None else None
+        slot = None
+        if self.memory is not None:
+            slot = self.memory.save(step, flat, defer=self._deferrable(flat))
+            if dur_due:  # the writer reads the slot: its copy must be complete
+                self.memory.wait_idle()
+                self.memory.raise_error()
         if dur_due:
             self._submit(step, flat, slot)
+
+    # -- the snapshot fence ------------------------------------------------------------------------------
+    def attach(self, optimizer: torch.optim.Optimizer) -> Any:
+        """Let snapshots copy ``optimizer``'s parameters and state while the next step computes.
+
+        Registers an optimizer step pre-hook that waits for the snapshot's copy (:meth:`fence`) before the
+        optimizer changes what is being copied; the forward and backward passes in between read the
+        parameters only. Works with any training loop that steps ``optimizer`` (``GradScaler.step``
+        included). A loop that changes parameters in place outside ``optimizer.step()`` (weight clipping,
+        EMA swaps, ``load_state_dict``) calls :meth:`fence` first.
+
+        Returns:
+            A handle whose ``remove()`` detaches the optimizer again (later snapshots then copy everything
+            before :meth:`save` returns).
+        """
+        attachment = _Attachment(self, optimizer, optimizer.register_step_pre_hook(self._fence_hook))
+        self._attached.append(attachment)
+        return attachment
+
+    def _fence_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self.fence()
+
+    def fence(self) -> None:
+        """Wait until the last snapshot no longer reads the parameters and optimizer state.
+
+        Raises:
+            CheckpointError: the background copy into shared memory failed.
+        """
+        if self.memory is not None:
+            self.memory.fence()
+
+    def _deferrable(self, flat: Flat) -> frozenset[int]:
+        """Indices of the tensors of ``flat`` that only an attached optimizer's step changes."""
+        if not self._attached:
+            return frozenset()
+        owned: set[int] = set()
+        for opt in (a.optimizer for a in self._attached):
+            for group in opt.param_groups:
+                owned.update(p.data_ptr() for p in group["params"])
+            for per_param in opt.state.values():
+                owned.update(v.data_ptr() for v in per_param.values() if isinstance(v, torch.Tensor))
+        return frozenset(i for i, t in enumerate(flat.tensors) if t.data_ptr() in owned)
 
     def _durable_due(self, step: int) -> bool:
         since = time.monotonic() - self._last_durable_time
@@ -475,6 +541,8 @@ class CheckpointManager:
         """
         self._check_open()
         try:
+            if self.memory is not None:
+                self.memory.wait_idle()
             self.wait()  # a regular checkpoint of this very step, still in flight, is the final one
             self._raise_pending()
             if step != self._durable_ok_step:  # also when the regular checkpoint of this step failed
@@ -501,6 +569,8 @@ class CheckpointManager:
 
     def _shutdown(self, *, release_memory: bool, timeout: float | None = None) -> None:
         self._closed = True
+        for attachment in list(self._attached):
+            attachment.remove()
         with self._cond:
             self._stop = True
             self._cond.notify_all()

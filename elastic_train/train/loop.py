@@ -49,6 +49,9 @@ class Checkpointer(Protocol):
 
     def finalize(self, step: int, state: Mapping[str, Any]) -> Any: ...
 
+    # Optional: ``attach(optimizer)`` (snapshots may copy the optimizer's parameters and state until its
+    # next step) and ``fence()`` (wait for such a copy), as CheckpointManager has them.
+
     def close(self) -> None: ...
 
 
@@ -127,6 +130,9 @@ class Trainer:
         self.ddp: torch.nn.Module | None = None
         self._carrier: LossCarrier | None = None
         self._committed: Any = None
+        attach = getattr(checkpointer, "attach", None)
+        if attach is not None:
+            attach(task.optimizer)
 
     # -- state -----------------------------------------------------------------------------------------------
 
@@ -150,6 +156,9 @@ class Trainer:
         Raises:
             TrainingError: the state does not fit this task (its CheckpointError is raised before this).
         """
+        fence = getattr(self.checkpointer, "fence", None)
+        if fence is not None:  # no snapshot may be reading the parameters load_state_dict overwrites
+            fence()
         try:
             self.model.load_state_dict(state["model"])
             self.task.optimizer.load_state_dict(state["optimizer"])
