@@ -34,7 +34,7 @@ from harness import format_ratio, format_summary, machine_info
 
 HERE = Path(__file__).resolve().parent
 #: Benchmark scripts, in the order they run and appear.
-BENCHMARKS = ("rendezvous", "rdzv_scale", "checkpoint", "overhead")
+BENCHMARKS = ("rendezvous", "rdzv_scale", "checkpoint", "overhead", "recovery")
 BASELINE_DEFAULTS = ("c10d", "etcd-v2")
 
 
@@ -421,6 +421,13 @@ def overhead_targets(doc: Mapping[str, Any] | None) -> list[Target]:
     return [t]
 
 
+def recovery_target(doc: Mapping[str, Any] | None) -> list[Target]:
+    """Restore/broadcast within 1.5x of state size / loopback bandwidth (recovery.py reports its own)."""
+    t = Target("restore/broadcast vs state size / loopback bandwidth", "<= 1.5x")
+    t.why = "recovery benchmark not run" if not doc else "figure not found in recovery output"
+    return [t]
+
+
 def self_reported_targets(doc: Mapping[str, Any] | None) -> list[Target]:
     """Targets a benchmark evaluated itself (its ``targets`` list), as :class:`Target`."""
     out = []
@@ -446,6 +453,7 @@ def evaluate_targets(docs: Mapping[str, Mapping[str, Any] | None]) -> list[Targe
         ("rdzv_scale", scale_target),
         ("checkpoint", checkpoint_targets),
         ("overhead", overhead_targets),
+        ("recovery", recovery_target),
     ):
         own = self_reported_targets(docs.get(name))
         targets.extend(own or builtin(docs.get(name)))
@@ -698,7 +706,7 @@ def render(
     rdzv = docs.get("rendezvous")
     if rdzv:
         lines += render_rendezvous(rdzv, images, out)
-    for name in ("rdzv_scale", "checkpoint", "overhead"):
+    for name in ("rdzv_scale", "checkpoint", "overhead", "recovery"):
         doc = docs.get(name)
         if doc and name == "checkpoint" and checkpoint_sizes(doc):
             lines += render_checkpoint(doc)

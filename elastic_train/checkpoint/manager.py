@@ -15,6 +15,7 @@ so ranks stay in step — skipping would need a collective vote).
 
 from __future__ import annotations
 
+import collections
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -70,6 +71,9 @@ class Committed:
     seconds: float
 
 
+#: Bytes per broadcast of a restored state, and broadcasts in flight at once.
+BROADCAST_BUCKET = 8 << 20
+BROADCAST_WINDOW = 4
 #: Attempts for the final checkpoint (whatever ``on_error`` says): it is the job's result.
 FINAL_ATTEMPTS = 8
 
@@ -207,14 +211,24 @@ class CheckpointManager:
             log.info("restore_nothing_found", run=self.run_path)
             return None
         src_rank = holder if source == "memory" else 0
+        copier: threading.Thread | None = None
         if self.rank == src_rank:
             if source == "memory":
                 assert held is not None and self.memory is not None and held.step == step
-                buf = self.memory.data(held.slot, held.nbytes).clone()
-                loaded = (held.skeleton, list(held.specs), buf)
+                # Broadcast straight from the slot; the holder's own copy is made meanwhile (the slot is
+                # rewritten by later snapshots, the returned state must outlive them).
+                view = self.memory.data(held.slot, held.nbytes)
+                own = torch.empty_like(view)
+                copier = threading.Thread(target=own.copy_, args=(view,), name="ckpt-restore-copy")
+                copier.start()
+                loaded = (held.skeleton, list(held.specs), view)
             assert loaded is not None
         if self.coordinated:
             loaded = self._broadcast_payload(loaded, src_rank)
+        if copier is not None:
+            copier.join()
+            assert loaded is not None
+            loaded = (loaded[0], loaded[1], own)
         assert loaded is not None
         skeleton, specs, buf = loaded
         if model is not None:
@@ -277,8 +291,16 @@ class CheckpointManager:
         skeleton, spec_json, nbytes = meta[0]
         if self.rank != src:
             buf = torch.empty(nbytes, dtype=torch.uint8)
-        if nbytes:
-            dist.broadcast(buf, src=self._global(src), group=self._ctl)
+        # In buckets with a few in flight: the sends of one overlap the receive-side copies of the next,
+        # and no rank needs a second buffer of the whole state.
+        pending: collections.deque[Any] = collections.deque()
+        for start in range(0, nbytes, BROADCAST_BUCKET):
+            bucket = buf[start : start + BROADCAST_BUCKET]
+            pending.append(dist.broadcast(bucket, src=self._global(src), group=self._ctl, async_op=True))
+            if len(pending) >= BROADCAST_WINDOW:
+                pending.popleft().wait()
+        while pending:
+            pending.popleft().wait()
         return skeleton, [TensorSpec.from_json(s) for s in spec_json], buf
 
     # -- save --------------------------------------------------------------------------------------------

@@ -278,12 +278,16 @@ class MemorySnapshot:
             return None
         self.wait_idle()
         assert self._mm is not None
-        found: list[Held] = []
+        headers = []
         for slot in range(SLOTS):
             fields = self._read_slot(slot)
-            if fields is None:
-                continue
-            _, step, seq, sum_data, sum_meta, meta_len, data_len = fields
+            if fields is not None:
+                headers.append((slot, fields))
+                self._seq = max(self._seq, fields[2])
+                self._slot_seq[slot] = fields[2]
+        # Newest first, and only until one verifies: hashing every slot would triple a large restore's reads.
+        for slot, fields in sorted(headers, key=lambda h: h[1][1], reverse=True):
+            _, step, _, sum_data, sum_meta, meta_len, data_len = fields
             base = self._slot_base(slot)
             if meta_len > self._meta_cap or data_len > self._data_cap:
                 continue
@@ -294,17 +298,13 @@ class MemorySnapshot:
             ok = checksum(meta) == sum_meta and checksum(data) == sum_data
             if not ok:
                 log.warning("memory_snapshot_torn", path=self.path, slot=slot, step=step)
+                self._slot_seq[slot] = 0  # rewritten first
                 continue
             m = json.loads(bytes(meta))
             specs = tuple(TensorSpec.from_json(s) for s in m["specs"])
-            found.append(Held(slot, step, m["skeleton"], specs, data_len))
-            self._seq = max(self._seq, seq)
-            self._slot_seq[slot] = seq
-        if not found:
-            return None
-        best = max(found, key=lambda h: h.step)
-        self._newest = best.slot
-        return best
+            self._newest = slot
+            return Held(slot, step, m["skeleton"], specs, data_len)
+        return None
 
     def data(self, slot: int, nbytes: int) -> torch.Tensor:
         """The data region of ``slot`` as a uint8 tensor view (valid until that slot is rewritten)."""

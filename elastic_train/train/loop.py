@@ -130,6 +130,7 @@ class Trainer:
         self.ddp: torch.nn.Module | None = None
         self._carrier: LossCarrier | None = None
         self._committed: Any = None
+        self._restored = False
         attach = getattr(checkpointer, "attach", None)
         if attach is not None:
             attach(task.optimizer)
@@ -179,20 +180,27 @@ class Trainer:
             self.events.emit("started", 0)
             return
         self.load_state(restored.state)
+        self._restored = True
         log.info("training_resumed", step=self.step, source=restored.source, epoch=self.sampler.epoch)
         self.events.emit("resumed", self.step, source=restored.source, from_step=self.step)
 
     # -- training --------------------------------------------------------------------------------------------
 
     def wrap(self) -> torch.nn.Module:
-        """Wrap the model in DDP (no buffer broadcast per forward: micro-batch counts differ by rank)."""
+        """Wrap the model in DDP (no buffer broadcast per forward: micro-batch counts differ by rank).
+
+        After a restore every rank holds the same broadcast state, so DDP's own broadcast of every parameter
+        and buffer at construction is skipped (``init_sync=False``): it would send the model a second time.
+        """
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         # Buffers are synced once at construction, never per forward (torch >= 2.13 spells this
         # forward_sync_buffers; older releases broadcast_buffers).
         params = inspect.signature(DistributedDataParallel.__init__).parameters
         key = "forward_sync_buffers" if "forward_sync_buffers" in params else "broadcast_buffers"
-        no_sync_buffers: dict[str, Any] = {key: False}
-        ddp = DistributedDataParallel(self.model, device_ids=device_ids, **no_sync_buffers)
+        options: dict[str, Any] = {key: False}
+        if self._restored and "init_sync" in params:
+            options["init_sync"] = False
+        ddp = DistributedDataParallel(self.model, device_ids=device_ids, **options)
         if self.world_size > 1 and LossCarrier.suitable(self.model):
             self._carrier = LossCarrier()
             self._carrier.register(ddp)
