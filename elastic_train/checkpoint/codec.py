@@ -51,6 +51,9 @@ _DTYPES: dict[str, torch.dtype] = {
 }
 
 
+_NAMES = {d: n for n, d in _DTYPES.items()}
+
+
 @dataclass(frozen=True, slots=True)
 class TensorSpec:
     """Where tensor ``i`` of a state lives in the flat buffer."""
@@ -123,16 +126,17 @@ def flatten(state: Any) -> Flat:
     specs: list[TensorSpec] = []
     offset = 0
 
+    # Called once per tensor at every snapshot: each attribute read here costs the loop on every step.
     def add(t: torch.Tensor, path: str) -> int:
         nonlocal offset
-        if t.layout != torch.strided or t.is_quantized:
-            raise CheckpointError(f"state at {path or '/'}: only dense tensors can be checkpointed")
-        name = str(t.dtype).removeprefix("torch.")
-        if name not in _DTYPES:
+        name = _NAMES.get(t.dtype)
+        if name is None or t.layout is not torch.strided:
+            if t.layout is not torch.strided or t.is_quantized:
+                raise CheckpointError(f"state at {path or '/'}: only dense tensors can be checkpointed")
             raise CheckpointError(f"state at {path or '/'}: dtype {t.dtype} is not supported")
-        nbytes = t.numel() * t.element_size()
+        nbytes = t.nbytes
         specs.append(TensorSpec(path, name, tuple(t.shape), offset, nbytes))
-        tensors.append(t.detach())
+        tensors.append(t.detach() if t.requires_grad else t)
         offset += (nbytes + ALIGN - 1) // ALIGN * ALIGN
         return len(tensors) - 1
 
