@@ -664,6 +664,16 @@ def render(
         command,
         "```",
         "",
+        "One benchmark alone, the others kept from their JSON (e.g. to re-measure on a quiet machine):",
+        "",
+        "```",
+        *(
+            f"PYTHONPATH=. .venv/bin/python benchmarks/report.py --out docs/benchmarks.md --only {name} "
+            "--keep-others"
+            for name in ("overhead", "recovery")
+        ),
+        "```",
+        "",
         "## Machine",
         "",
         "| | |",
