@@ -331,8 +331,9 @@ class MemorySnapshot:
         self.wait_idle()  # the previous snapshot is sealed (normally long before the next step ends)
         if self._mm is None:
             self._open_existing()
-        if self._mm is None or flat.layout_key != self._layout or self._meta_need > self._meta_cap:
-            self._allocate(flat, max(self._meta_need, len(self._meta(flat))))
+        key = flat.layout_key  # a digest of every spec: computed once per save
+        if self._mm is None or key != self._layout or self._meta_need > self._meta_cap:
+            self._allocate(flat, max(self._meta_need, len(self._meta(flat, key))))
             self._meta_need = 0
         with self._cond:
             while True:
@@ -379,11 +380,11 @@ class MemorySnapshot:
             self._cond.notify_all()
         return slot
 
-    def _meta(self, flat: Flat) -> bytes:
+    def _meta(self, flat: Flat, key: str) -> bytes:
         # The specs only change with the layout: their JSON is built once per layout, the skeleton's per step.
-        if self._specs_json[0] != flat.layout_key:
+        if self._specs_json[0] != key:
             specs = json.dumps([s.to_json() for s in flat.specs], separators=(",", ":"))
-            self._specs_json = (flat.layout_key, specs.encode())
+            self._specs_json = (key, specs.encode())
         skeleton = json.dumps(flat.skeleton, separators=(",", ":"), allow_nan=True).encode()
         return b'{"skeleton":' + skeleton + b',"specs":' + self._specs_json[1] + b"}"
 
@@ -471,7 +472,7 @@ class MemorySnapshot:
             assert self._mm is not None
             if job.event is not None:
                 job.event.synchronize()
-            meta = self._meta(job.flat)
+            meta = self._meta(job.flat, self._layout)  # save re-allocates for any other layout
             if len(meta) > self._meta_cap:
                 # Left unsealed (the previous snapshot stays the valid one); the next save makes room.
                 log.warning("memory_snapshot_meta_grew", path=self.path, step=job.step, bytes=len(meta))
