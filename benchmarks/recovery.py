@@ -43,6 +43,8 @@ TARGET = 1.5
 #: Bytes of memory one worker needs per byte of state: the model, three shared-memory slots, a restore buffer
 #: and the snapshot a new worker maps, with margin.
 MEMORY_FACTOR = 5.5
+#: Memory left to the rest of the machine when deciding whether a size fits.
+HEADROOM = 4 << 30
 PHASES = ("detect", "rendezvous", "worker_start", "restore", "first_step")
 
 
@@ -139,6 +141,10 @@ def breakdown(
     out["world_size"] = first.get("world_size")
     out["source"] = fault.get("source")
     out["state_bytes"] = max((int(r.get("bytes", 0)) for r in restored), default=None)
+    # Inside the restore: finding the newest snapshot (and agreeing on it), the broadcast, the rest (loading
+    # the state into model and optimizer), as the slowest rank logged them.
+    for key in ("find_s", "broadcast_s"):
+        out[key] = max((float(r[key]) for r in restored if key in r), default=None)
     return out
 
 
@@ -230,10 +236,13 @@ def main(argv: list[str] | None = None) -> int:
     runs = []
     with tempfile.TemporaryDirectory(prefix="et-recovery-") as tmp:
         for mb in sizes:
-            need = 3 * MEMORY_FACTOR * mb * (1 << 20)
+            need = 3 * MEMORY_FACTOR * mb * (1 << 20) + HEADROOM
             free = min(psutil.virtual_memory().available, psutil.disk_usage("/dev/shm").free)
             if need > free:
-                why = f"skipped: needs about {need / 2**30:.1f} GiB of memory, {free / 2**30:.1f} GiB free"
+                why = (
+                    f"skipped: needs about {need / 2**30:.1f} GiB of memory ({HEADROOM >> 30} GiB left to "
+                    f"the rest of the machine), {free / 2**30:.1f} GiB free"
+                )
                 print(f"== {mb:g} MB: {why}", flush=True)
                 runs.append({"state_mb": mb, "error": why})
                 continue
@@ -252,6 +261,8 @@ def main(argv: list[str] | None = None) -> int:
                 ideal = (b["state_bytes"] or 0) / bandwidth
                 row["state / bandwidth s"] = ideal
                 row["restore / ideal"] = b["restore"] / ideal if ideal else None
+                row["of which find s"] = b.get("find_s")
+                row["of which broadcast s"] = b.get("broadcast_s")
             figures.append(row)
         if "error" in r:
             figures.append({"state MB": r["state_mb"], "error": r["error"]})

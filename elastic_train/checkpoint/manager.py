@@ -190,6 +190,7 @@ class CheckpointManager:
         Raises:
             CheckpointError: storage failure, an unreadable ``resume_from`` or a model mismatch.
         """
+        started = time.perf_counter()
         held = self.memory.newest_valid() if self.memory is not None else None
         mine = held.step if held is not None else None
         mem_steps = self._all_gather(mine) if self.coordinated else [mine]
@@ -223,8 +224,10 @@ class CheckpointManager:
                 copier.start()
                 loaded = (held.skeleton, list(held.specs), view)
             assert loaded is not None
+        found = time.perf_counter()
         if self.coordinated:
             loaded = self._broadcast_payload(loaded, src_rank)
+        sent = time.perf_counter()
         if copier is not None:
             copier.join()
             assert loaded is not None
@@ -239,7 +242,16 @@ class CheckpointManager:
         self._last_durable_time = time.monotonic()
         if source == "durable":
             self._durable_ok_step = step
-        log.info("restored", source=source, step=step, holder=holder, bytes=int(buf.numel()))
+        log.info(
+            "restored",
+            source=source,
+            step=step,
+            holder=holder,
+            bytes=int(buf.numel()),
+            find_s=round(found - started, 4),  # newest snapshot verified, decision agreed
+            broadcast_s=round(sent - found, 4),
+            seconds=round(time.perf_counter() - started, 4),
+        )
         return Restored(
             step=step, state=state, source=source, holder_rank=holder if source == "memory" else None
         )

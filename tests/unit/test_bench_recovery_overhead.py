@@ -27,7 +27,7 @@ def test_breakdown_splits_a_kill_into_its_phases() -> None:
         _log("node-2", 102.5, "rendezvous_complete", round=2),
         _log("node-0", 104.0, "worker_ready", round=2, restore_s=0.5),
         _log("node-2", 104.2, "worker_ready", round=2, restore_s=0.4),
-        _log("node-2", 104.1, "restored", round=2, bytes=100),
+        _log("node-2", 104.1, "restored", round=2, bytes=100, find_s=0.05, broadcast_s=0.3),
     ]
     b = recovery.breakdown(fault, events, logs)
     assert b == {
@@ -41,6 +41,8 @@ def test_breakdown_splits_a_kill_into_its_phases() -> None:
         "world_size": 2,
         "source": "memory",
         "state_bytes": 100,
+        "find_s": 0.05,
+        "broadcast_s": 0.3,
     }
     assert sum(b[p] for p in recovery.PHASES) == b["total"]
 
