@@ -25,6 +25,7 @@ ALIGN = 64
 _TENSOR, _NDARRAY, _DICT, _TUPLE, _BYTES = "__tensor__", "__ndarray__", "__dict__", "__tuple__", "__bytes__"
 _MARKERS = frozenset((_TENSOR, _NDARRAY, _DICT, _TUPLE, _BYTES))
 _PLAIN = frozenset({int, float, str, bool, type(None)})
+_STR = frozenset({str})
 """Types a list or tuple of which is stored as is (no per-element walk)."""
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -152,15 +153,15 @@ def flatten(state: Any) -> Flat:
         if isinstance(v, (bytes, bytearray)):
             return {_BYTES: base64.b64encode(bytes(v)).decode()}
         if isinstance(v, tuple):
-            if all(type(x) in _PLAIN for x in v):  # e.g. Python's RNG state: 625 ints, every step
+            if _PLAIN.issuperset(map(type, v)):  # e.g. Python's RNG state: 625 ints, every step
                 return {_TUPLE: list(v)}
             return {_TUPLE: [enc(x, f"{path}/{i}") for i, x in enumerate(v)]}
         if isinstance(v, list):
-            if all(type(x) in _PLAIN for x in v):
+            if _PLAIN.issuperset(map(type, v)):
                 return list(v)
             return [enc(x, f"{path}/{i}") for i, x in enumerate(v)]
         if isinstance(v, Mapping):
-            if all(isinstance(k, str) and k not in _MARKERS for k in v):
+            if _STR.issuperset(map(type, v)) and _MARKERS.isdisjoint(v):
                 return {k: enc(x, f"{path}/{k}") for k, x in v.items()}
             pairs = []
             for k, x in v.items():
