@@ -76,6 +76,12 @@ def same(a: object, b: object) -> bool:
     return a == b
 
 
+@pytest.fixture(autouse=True)
+def _always_background(monkeypatch):
+    """These states are small: without this they would be copied and sealed inline (see INLINE_BYTES)."""
+    monkeypatch.setattr(memory_mod, "INLINE_BYTES", 0)
+
+
 @pytest.fixture
 def gate(monkeypatch):
     """Holds the background copier before its deferred copies until ``gate.set()``."""
@@ -227,9 +233,11 @@ _CRASHER = textwrap.dedent(
     import os, sys, threading, time
     import torch
     from elastic_train.checkpoint import CheckpointConfig, CheckpointManager
+    from elastic_train.checkpoint import memory
     from elastic_train.checkpoint.memory import MemorySnapshot
 
     memdir, url = sys.argv[1], sys.argv[2]
+    memory.INLINE_BYTES = 0
     original = MemorySnapshot._copy
 
     def slow(job):  # copy half of the deferred tensors, then stall: the test kills us here
@@ -321,3 +329,13 @@ def test_trainer_attaches_its_optimizer_and_resumes_from_the_async_snapshot(memd
     second.run()
     for key, value in straight.model.state_dict().items():
         assert torch.equal(second.model.state_dict()[key], value), key
+
+
+def test_small_cpu_states_are_copied_and_sealed_inside_save(memdir, tmp_path, monkeypatch):
+    monkeypatch.setattr(memory_mod, "INLINE_BYTES", 4 << 20)
+    model, opt = trained()
+    m = manager(memdir, tmp_path)
+    m.attach(opt)
+    m.save(1, lambda: state_of(model, opt, 1))
+    assert m.memory is not None and m.memory._worker is None and m.memory.sealed_step == 1
+    m.close()
