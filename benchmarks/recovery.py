@@ -224,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sizes", default="10,100,1000", help="ballast sizes in MiB, comma-separated")
     p.add_argument("--kill-step", type=int, default=20, help="kill node 1 after this step")
     p.add_argument("--gap-steps", type=int, default=20, help="steps between the kill and the join")
-    p.add_argument("--tail-steps", type=int, default=300, help="steps after the join (it takes seconds)")
+    p.add_argument("--tail-steps", type=int, default=800, help="steps after the join (it takes seconds)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per job")
     p.add_argument("--quick", action="store_true", help="10 MB only")
     p.add_argument("--json", metavar="FILE", help="write the results here")
