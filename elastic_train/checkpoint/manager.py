@@ -335,7 +335,8 @@ class CheckpointManager:
         flat = flatten(state() if callable(state) else state)
         slot = None
         if self.memory is not None:
-            slot = self.memory.save(step, flat, defer=self._deferrable(flat))
+            defer = frozenset() if self.memory.inline(flat) else self._deferrable(flat)
+            slot = self.memory.save(step, flat, defer=defer)
             if dur_due:  # the writer reads the slot: its copy must be complete
                 self.memory.wait_idle()
                 self.memory.raise_error()

@@ -179,6 +179,7 @@ class MemorySnapshot:
         self._pinned_ptr: int | None = None
         self._specs_json: tuple[str, bytes] = ("", b"")
         self._meta_need = 0
+        self._specs: tuple[TensorSpec, ...] | None = None
         self._pinned: set[int] = set()
         self.sealed_step: int | None = None
         self._error: BaseException | None = None
@@ -211,6 +212,7 @@ class MemorySnapshot:
         self._buf = torch.frombuffer(self._mm, dtype=torch.uint8)
         self._meta_cap, self._data_cap, self._slot_bytes = meta_cap, data_cap, slot_bytes
         self._layout = flat.layout_key
+        self._specs = flat.specs
         self._slot_seq = [0] * SLOTS
         self._mm[:PAGE] = bytes(PAGE)
         _HDR.pack_into(self._mm, 0, MAGIC, slot_bytes, meta_cap, data_cap, self._layout.encode())
@@ -240,6 +242,7 @@ class MemorySnapshot:
         return True
 
     def _unmap(self) -> None:
+        self._specs = None
         self._unpin_host_memory()
         self._buf = None
         self._dests = {}
@@ -333,10 +336,14 @@ class MemorySnapshot:
         self.wait_idle()  # the previous snapshot is sealed (normally long before the next step ends)
         if self._mm is None:
             self._open_existing()
-        key = flat.layout_key  # a digest of every spec: computed once per save
-        if self._mm is None or key != self._layout or self._meta_need > self._meta_cap:
-            self._allocate(flat, max(self._meta_need, len(self._meta(flat, key))))
+        # Comparing the specs is cheaper than their digest (a snapshot of a restarted worker has only that).
+        same = self._mm is not None and (
+            flat.specs == self._specs if self._specs is not None else flat.layout_key == self._layout
+        )
+        if not same or self._meta_need > self._meta_cap:
+            self._allocate(flat, max(self._meta_need, len(self._meta(flat, flat.layout_key))))
             self._meta_need = 0
+        self._specs = flat.specs
         with self._cond:
             while True:
                 # The oldest slot that is neither the newest snapshot nor pinned by a durable write: with
@@ -356,9 +363,7 @@ class MemorySnapshot:
         later: list[int] = []
         event = None
         on_gpu = [i for i, t in enumerate(flat.tensors) if t.is_cuda and dests[i] is not None]
-        if not on_gpu and flat.nbytes <= INLINE_BYTES:
-            # A small CPU state is copied and sealed right here: waking a thread (and, on a machine whose
-            # cores are all busy training, waiting for it to be scheduled) costs more than copy and hash.
+        if not on_gpu and self.inline(flat):
             background = False
         if on_gpu:
             event = self._copy_from_gpu(flat, dests, on_gpu, defer)
@@ -385,6 +390,15 @@ class MemorySnapshot:
                 self._worker.start()
             self._cond.notify_all()
         return slot
+
+    @staticmethod
+    def inline(flat: Flat) -> bool:
+        """Whether :meth:`save` copies and seals ``flat`` itself (a small state, with no CUDA tensor).
+
+        Waking the copier thread (and, on a machine whose cores are all busy training, waiting for it to be
+        scheduled) costs more than copying and hashing a few MiB.
+        """
+        return flat.nbytes <= INLINE_BYTES and not any(t.is_cuda for t in flat.tensors)
 
     def _meta(self, flat: Flat, key: str) -> bytes:
         # The specs only change with the layout: their JSON is built once per layout, the skeleton's per step.
