@@ -236,6 +236,9 @@ def targets(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         return f"{r['config']} ({r['state_mb']:.0f} MB): {(r[key] - 1) * 100:+.2f}%"
 
     out = []
+    # The loop alone takes no snapshot: the spread of its ratio over the configurations is this run's noise.
+    spread = [(r["loop_ratio"] - 1) * 100 for r in runs]
+    noise = f"loop-alone ratios span {min(spread):+.1f}% to {max(spread):+.1f}% in this run" if runs else ""
     big = [r for r in runs if r["plain_step_s"] >= 0.1]
     small = [r for r in runs if r["plain_step_s"] < 0.1]
     if big:
@@ -246,18 +249,18 @@ def targets(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "threshold": "<= 3% (all-in)",
                 "figure": ", ".join(fig(r, "allin_ratio") for r in big),
                 "status": "met" if worst <= TARGET else "missed",
-                "why": "" if worst <= TARGET else "see the overhead section",
+                "why": "" if worst <= TARGET else noise,
             }
         )
     for r in small:
         ok = r["allin_ratio"] <= TARGET
         out.append(
             {
-                "name": f"per-step overhead, {r['plain_step_s'] * 1e3:.0f} ms step, memory tier included",
+                "name": f"per-step overhead, {r['config']} config (charlm {r['state_mb']:.0f} MB), all-in",
                 "threshold": "smallest achievable (reported; <= 3% met)",
                 "figure": fig(r, "allin_ratio") + f"; loop alone {(r['loop_ratio'] - 1) * 100:+.2f}%",
                 "status": "met" if ok else "reported",
-                "why": "" if ok else "bounded by the per-step state build and flatten on the critical path",
+                "why": "" if ok else f"bounded by building and flattening the state each step; {noise}",
             }
         )
     if runs:
@@ -268,7 +271,7 @@ def targets(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "threshold": "<= 3%",
                 "figure": ", ".join(fig(r, "loop_ratio") for r in runs),
                 "status": "met" if worst <= TARGET else "missed",
-                "why": "",
+                "why": "" if worst <= TARGET else noise,
             }
         )
     return out
