@@ -655,6 +655,8 @@ def render(
             "The benchmarks marked *earlier run* in the table of runs were not re-run by this command: their "
             "figures come from their JSON of an earlier run, and the others from this one"
             if any(r.status == "earlier run" for r in runs)
+            else "Every figure below was rendered from the JSON that earlier runs of the benchmarks wrote"
+            if runs and all(r.status in ("from-json", "absent") for r in runs)
             else "Every figure below comes from one run of this command"
         )
         + "; each benchmark measures its baselines "
