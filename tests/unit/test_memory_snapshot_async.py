@@ -27,7 +27,8 @@ from elastic_train.train.loop import Trainer
 
 def manager(memdir: str, tmp_path, **kw) -> CheckpointManager:
     kw.setdefault("memory_every_steps", 1)
-    cfg = CheckpointConfig(url=str(tmp_path / "c"), every_steps=0, memory_dir=memdir, **kw)
+    kw.setdefault("every_steps", 0)
+    cfg = CheckpointConfig(url=str(tmp_path / "c"), memory_dir=memdir, **kw)
     return CheckpointManager(cfg, "run", rank=0, world_size=1, local_rank=0)
 
 
@@ -339,3 +340,25 @@ def test_small_cpu_states_are_copied_and_sealed_inside_save(memdir, tmp_path, mo
     m.save(1, lambda: state_of(model, opt, 1))
     assert m.memory is not None and m.memory._worker is None and m.memory.sealed_step == 1
     m.close()
+
+
+def test_a_durable_checkpoint_waits_for_the_copy_it_reads(memdir, tmp_path, gate):
+    """The durable writer reads the step from its shared-memory slot: never before the copier filled it."""
+    model, opt = trained()
+    m = manager(memdir, tmp_path, async_write=False, every_steps=1)
+    m.attach(opt)
+    expected = clone(state_of(model, opt, 1))
+    saver = threading.Thread(target=m.save, args=(1, lambda: state_of(model, opt, 1)))
+    saver.start()
+    assert gate.entered.wait(10)
+    time.sleep(0.2)
+    assert saver.is_alive() and m.last_committed is None  # held until the copy is done
+    gate.set()
+    saver.join(10)
+    assert m.last_committed is not None and m.last_committed.step == 1
+    m.close(release_memory=True)
+    restored = manager(memdir, tmp_path).restore()
+    assert restored is not None and (restored.step, restored.source) == (1, "durable")
+    assert same(restored.state["model"], expected["model"]) and same(
+        restored.state["optimizer"], expected["optimizer"]
+    )
