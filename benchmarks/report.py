@@ -34,7 +34,7 @@ from harness import format_ratio, format_summary, machine_info
 
 HERE = Path(__file__).resolve().parent
 #: Benchmark scripts, in the order they run and appear.
-BENCHMARKS = ("rendezvous", "rdzv_scale", "checkpoint", "overhead", "rdzv_latency")
+BENCHMARKS = ("rendezvous", "rdzv_scale", "checkpoint", "overhead", "recovery", "rdzv_latency")
 BASELINE_DEFAULTS = ("c10d", "etcd-v2")
 
 
@@ -421,6 +421,13 @@ def overhead_targets(doc: Mapping[str, Any] | None) -> list[Target]:
     return [t]
 
 
+def recovery_target(doc: Mapping[str, Any] | None) -> list[Target]:
+    """Restore/broadcast within 1.5x of state size / loopback bandwidth (recovery.py reports its own)."""
+    t = Target("restore/broadcast vs state size / loopback bandwidth", "<= 1.5x")
+    t.why = "recovery benchmark not run" if not doc else "figure not found in recovery output"
+    return [t]
+
+
 def self_reported_targets(doc: Mapping[str, Any] | None) -> list[Target]:
     """Targets a benchmark evaluated itself (its ``targets`` list), as :class:`Target`."""
     out = []
@@ -446,6 +453,7 @@ def evaluate_targets(docs: Mapping[str, Mapping[str, Any] | None]) -> list[Targe
         ("rdzv_scale", scale_target),
         ("checkpoint", checkpoint_targets),
         ("overhead", overhead_targets),
+        ("recovery", recovery_target),
     ):
         own = self_reported_targets(docs.get(name))
         targets.extend(own or builtin(docs.get(name)))
@@ -695,6 +703,8 @@ def render(
             "The benchmarks marked *earlier run* in the table of runs were not re-run by this command: their "
             "figures come from their JSON of an earlier run, and the others from this one"
             if any(r.status == "earlier run" for r in runs)
+            else "Every figure below was rendered from the JSON that earlier runs of the benchmarks wrote"
+            if runs and all(r.status in ("from-json", "absent") for r in runs)
             else "Every figure below comes from one run of this command"
         )
         + "; each benchmark measures its baselines "
@@ -702,6 +712,16 @@ def render(
         "",
         "```",
         command,
+        "```",
+        "",
+        "One benchmark alone, the others kept from their JSON (e.g. to re-measure on a quiet machine):",
+        "",
+        "```",
+        *(
+            f"PYTHONPATH=. .venv/bin/python benchmarks/report.py --out docs/benchmarks.md --only {name} "
+            "--keep-others"
+            for name in ("overhead", "recovery")
+        ),
         "```",
         "",
         "## Machine",
@@ -746,7 +766,7 @@ def render(
     rdzv = docs.get("rendezvous")
     if rdzv:
         lines += render_rendezvous(rdzv, images, out)
-    for name in ("rdzv_scale", "checkpoint", "overhead", "rdzv_latency"):
+    for name in ("rdzv_scale", "checkpoint", "overhead", "recovery", "rdzv_latency"):
         doc = docs.get(name)
         if doc and name == "rdzv_latency" and latency_series(doc):
             lines += render_latency(doc, images, out)

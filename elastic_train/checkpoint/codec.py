@@ -27,6 +27,7 @@ _MARKERS = frozenset((_TENSOR, _NDARRAY, _DICT, _TUPLE, _BYTES))
 MARKERS = _MARKERS
 """Keys of the one-key dicts that stand for a tensor, a numpy array, a dict, a tuple or bytes."""
 _PLAIN = frozenset({int, float, str, bool, type(None)})
+_STR = frozenset({str})
 """Types a list or tuple of which is stored as is (no per-element walk)."""
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -56,6 +57,9 @@ DTYPE_SIZES: dict[str, int] = {name: d.itemsize for name, d in _DTYPES.items()}
 """Bytes per element of every dtype a checkpoint may hold."""
 NUMPY_DTYPES = frozenset(n for n in _DTYPES if n != "bfloat16" and not n.startswith("float8"))
 """Dtypes a tensor can be handed out in as a numpy array."""
+
+
+_NAMES = {d: n for n, d in _DTYPES.items()}
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,16 +134,17 @@ def flatten(state: Any) -> Flat:
     specs: list[TensorSpec] = []
     offset = 0
 
+    # Called once per tensor at every snapshot: each attribute read here costs the loop on every step.
     def add(t: torch.Tensor, path: str) -> int:
         nonlocal offset
-        if t.layout != torch.strided or t.is_quantized:
-            raise CheckpointError(f"state at {path or '/'}: only dense tensors can be checkpointed")
-        name = str(t.dtype).removeprefix("torch.")
-        if name not in _DTYPES:
+        name = _NAMES.get(t.dtype)
+        if name is None or t.layout is not torch.strided:
+            if t.layout is not torch.strided or t.is_quantized:
+                raise CheckpointError(f"state at {path or '/'}: only dense tensors can be checkpointed")
             raise CheckpointError(f"state at {path or '/'}: dtype {t.dtype} is not supported")
-        nbytes = t.numel() * t.element_size()
+        nbytes = t.nbytes
         specs.append(TensorSpec(path, name, tuple(t.shape), offset, nbytes))
-        tensors.append(t.detach())
+        tensors.append(t.detach() if t.requires_grad else t)
         offset += (nbytes + ALIGN - 1) // ALIGN * ALIGN
         return len(tensors) - 1
 
@@ -155,15 +160,15 @@ def flatten(state: Any) -> Flat:
         if isinstance(v, (bytes, bytearray)):
             return {_BYTES: base64.b64encode(bytes(v)).decode()}
         if isinstance(v, tuple):
-            if all(type(x) in _PLAIN for x in v):  # e.g. Python's RNG state: 625 ints, every step
+            if _PLAIN.issuperset(map(type, v)):  # e.g. Python's RNG state: 625 ints, every step
                 return {_TUPLE: list(v)}
             return {_TUPLE: [enc(x, f"{path}/{i}") for i, x in enumerate(v)]}
         if isinstance(v, list):
-            if all(type(x) in _PLAIN for x in v):
+            if _PLAIN.issuperset(map(type, v)):
                 return list(v)
             return [enc(x, f"{path}/{i}") for i, x in enumerate(v)]
         if isinstance(v, Mapping):
-            if all(isinstance(k, str) and k not in _MARKERS for k in v):
+            if _STR.issuperset(map(type, v)) and _MARKERS.isdisjoint(v):
                 return {k: enc(x, f"{path}/{k}") for k, x in v.items()}
             pairs = []
             for k, x in v.items():

@@ -1,8 +1,11 @@
 """CheckpointManager: the one object the training loop talks to.
 
-``save`` after each optimizer step copies the state into the shared-memory tier (the loop's only stall) and,
-when a durable checkpoint is due, hands it to a background writer; ``restore`` is collective and returns the
-newest valid state held anywhere; ``finalize`` commits a last checkpoint; ``close`` stops on error paths.
+``save`` after each optimizer step snapshots the state into the shared-memory tier and, when a durable
+checkpoint is due, hands it to a background writer. With an optimizer :meth:`~CheckpointManager.attach`-ed,
+the copy of the parameters and optimizer state into shared memory runs while the next step's forward and
+backward do, and its step pre-hook waits for it before the optimizer changes them. ``restore`` is
+collective and returns the newest valid state held anywhere; ``finalize`` commits a last checkpoint;
+``close`` stops on error paths.
 
 Concurrency: the writer uses its own gloo process group (``io``) and the loop-side collectives another
 (``ctl``), so background collectives never interleave with the training group's. At most one durable write
@@ -12,6 +15,7 @@ so ranks stay in step — skipping would need a collective vote).
 
 from __future__ import annotations
 
+import collections
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -74,6 +78,9 @@ class Committed:
     seconds: float
 
 
+#: Bytes per broadcast of a restored state, and broadcasts in flight at once.
+BROADCAST_BUCKET = 8 << 20
+BROADCAST_WINDOW = 4
 #: Attempts for the final checkpoint (whatever ``on_error`` says): it is the job's result.
 FINAL_ATTEMPTS = 8
 
@@ -90,6 +97,21 @@ class _Job:
     slot: int | None
     started: float
     final: bool = False
+
+
+class _Attachment:
+    """An optimizer attached to a manager (see :meth:`CheckpointManager.attach`)."""
+
+    def __init__(self, manager: CheckpointManager, optimizer: torch.optim.Optimizer, hook: Any) -> None:
+        self.manager, self.optimizer, self._hook = manager, optimizer, hook
+
+    def remove(self) -> None:
+        """Detach: wait for a copy in flight, drop the step pre-hook."""
+        if self in self.manager._attached:
+            if self.manager.memory is not None:
+                self.manager.memory.wait_idle()
+            self.manager._attached.remove(self)
+            self._hook.remove()
 
 
 class CheckpointManager:
@@ -155,6 +177,7 @@ class CheckpointManager:
         self._stop = False
         self._closed = False
         self._writer: threading.Thread | None = None
+        self._attached: list[_Attachment] = []
 
     @property
     def coordinated(self) -> bool:
@@ -174,6 +197,7 @@ class CheckpointManager:
         Raises:
             CheckpointError: storage failure, an unreadable ``resume_from`` or a model mismatch.
         """
+        started = time.perf_counter()
         held = self.memory.newest_valid() if self.memory is not None else None
         mine = held.step if held is not None else None
         mem_steps = self._all_gather(mine) if self.coordinated else [mine]
@@ -196,14 +220,26 @@ class CheckpointManager:
             log.info("restore_nothing_found", run=self.run_path)
             return None
         src_rank = holder if source == "memory" else 0
+        copier: threading.Thread | None = None
         if self.rank == src_rank:
             if source == "memory":
                 assert held is not None and self.memory is not None and held.step == step
-                buf = self.memory.data(held.slot, held.nbytes).clone()
-                loaded = (held.skeleton, list(held.specs), buf)
+                # Broadcast straight from the slot; the holder's own copy is made meanwhile (the slot is
+                # rewritten by later snapshots, the returned state must outlive them).
+                view = self.memory.data(held.slot, held.nbytes)
+                own = torch.empty_like(view)
+                copier = threading.Thread(target=own.copy_, args=(view,), name="ckpt-restore-copy")
+                copier.start()
+                loaded = (held.skeleton, list(held.specs), view)
             assert loaded is not None
+        found = time.perf_counter()
         if self.coordinated:
             loaded = self._broadcast_payload(loaded, src_rank)
+        sent = time.perf_counter()
+        if copier is not None:
+            copier.join()
+            assert loaded is not None
+            loaded = (loaded[0], loaded[1], own)
         assert loaded is not None
         skeleton, specs, buf = loaded
         if model is not None:
@@ -214,7 +250,16 @@ class CheckpointManager:
         self._last_durable_time = time.monotonic()
         if source == "durable":
             self._durable_ok_step = step
-        log.info("restored", source=source, step=step, holder=holder, bytes=int(buf.numel()))
+        log.info(
+            "restored",
+            source=source,
+            step=step,
+            holder=holder,
+            bytes=int(buf.numel()),
+            find_s=round(found - started, 4),  # newest snapshot verified, decision agreed
+            broadcast_s=round(sent - found, 4),
+            seconds=round(time.perf_counter() - started, 4),
+        )
         return Restored(
             step=step, state=state, source=source, holder_rank=holder if source == "memory" else None
         )
@@ -267,8 +312,16 @@ class CheckpointManager:
         skeleton, spec_json, nbytes = meta[0]
         if self.rank != src:
             buf = torch.empty(nbytes, dtype=torch.uint8)
-        if nbytes:
-            dist.broadcast(buf, src=self._global(src), group=self._ctl)
+        # In buckets with a few in flight: the sends of one overlap the receive-side copies of the next,
+        # and no rank needs a second buffer of the whole state.
+        pending: collections.deque[Any] = collections.deque()
+        for start in range(0, nbytes, BROADCAST_BUCKET):
+            bucket = buf[start : start + BROADCAST_BUCKET]
+            pending.append(dist.broadcast(bucket, src=self._global(src), group=self._ctl, async_op=True))
+            if len(pending) >= BROADCAST_WINDOW:
+                pending.popleft().wait()
+        while pending:
+            pending.popleft().wait()
         return skeleton, [TensorSpec.from_json(s) for s in spec_json], buf
 
     # -- save --------------------------------------------------------------------------------------------
@@ -289,9 +342,57 @@ class CheckpointManager:
         if not (mem_due or dur_due):
             return
         flat = flatten(state() if callable(state) else state)
-        slot = self.memory.save(step, flat) if self.memory is not None else None
+        slot = None
+        if self.memory is not None:
+            defer = frozenset() if self.memory.inline(flat) else self._deferrable(flat)
+            slot = self.memory.save(step, flat, defer=defer)
+            if dur_due:  # the writer reads the slot: its copy must be complete
+                self.memory.wait_idle()
+                self.memory.raise_error()
         if dur_due:
             self._submit(step, flat, slot)
+
+    # -- the snapshot fence ------------------------------------------------------------------------------
+    def attach(self, optimizer: torch.optim.Optimizer) -> Any:
+        """Let snapshots copy ``optimizer``'s parameters and state while the next step computes.
+
+        Registers an optimizer step pre-hook that waits for the snapshot's copy (:meth:`fence`) before the
+        optimizer changes what is being copied; the forward and backward passes in between read the
+        parameters only. Works with any training loop that steps ``optimizer`` (``GradScaler.step``
+        included). A loop that changes parameters in place outside ``optimizer.step()`` (weight clipping,
+        EMA swaps, ``load_state_dict``) calls :meth:`fence` first.
+
+        Returns:
+            A handle whose ``remove()`` detaches the optimizer again (later snapshots then copy everything
+            before :meth:`save` returns).
+        """
+        attachment = _Attachment(self, optimizer, optimizer.register_step_pre_hook(self._fence_hook))
+        self._attached.append(attachment)
+        return attachment
+
+    def _fence_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self.fence()
+
+    def fence(self) -> None:
+        """Wait until the last snapshot no longer reads the parameters and optimizer state.
+
+        Raises:
+            CheckpointError: the background copy into shared memory failed.
+        """
+        if self.memory is not None:
+            self.memory.fence()
+
+    def _deferrable(self, flat: Flat) -> frozenset[int]:
+        """Indices of the tensors of ``flat`` that only an attached optimizer's step changes."""
+        if not self._attached:
+            return frozenset()
+        owned: set[int] = set()
+        for opt in (a.optimizer for a in self._attached):
+            for group in opt.param_groups:
+                owned.update(p.data_ptr() for p in group["params"])
+            for per_param in opt.state.values():
+                owned.update(v.data_ptr() for v in per_param.values() if isinstance(v, torch.Tensor))
+        return frozenset(i for i, t in enumerate(flat.tensors) if t.data_ptr() in owned)
 
     def _durable_due(self, step: int) -> bool:
         since = time.monotonic() - self._last_durable_time
@@ -484,6 +585,8 @@ class CheckpointManager:
         """
         self._check_open()
         try:
+            if self.memory is not None:
+                self.memory.wait_idle()
             self.wait()  # a regular checkpoint of this very step, still in flight, is the final one
             self._raise_pending()
             if step != self._durable_ok_step:  # also when the regular checkpoint of this step failed
@@ -512,6 +615,8 @@ class CheckpointManager:
 
     def _shutdown(self, *, release_memory: bool, timeout: float | None = None) -> None:
         self._closed = True
+        for attachment in list(self._attached):
+            attachment.remove()
         with self._cond:
             self._stop = True
             self._cond.notify_all()

@@ -6,9 +6,12 @@ saved (``posix_fallocate``: a full tmpfs fails here, not with SIGBUS later). Lay
     [header 4 KiB][slot 0: header 4 KiB | meta (JSON skeleton) | data][slot 1: …][slot 2: …]
 
 A save invalidates the header of the oldest slot that is neither the newest nor pinned (by a durable write
-reading it), copies the tensors and the skeleton into it, and then — in a background sealer — computes
-xxh3-64 over data and skeleton and publishes step + checksums in the slot header. A crash at any point
-leaves the previous snapshot intact, and a torn slot fails its header or checksum.
+reading it) and copies the tensors into it; a persistent background copier finishes the copies the caller
+deferred (parameters and optimizer state, which nothing changes before the next optimizer step — see
+:meth:`MemorySnapshot.fence`), writes the skeleton, computes xxh3-64 over data and skeleton and only then
+publishes step + checksums in the slot header. A crash at any point leaves the previous snapshot intact,
+and a torn slot fails its header or checksum. On a GPU the slot is page-locked and the device-to-host
+copies run on a side stream.
 
 The *owner* is the process whose lifetime scopes the snapshot: the torchrun agent (the worker's parent),
 which survives worker restarts. Files of owners that no longer exist are swept at start-up, and
@@ -25,6 +28,7 @@ import re
 import struct
 import threading
 import zlib
+from collections.abc import Container
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,7 +37,7 @@ import torch
 import xxhash
 
 from elastic_train.checkpoint import schema
-from elastic_train.checkpoint.codec import Flat, TensorSpec, copy_to, destinations
+from elastic_train.checkpoint.codec import Flat, TensorSpec, destinations
 from elastic_train.checkpoint.errors import CheckpointError
 from elastic_train.log import get_logger
 
@@ -52,6 +56,8 @@ _SLOT_CRC = struct.Struct("<I")
 #: the state, so the memory used is the same as two slots plus a staging buffer.
 SLOTS = 3
 VALID = 0x5A5A5A5A
+#: CPU states up to this size are copied and sealed in ``save`` itself (about 0.5 ms at memory bandwidth).
+INLINE_BYTES = 4 << 20
 _NAME_RE = re.compile(r"^elastic_train\.(?P<run>[^/]+)\.(?P<pid>\d+)-(?P<ctime>\d+)\.(?P<lr>\d+)$")
 
 
@@ -71,6 +77,16 @@ def owner_identity() -> tuple[int, int]:
         return pid, int(psutil.Process(pid).create_time() * 1000)
     except psutil.NoSuchProcess:
         return pid, 0
+
+
+def free_bytes(directory: str) -> int:
+    """Bytes an unprivileged process may still allocate in ``directory``'s filesystem."""
+    st = os.statvfs(directory)
+    return st.f_bavail * st.f_frsize
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.1f}"
 
 
 def _safe(run_id: str) -> str:
@@ -119,6 +135,22 @@ class Held:
     nbytes: int
 
 
+@dataclass(slots=True)
+class _CopyJob:
+    """One snapshot being written: what is left to copy, then to seal."""
+
+    slot: int
+    step: int
+    seq: int
+    flat: Flat
+    dests: list[torch.Tensor | None]
+    later: list[int]
+    """Indices of the CPU tensors the background copier copies."""
+    event: Any
+    """CUDA event recorded after the last device-to-host copy (None without GPU tensors)."""
+    device: torch.device | None = None
+
+
 class MemorySnapshot:
     """Double-buffered shared-memory snapshot of one worker, plus a slot a durable write may pin.
 
@@ -141,6 +173,14 @@ class MemorySnapshot:
         self._dests: dict[int, list[torch.Tensor | None]] = {}
         self._cond = threading.Condition()
         self._sealing: int | None = None
+        self._job: _CopyJob | None = None
+        self._copying = False
+        self._worker: threading.Thread | None = None
+        self._stream: Any = None
+        self._pinned_ptr: int | None = None
+        self._specs_json: tuple[str, bytes] = ("", b"")
+        self._meta_need = 0
+        self._specs: tuple[TensorSpec, ...] | None = None
         self._pinned: set[int] = set()
         self.sealed_step: int | None = None
         self._error: BaseException | None = None
@@ -154,6 +194,7 @@ class MemorySnapshot:
         total = PAGE + SLOTS * slot_bytes
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
+        directory = os.path.dirname(self.path)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             try:
@@ -161,8 +202,10 @@ class MemorySnapshot:
             except OSError as exc:
                 os.unlink(self.path)
                 raise CheckpointError(
-                    f"cannot allocate {total >> 20} MiB of shared memory in {os.path.dirname(self.path)}: "
-                    f"{exc.strerror}"
+                    f"the shared-memory snapshot needs {_mib(total)} MiB in {directory} ({SLOTS} copies of a "
+                    f"{_mib(flat.nbytes)} MiB state) but {_mib(free_bytes(directory))} MiB are free "
+                    f"({exc.strerror}); enlarge it (docker --shm-size, a k8s emptyDir medium: Memory) or set "
+                    "checkpoint.memory_every_steps: 0"
                 ) from exc
             self._mm = mmap.mmap(fd, total)
         finally:
@@ -170,6 +213,7 @@ class MemorySnapshot:
         self._buf = torch.frombuffer(self._mm, dtype=torch.uint8)
         self._meta_cap, self._data_cap, self._slot_bytes = meta_cap, data_cap, slot_bytes
         self._layout = flat.layout_key
+        self._specs = flat.specs
         self._slot_seq = [0] * SLOTS
         self._mm[:PAGE] = bytes(PAGE)
         _HDR.pack_into(self._mm, 0, MAGIC, slot_bytes, meta_cap, data_cap, self._layout.encode())
@@ -199,6 +243,8 @@ class MemorySnapshot:
         return True
 
     def _unmap(self) -> None:
+        self._specs = None
+        self._unpin_host_memory()
         self._buf = None
         self._dests = {}
         if self._mm is not None:
@@ -238,12 +284,16 @@ class MemorySnapshot:
             return None
         self.wait_idle()
         assert self._mm is not None
-        found: list[Held] = []
+        headers = []
         for slot in range(SLOTS):
             fields = self._read_slot(slot)
-            if fields is None:
-                continue
-            _, step, seq, sum_data, sum_meta, meta_len, data_len = fields
+            if fields is not None:
+                headers.append((slot, fields))
+                self._seq = max(self._seq, fields[2])
+                self._slot_seq[slot] = fields[2]
+        # Newest first, and only until one verifies: hashing every slot would triple a large restore's reads.
+        for slot, fields in sorted(headers, key=lambda h: h[1][1], reverse=True):
+            _, step, _, sum_data, sum_meta, meta_len, data_len = fields
             base = self._slot_base(slot)
             if meta_len > self._meta_cap or data_len > self._data_cap:
                 continue
@@ -254,20 +304,16 @@ class MemorySnapshot:
             ok = checksum(meta) == sum_meta and checksum(data) == sum_data
             if not ok:
                 log.warning("memory_snapshot_torn", path=self.path, slot=slot, step=step)
+                self._slot_seq[slot] = 0  # rewritten first
                 continue
             try:  # checksums catch torn writes, not a bad writer: validate before anything is used
                 skeleton, specs = schema.snapshot_meta(bytes(meta), data_len)
             except ValueError as exc:
                 log.warning("memory_snapshot_invalid", path=self.path, slot=slot, step=step, reason=str(exc))
                 continue
-            found.append(Held(slot, step, skeleton, specs, data_len))
-            self._seq = max(self._seq, seq)
-            self._slot_seq[slot] = seq
-        if not found:
-            return None
-        best = max(found, key=lambda h: h.step)
-        self._newest = best.slot
-        return best
+            self._newest = slot
+            return Held(slot, step, skeleton, specs, data_len)
+        return None
 
     def data(self, slot: int, nbytes: int) -> torch.Tensor:
         """The data region of ``slot`` as a uint8 tensor view (valid until that slot is rewritten)."""
@@ -276,70 +322,217 @@ class MemorySnapshot:
         return self._buf[start : start + nbytes]
 
     # -- writing -----------------------------------------------------------------------------------------
-    def save(self, step: int, flat: Flat, *, background: bool = True) -> int:
-        """Copy ``flat`` into the older slot; seal it in the background (or now). Returns the slot."""
-        meta = json.dumps(
-            {"skeleton": flat.skeleton, "specs": [s.to_json() for s in flat.specs]},
-            separators=(",", ":"),
-            allow_nan=True,
-        ).encode()
+    def save(self, step: int, flat: Flat, *, defer: Container[int] = (), background: bool = True) -> int:
+        """Copy ``flat`` into the oldest free slot and seal it; returns the slot.
+
+        The tensors whose index is in ``defer`` may still be copied after this returns (by the background
+        copier, or on a side CUDA stream): the caller must not modify them before :meth:`fence` — the
+        optimizer step pre-hook of :meth:`CheckpointManager.attach` does that. Every other tensor is copied
+        (or, on a GPU, ordered before any later kernel of the current stream) before this returns, so state
+        that changes outside the optimizer step (BatchNorm buffers, RNG states) is taken at this step.
+        The slot is sealed (checksums, then the header) only once every byte of it is written.
+
+        Raises:
+            CheckpointError: the shared memory cannot hold the state (needed and free sizes in the message),
+                or a previous background copy or seal failed.
+        """
         self.raise_error()
+        self.wait_idle()  # the previous snapshot is sealed (normally long before the next step ends)
         if self._mm is None:
             self._open_existing()
-        if self._mm is None or flat.layout_key != self._layout or len(meta) > self._meta_cap:
-            self.wait_idle()
-            self._allocate(flat, len(meta))
+        # Comparing the specs is cheaper than their digest (a snapshot of a restarted worker has only that).
+        same = self._mm is not None and (
+            flat.specs == self._specs if self._specs is not None else flat.layout_key == self._layout
+        )
+        if not same or self._meta_need > self._meta_cap:
+            self._allocate(flat, max(self._meta_need, len(self._meta(flat, flat.layout_key))))
+            self._meta_need = 0
+        self._specs = flat.specs
         with self._cond:
             while True:
                 # The oldest slot that is neither the newest snapshot nor pinned by a durable write: with
                 # one slot pinned, the other two still alternate, so a crash mid-copy always leaves the
                 # previous step valid.
                 free = [s for s in range(SLOTS) if s != self._newest and s not in self._pinned]
-                if free and self._sealing is None:
+                if free:
                     slot = min(free, key=lambda s: self._slot_seq[s])
                     break
                 self._cond.wait()
         assert self._mm is not None and self._buf is not None
         base = self._slot_base(slot)
-        self._mm[base : base + PAGE] = bytes(PAGE)  # invalidate before touching the data
+        self._mm[base : base + _SLOT.size + _SLOT_CRC.size] = bytes(_SLOT.size + _SLOT_CRC.size)  # invalid
         dests = self._dests.get(slot)
         if dests is None:
             dests = self._dests[slot] = destinations(flat.specs, self.data(slot, flat.nbytes))
-        copy_to(flat, dests)
-        self._mm[base + PAGE : base + PAGE + len(meta)] = meta
+        later: list[int] = []
+        event = None
+        on_gpu = [i for i, t in enumerate(flat.tensors) if t.is_cuda and dests[i] is not None]
+        if not on_gpu and self.inline(flat):
+            background = False
+        if on_gpu:
+            event = self._copy_from_gpu(flat, dests, on_gpu, defer)
+        for i, (dst, src) in enumerate(zip(dests, flat.tensors, strict=True)):
+            if dst is None or src.is_cuda:
+                continue
+            if i in defer and background:
+                later.append(i)
+            else:
+                dst.copy_(src)
         self._seq += 1
         self._slot_seq[slot] = self._seq
-        job = (slot, step, self._seq, len(meta), flat.nbytes)
-        if background:
-            with self._cond:
-                self._sealing = slot
-            threading.Thread(target=self._seal, args=job, name="ckpt-memory-seal", daemon=True).start()
-        else:
-            self._seal(*job)
+        device = flat.tensors[on_gpu[0]].device if on_gpu else None
+        job = _CopyJob(slot, step, self._seq, flat, dests, later, event, device)
         self._newest = slot
+        if not background:
+            self._copy(job)
+            self._seal(job)
+            return slot
+        with self._cond:
+            self._job, self._copying, self._sealing = job, True, slot
+            if self._worker is None or not self._worker.is_alive():
+                self._worker = threading.Thread(target=self._work, name="ckpt-memory-copy", daemon=True)
+                self._worker.start()
+            self._cond.notify_all()
         return slot
 
-    def _seal(self, slot: int, step: int, seq: int, meta_len: int, data_len: int) -> None:
-        try:
-            assert self._mm is not None
-            base = self._slot_base(slot)
-            mv = memoryview(self._mm)
-            sum_meta = checksum(mv[base + PAGE : base + PAGE + meta_len])
-            start = base + PAGE + self._meta_cap
-            sum_data = checksum(mv[start : start + data_len])
-            del mv
-            header = _SLOT.pack(VALID, step, seq, sum_data, sum_meta, meta_len, data_len)
-            self._mm[base + _SLOT.size : base + _SLOT.size + 4] = _SLOT_CRC.pack(zlib.crc32(header))
-            self._mm[base : base + _SLOT.size] = header
-            self.sealed_step = step
-        except BaseException as exc:  # reported to the loop by raise_error()
-            log.error("memory_snapshot_seal_failed", path=self.path, step=step, error=str(exc))
-            self._error = exc
-        finally:
+    @staticmethod
+    def inline(flat: Flat) -> bool:
+        """Whether :meth:`save` copies and seals ``flat`` itself (a small state, with no CUDA tensor).
+
+        Waking the copier thread (and, on a machine whose cores are all busy training, waiting for it to be
+        scheduled) costs more than copying and hashing a few MiB.
+        """
+        return flat.nbytes <= INLINE_BYTES and not any(t.is_cuda for t in flat.tensors)
+
+    def _meta(self, flat: Flat, key: str) -> bytes:
+        # The specs only change with the layout: their JSON is built once per layout, the skeleton's per step.
+        if self._specs_json[0] != key:
+            specs = json.dumps([s.to_json() for s in flat.specs], separators=(",", ":"))
+            self._specs_json = (key, specs.encode())
+        skeleton = json.dumps(flat.skeleton, separators=(",", ":"), allow_nan=True).encode()
+        return b'{"skeleton":' + skeleton + b',"specs":' + self._specs_json[1] + b"}"
+
+    def _copy_from_gpu(
+        self, flat: Flat, dests: list[torch.Tensor | None], on_gpu: list[int], defer: Container[int]
+    ) -> Any:
+        """Queue the device-to-host copies on a side stream; returns the event that marks their end.
+
+        Tensors not in ``defer`` are copied first and the current stream waits for them right away (on the
+        device: the host does not block), so a later kernel cannot change them before they are copied.
+        """
+        device = flat.tensors[on_gpu[0]].device
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device)
+        self._pin_host_memory()
+        current = torch.cuda.current_stream(device)
+        self._stream.wait_stream(current)  # the step's kernels that produced the state come first
+        now = [i for i in on_gpu if i not in defer]
+        later = [i for i in on_gpu if i in defer]
+        with torch.cuda.stream(self._stream):
+            for group in (now, later):
+                for i in group:
+                    dst, src = dests[i], flat.tensors[i]
+                    assert dst is not None
+                    dst.copy_(src, non_blocking=True)
+                    src.record_stream(self._stream)
+                if group is now and now:
+                    current.wait_event(self._stream.record_event())
+            return self._stream.record_event()
+
+    def _pin_host_memory(self) -> None:
+        """Page-lock the mapping so device-to-host copies run asynchronously (once per mapping)."""
+        if self._pinned_ptr is not None or self._buf is None:
+            return
+        ptr, size = self._buf.data_ptr(), self._buf.numel()
+        err = torch.cuda.cudart().cudaHostRegister(ptr, size, 0)
+        if int(err) != 0:
+            log.warning("memory_snapshot_not_pinned", path=self.path, error=str(err))
+            self._pinned_ptr = 0
+        else:
+            self._pinned_ptr = ptr
+
+    def _unpin_host_memory(self) -> None:
+        if self._pinned_ptr:
+            torch.cuda.cudart().cudaHostUnregister(self._pinned_ptr)
+        self._pinned_ptr = None
+
+    def _work(self) -> None:
+        """The background copier: finishes each snapshot's deferred copies, then seals it."""
+        while True:
             with self._cond:
-                if self._sealing == slot:
+                while self._job is None:
+                    self._cond.wait()
+                job = self._job
+            try:
+                self._copy(job)
+            except BaseException as exc:  # reported to the loop by raise_error()/fence()
+                log.error("memory_snapshot_copy_failed", path=self.path, step=job.step, error=str(exc))
+                self._error = exc
+                with self._cond:
+                    self._job, self._copying, self._sealing = None, False, None
+                    self._cond.notify_all()
+                continue
+            with self._cond:
+                self._copying = False
+                self._cond.notify_all()
+            self._seal(job)
+            with self._cond:
+                self._job = None
+                if self._sealing == job.slot:
                     self._sealing = None
                 self._cond.notify_all()
+
+    @staticmethod
+    def _copy(job: _CopyJob) -> None:
+        """The deferred CPU copies (GPU copies run on the side stream meanwhile)."""
+        for i in job.later:
+            dst = job.dests[i]
+            assert dst is not None
+            dst.copy_(job.flat.tensors[i])
+
+    def _seal(self, job: _CopyJob) -> None:
+        """Write the metadata, checksum data and metadata, then publish the header (the slot is valid)."""
+        try:
+            assert self._mm is not None
+            if job.event is not None:
+                job.event.synchronize()
+            meta = self._meta(job.flat, self._layout)  # save re-allocates for any other layout
+            if len(meta) > self._meta_cap:
+                # Left unsealed (the previous snapshot stays the valid one); the next save makes room.
+                log.warning("memory_snapshot_meta_grew", path=self.path, step=job.step, bytes=len(meta))
+                self._meta_need = 2 * len(meta)
+                return
+            base = self._slot_base(job.slot)
+            self._mm[base + PAGE : base + PAGE + len(meta)] = meta
+            mv = memoryview(self._mm)
+            sum_meta = checksum(mv[base + PAGE : base + PAGE + len(meta)])
+            start = base + PAGE + self._meta_cap
+            sum_data = checksum(mv[start : start + job.flat.nbytes])
+            del mv
+            header = _SLOT.pack(VALID, job.step, job.seq, sum_data, sum_meta, len(meta), job.flat.nbytes)
+            self._mm[base + _SLOT.size : base + _SLOT.size + 4] = _SLOT_CRC.pack(zlib.crc32(header))
+            self._mm[base : base + _SLOT.size] = header
+            self.sealed_step = job.step
+        except BaseException as exc:  # reported to the loop by raise_error()
+            log.error("memory_snapshot_seal_failed", path=self.path, step=job.step, error=str(exc))
+            self._error = exc
+
+    def fence(self) -> None:
+        """Return once the last snapshot's tensors are copied: they may be modified from now on.
+
+        On a GPU the copies are ordered before the current stream's later kernels instead (the host does
+        not wait). The seal (checksums) may still be running.
+
+        Raises:
+            CheckpointError: the background copy failed.
+        """
+        with self._cond:
+            while self._copying:
+                self._cond.wait()
+            job = self._job
+        if job is not None and job.event is not None:
+            torch.cuda.current_stream(job.device).wait_event(job.event)
+        self.raise_error()
 
     def raise_error(self) -> None:
         """Raise a failure of the background sealer in the caller's thread."""
@@ -348,8 +541,9 @@ class MemorySnapshot:
             raise CheckpointError(f"sealing the shared-memory snapshot failed: {exc}") from exc
 
     def wait_idle(self) -> None:
+        """Block until the last snapshot is copied and sealed (or failed)."""
         with self._cond:
-            while self._sealing is not None:
+            while self._sealing is not None or self._job is not None:
                 self._cond.wait()
 
     def pin(self, slot: int) -> None:

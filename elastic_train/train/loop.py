@@ -49,6 +49,9 @@ class Checkpointer(Protocol):
 
     def finalize(self, step: int, state: Mapping[str, Any]) -> Any: ...
 
+    # Optional: ``attach(optimizer)`` (snapshots may copy the optimizer's parameters and state until its
+    # next step) and ``fence()`` (wait for such a copy), as CheckpointManager has them.
+
     def close(self) -> None: ...
 
 
@@ -127,6 +130,10 @@ class Trainer:
         self.ddp: torch.nn.Module | None = None
         self._carrier: LossCarrier | None = None
         self._committed: Any = None
+        self._restored = False
+        attach = getattr(checkpointer, "attach", None)
+        if attach is not None:
+            attach(task.optimizer)
 
     # -- state -----------------------------------------------------------------------------------------------
 
@@ -150,6 +157,9 @@ class Trainer:
         Raises:
             TrainingError: the state does not fit this task (its CheckpointError is raised before this).
         """
+        fence = getattr(self.checkpointer, "fence", None)
+        if fence is not None:  # no snapshot may be reading the parameters load_state_dict overwrites
+            fence()
         try:
             self.model.load_state_dict(state["model"])
             self.task.optimizer.load_state_dict(state["optimizer"])
@@ -170,20 +180,27 @@ class Trainer:
             self.events.emit("started", 0)
             return
         self.load_state(restored.state)
+        self._restored = True
         log.info("training_resumed", step=self.step, source=restored.source, epoch=self.sampler.epoch)
         self.events.emit("resumed", self.step, source=restored.source, from_step=self.step)
 
     # -- training --------------------------------------------------------------------------------------------
 
     def wrap(self) -> torch.nn.Module:
-        """Wrap the model in DDP (no buffer broadcast per forward: micro-batch counts differ by rank)."""
+        """Wrap the model in DDP (no buffer broadcast per forward: micro-batch counts differ by rank).
+
+        After a restore every rank holds the same broadcast state, so DDP's own broadcast of every parameter
+        and buffer at construction is skipped (``init_sync=False``): it would send the model a second time.
+        """
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         # Buffers are synced once at construction, never per forward (torch >= 2.13 spells this
         # forward_sync_buffers; older releases broadcast_buffers).
         params = inspect.signature(DistributedDataParallel.__init__).parameters
         key = "forward_sync_buffers" if "forward_sync_buffers" in params else "broadcast_buffers"
-        no_sync_buffers: dict[str, Any] = {key: False}
-        ddp = DistributedDataParallel(self.model, device_ids=device_ids, **no_sync_buffers)
+        options: dict[str, Any] = {key: False}
+        if self._restored and "init_sync" in params:
+            options["init_sync"] = False
+        ddp = DistributedDataParallel(self.model, device_ids=device_ids, **options)
         if self.world_size > 1 and LossCarrier.suitable(self.model):
             self._carrier = LossCarrier()
             self._carrier.register(ddp)

@@ -171,3 +171,32 @@ def test_worker_trains_on_the_gpu_with_nccl_and_resumes(tmp_path, memdir):
     storage = open_storage(str(tmp_path / "ckpt"))
     steps = [e.step for e in durable.list_entries(storage, storage.join(storage.root, "demo")) if e.valid]
     assert steps[-1] == 60
+
+
+def test_async_snapshot_copies_on_a_side_stream_into_a_pinned_slot(tmp_path, memdir):
+    """The snapshot of step n is exactly step n, although save returns before the copy is done and the next
+    step's forward (BatchNorm statistics) and optimizer step are queued right after it."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(256, 2048), torch.nn.BatchNorm1d(2048), torch.nn.Linear(2048, 256)
+    ).cuda()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    cfg = CheckpointConfig(url=str(tmp_path / "c"), every_steps=0, memory_every_steps=1, memory_dir=memdir)
+    mgr = CheckpointManager(cfg, "run", rank=0, world_size=1, local_rank=0, device=torch.device("cuda"))
+    mgr.attach(opt)
+    x = torch.randn(64, 256, device="cuda")
+    for step in range(1, 4):
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        expected = {k: v.cpu().clone() for k, v in model.state_dict().items()}
+        mgr.save(step, lambda n=step: {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": n})
+        model(x * 3 + 1).square().mean().backward()  # moves BN statistics; the fence orders the step
+        opt.step()
+        opt.zero_grad()
+    assert mgr.memory is not None and mgr.memory._stream is not None and mgr.memory._pinned_ptr
+    torch.cuda.synchronize()
+    mgr.close()
+    got = CheckpointManager(cfg, "run", rank=0, world_size=1, local_rank=0).restore()
+    assert got is not None and (got.step, got.source) == (3, "memory")
+    assert _same(got.state["model"], expected)

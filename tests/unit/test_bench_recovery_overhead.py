@@ -1,0 +1,93 @@
+"""Pure parts of benchmarks/recovery.py (phase breakdown, target) and benchmarks/overhead.py (targets)."""
+
+from __future__ import annotations
+
+from tests.unit.bench_scripts import load
+
+recovery = load("recovery")
+overhead = load("overhead")
+
+
+def _log(node: str, t: float, event: str, **kw: object) -> dict:
+    return {"node_log": node, "t": t, "event": event, **kw}
+
+
+def test_breakdown_splits_a_kill_into_its_phases() -> None:
+    fault = {"kind": "kill-node", "fired_round": 1, "resumed_s": 5.0, "source": "memory", "extra": {}}
+    events = [
+        {"event": "step", "time": 99.0, "round": 1, "world_size": 3},
+        {"event": "step", "time": 105.0, "round": 2, "world_size": 2},
+        {"event": "step", "time": 105.1, "round": 2, "world_size": 2},
+    ]
+    logs = [
+        _log("node-0", 99.5, "rendezvous_join", reason="start"),  # before the fault: ignored
+        _log("node-2", 101.0, "rendezvous_join", reason="scale"),
+        _log("node-0", 101.2, "rendezvous_join", reason="scale"),
+        _log("node-0", 102.0, "rendezvous_complete", round=2),
+        _log("node-2", 102.5, "rendezvous_complete", round=2),
+        _log("node-0", 104.0, "worker_ready", round=2, restore_s=0.5),
+        _log("node-2", 104.2, "worker_ready", round=2, restore_s=0.4),
+        _log("node-2", 104.1, "restored", round=2, bytes=100, find_s=0.05, broadcast_s=0.3),
+    ]
+    b = recovery.breakdown(fault, events, logs)
+    assert b == {
+        "detect": 1.0,
+        "rendezvous": 1.5,
+        "worker_start": 1.3,
+        "restore": 0.4,
+        "first_step": 0.8,
+        "total": 5.0,
+        "restore_max_s": 0.5,
+        "world_size": 2,
+        "source": "memory",
+        "state_bytes": 100,
+        "find_s": 0.05,
+        "broadcast_s": 0.3,
+    }
+    assert sum(b[p] for p in recovery.PHASES) == b["total"]
+
+
+def test_breakdown_of_a_join_ignores_the_new_nodes_own_start() -> None:
+    fault = {"kind": "add-node", "fired_round": 2, "resumed_s": 3.0, "extra": {"new_node": 3}}
+    events = [{"event": "step", "time": 13.0, "round": 3, "world_size": 3}]
+    logs = [
+        _log("node-3", 10.5, "rendezvous_join", reason="start"),
+        _log("node-0", 11.0, "rendezvous_join", reason="scale"),
+        _log("node-0", 11.5, "rendezvous_complete", round=3),
+        _log("node-0", 12.5, "worker_ready", round=3, restore_s=0.2),
+    ]
+    b = recovery.breakdown(fault, events, logs)
+    assert (b["detect"], b["rendezvous"], b["restore"], b["first_step"]) == (1.0, 0.5, 0.2, 0.5)
+
+
+def test_breakdown_reports_a_fault_that_never_recovered() -> None:
+    assert recovery.breakdown({"fired_round": 1, "resumed_s": None}, [], []) == {
+        "error": "did not train again"
+    }
+
+
+def test_recovery_target_compares_restore_with_bytes_over_bandwidth() -> None:
+    runs = [{"state_mb": 100, "faults": {"kill-node": {"restore": 0.3, "state_bytes": 200_000_000}}}]
+    (t,) = recovery.targets(runs, bandwidth=1e9)  # ideal 0.2 s
+    assert t["status"] == "met" and "1.5x" in t["figure"]
+    runs[0]["faults"]["kill-node"]["restore"] = 0.5
+    assert recovery.targets(runs, bandwidth=1e9)[0]["status"] == "missed"
+
+
+def test_overhead_targets_use_the_all_in_figure_for_long_steps() -> None:
+    def run(name: str, plain: float, loop: float, allin: float) -> dict:
+        return {
+            "config": name,
+            "state_mb": 38.0,
+            "plain_step_s": plain,
+            "loop_ratio": loop,
+            "allin_ratio": allin,
+        }
+
+    runs = [run("17ms", 0.017, 1.01, 1.08), run("200ms", 0.2, 1.0, 1.02), run("1s", 1.0, 0.99, 1.04)]
+    big, small, loop = overhead.targets(runs)
+    assert big["status"] == "missed" and "+4.00%" in big["figure"] and "17ms" not in big["figure"]
+    assert small["status"] == "reported" and "+8.00%" in small["figure"]
+    assert loop["status"] == "met"
+    runs[2]["allin_ratio"] = 1.03
+    assert overhead.targets(runs)[0]["status"] == "met"
