@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from elastic_train.train.audit import ENV_AUDIT_DIR
 from elastic_train.train.batching import share_weight
 
 
@@ -139,10 +140,6 @@ class ElasticSampler:
         if self.cursor >= self.dataset_len:
             self.epoch += 1
             self.cursor = 0
-
-
-#: Environment variable naming an audit directory for samplers not given one (set by ``elastic-train local``).
-ENV_AUDIT_DIR = "ELASTIC_TRAIN_AUDIT_DIR"
 
 
 class ElasticBatchSampler(ElasticSampler):
