@@ -193,6 +193,7 @@ class ElasticBatchSampler(ElasticSampler):
         self.step = 0
         self._generation = 0
         self._audit: Any = None
+        self._audited = 0  # highest step with an audit line from this process
 
     # -- where this rank stands ----------------------------------------------------------------------------
     @property
@@ -249,8 +250,11 @@ class ElasticBatchSampler(ElasticSampler):
             lo, hi = share_bounds(size, world, rank)
             indices = perm[cursor + lo : cursor + hi].tolist()
             step += 1
-            if audit is not None:
+            if audit is not None and step > self._audited:
+                # A step yielded (prefetched) but not trained when the loop left the DataLoader is yielded
+                # again by the next iterator: in the same group, with the same share; one line is enough.
                 audit.write(epoch=epoch, step=step, indices=indices)
+                self._audited = step
             if not indices and self.pad_empty:
                 indices = [int(perm[cursor])]
             yield indices
@@ -264,6 +268,7 @@ class ElasticBatchSampler(ElasticSampler):
 
             if self._audit is not None:
                 self._audit.close()
+            self._audited = 0
             rnd = self._round if self._round is not None else _round()
             self._audit = AuditWriter(self.audit_dir, rank=rank, world_size=world, round=rnd)
             if rank == 0:
