@@ -201,3 +201,40 @@ def test_every_node_killed_then_restarted_resumes_from_durable(
     assert after[-1]["event"] == "done" and after[-1]["step"] == STEPS
     report = check_exactly_once(str(tmp_path / "audit"), steps=STEPS)
     assert report.ok, report.problems
+
+
+BAD_SCRIPT = """
+import torch, elastic_train as et
+et.init()
+et.TrainState(model=torch.nn.Linear(2, 1), lookup={"a": 1})
+"""
+
+
+@pytest.mark.parametrize("with_server", [True, False])
+def test_api_error_in_a_script_under_the_standin_is_one_line(
+    tmp_path: Path, reaper: Any, with_server: bool
+) -> None:
+    """``run/local --entry`` start the script via a stand-in and (usually) a fork server: same one line."""
+    from elastic_train.worker.forkserver import ENV_PID, ENV_SOCKET
+
+    script = tmp_path / "train.py"
+    script.write_text(BAD_SCRIPT)
+    variables = env()
+    if with_server:
+        sock = str(tmp_path / "fs.sock")
+        server = reaper.popen([sys.executable, "-m", "elastic_train.worker.forkserver", "--socket", sock])
+        variables.update({ENV_SOCKET: sock, ENV_PID: str(server.pid)})
+    proc = subprocess.run(
+        [sys.executable, "-m", "elastic_train.standin", str(script)],
+        env=variables,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert proc.returncode == 1
+    assert "fork server unavailable" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].endswith(
+        "train.py: error: rank 0: lookup: a dict has no state_dict()/load_state_dict(), so it cannot be "
+        "checkpointed (wrap it in an object that has both)"
+    ), proc.stderr
