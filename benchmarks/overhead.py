@@ -12,6 +12,9 @@ copies it into shared memory every step.
 Prints the median seconds per step of each and the median over adjacent (plain, ours) block pairs of
 ours / plain (target <= 1.03).
 
+``--own-loop`` measures the public API (:mod:`elastic_train.elastic`) inside a plain loop instead: the same
+DataLoader + DDP loop with and without the API's lines (see :func:`own_loop_main`).
+
     .venv/bin/python benchmarks/overhead.py --quick --json overhead.json
 """
 
@@ -160,8 +163,11 @@ def main(argv: list[str] | None = None) -> int:
         "--with-memory-tier", action="store_true", help="also copy state to shared memory per step"
     )
     p.add_argument("--quick", action="store_true", help="fewer blocks (under a minute)")
+    p.add_argument("--own-loop", action="store_true", help="the API in a plain loop vs the loop without it")
     p.add_argument("--json", metavar="FILE", help="write the results here")
     args = p.parse_args(argv)
+    if args.own_loop:
+        return own_loop_main(args)
     if args.quick:
         args.blocks, args.block_steps, args.warmup = 4, 6, 3
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -201,6 +207,123 @@ def main(argv: list[str] | None = None) -> int:
             "target_ratio": 1.03,
             "blocks": times,
         }
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+# -- the own-loop API inside a plain loop -------------------------------------------------------------------
+
+#: Blocks x steps of the own-loop comparison (quick: 4 x 6).
+OWN_LOOP_BLOCKS, OWN_LOOP_BLOCK_STEPS = 60, 20
+
+
+def _own_loop_worker(rank: int, args: argparse.Namespace, port: int, out: str) -> None:
+    """Two copies of one plain DataLoader + DDP loop; one with the API's lines added (as in docs/own-loop.md).
+
+    ``plain``: a fixed shuffled order cut into per-rank batches, ``loss.mean().backward()``, step. ``api``:
+    :class:`ElasticBatchSampler`, ``loss * sampler.loss_weight()``, :meth:`Checkpointer.commit` after each
+    step (state dict + RNG capture + copy into the shared-memory tier every step; durable checkpoints off).
+    """
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.utils.data import DataLoader
+
+    import elastic_train as et
+    from elastic_train.checkpoint import CheckpointConfig
+    from elastic_train.train import rng
+    from elastic_train.train.api import load_task
+    from elastic_train.train.sampler import epoch_permutation, share_bounds
+
+    torch.set_num_threads(args.threads)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.world)
+    world, g = args.world, args.global_batch
+    task_args = json.loads(args.task_args or "{}")
+
+    def plain_batches(n: int) -> list[list[int]]:
+        perm = epoch_permutation(0, 0, n).tolist()
+        lo, hi = share_bounds(g, world, rank)
+        return [perm[c + lo : c + hi] for c in range(0, n - g + 1, g)]
+
+    loops: dict[str, Any] = {}
+    for name in ("plain", "api"):
+        rng.seed_all(0)
+        task = load_task(args.task, task_args)
+        n = len(task.dataset)
+        sampler: Any = plain_batches(n) if name == "plain" else et.ElasticBatchSampler(n, g, seed=0)
+        loader = DataLoader(range(n), batch_sampler=sampler, collate_fn=task.make_batch)
+        ckpt = None
+        if name == "api":
+            state = et.TrainState(model=task.model, optimizer=task.optimizer, sampler=sampler)
+            cfg = CheckpointConfig(url=tempfile.mkdtemp(), every_steps=0, memory_every_steps=1)
+            ckpt = et.Checkpointer(state, config=cfg, run_id=f"overhead-own-{port}")
+            ckpt.restore()
+        loops[name] = {"task": task, "loader": loader, "it": iter(loader), "sampler": sampler, "ckpt": ckpt,
+                       "ddp": DistributedDataParallel(task.model)}  # fmt: skip
+
+    def step(name: str) -> None:
+        loop = loops[name]
+        batch = next(loop["it"], None)
+        if batch is None:  # end of the epoch
+            loop["it"] = iter(loop["loader"])
+            batch = next(loop["it"])
+        task = loop["task"]
+        loss = task.loss_fn(loop["ddp"], batch).mean()
+        if loop["ckpt"] is not None:
+            loss = loss * loop["sampler"].loss_weight()
+        loss.backward()
+        task.optimizer.step()
+        task.optimizer.zero_grad(set_to_none=True)
+        if loop["ckpt"] is not None:
+            loop["ckpt"].commit(loss)
+
+    times: dict[str, list[float]] = {"plain": [], "api": []}
+    blocks, block_steps = (4, 6) if args.quick else (OWN_LOOP_BLOCKS, OWN_LOOP_BLOCK_STEPS)
+    for _ in range(args.warmup):
+        step("plain")
+        step("api")
+    for block in range(blocks):
+        for name in ("plain", "api") if block % 2 == 0 else ("api", "plain"):
+            dist.barrier()
+            t = time.perf_counter()
+            for _ in range(block_steps):
+                step(name)
+            dist.barrier()
+            times[name].append((time.perf_counter() - t) / block_steps)
+    loops["api"]["ckpt"].finalize()
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(times, f)
+    loops.clear()  # DDP's reducers must go before the process group does
+    et.shutdown()
+
+
+def own_loop_main(args: argparse.Namespace) -> int:
+    """Run :func:`_own_loop_worker` on ``args.world`` processes; print (and write) the per-step ratio."""
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("ELASTIC_TRAIN_LOG_LEVEL", "warning")
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "times.json")
+        mp.spawn(_own_loop_worker, args=(args, _free_port(), out), nprocs=args.world, join=True)
+        with open(out) as f:
+            times = json.load(f)
+    pairs = [a / p for p, a in zip(times["plain"], times["api"], strict=True)]
+    ratio = statistics.median(pairs)
+    plain, api = statistics.median(times["plain"]), statistics.median(times["api"])
+    print(
+        f"own loop: task={args.task} world={args.world} global_batch={args.global_batch} blocks={len(pairs)}"
+    )
+    print(f"plain DataLoader+DDP loop: {plain * 1e3:8.2f} ms per step (median of blocks)")
+    print(f"same loop with the API   : {api * 1e3:8.2f} ms")
+    print(f"ratio                    : {ratio:8.4f}  ({(ratio - 1) * 100:+.2f}% overhead; target <= +3%)")
+    if args.json:
+        result = {"benchmark": "overhead-own-loop", "task": args.task, "world_size": args.world,
+                  "global_batch": args.global_batch, "plain_step_s": plain, "api_step_s": api, "ratio": ratio,
+                  "pair_ratios": pairs, "target_ratio": 1.03, "blocks": times}  # fmt: skip
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
     return 0
