@@ -216,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
 
 #: Blocks x steps of the own-loop comparison (quick: 4 x 6).
 OWN_LOOP_BLOCKS, OWN_LOOP_BLOCK_STEPS = 60, 20
+#: The loops compared: without the API, with it, with it but no memory snapshots.
+OWN_LOOPS = ("plain", "api", "api-no-snapshot")
 
 
 def _own_loop_worker(rank: int, args: argparse.Namespace, port: int, out: str) -> None:
@@ -224,6 +226,7 @@ def _own_loop_worker(rank: int, args: argparse.Namespace, port: int, out: str) -
     ``plain``: a fixed shuffled order cut into per-rank batches, ``loss.mean().backward()``, step. ``api``:
     :class:`ElasticBatchSampler`, ``loss * sampler.loss_weight()``, :meth:`Checkpointer.commit` after each
     step (state dict + RNG capture + copy into the shared-memory tier every step; durable checkpoints off).
+    ``api-no-snapshot``: the same with the memory tier off, which leaves the API's own bookkeeping.
     """
     import torch
     import torch.distributed as dist
@@ -247,17 +250,18 @@ def _own_loop_worker(rank: int, args: argparse.Namespace, port: int, out: str) -
         return [perm[c + lo : c + hi] for c in range(0, n - g + 1, g)]
 
     loops: dict[str, Any] = {}
-    for name in ("plain", "api"):
+    for name in OWN_LOOPS:
         rng.seed_all(0)
         task = load_task(args.task, task_args)
         n = len(task.dataset)
         sampler: Any = plain_batches(n) if name == "plain" else et.ElasticBatchSampler(n, g, seed=0)
         loader = DataLoader(range(n), batch_sampler=sampler, collate_fn=task.make_batch)
         ckpt = None
-        if name == "api":
+        if name != "plain":
             state = et.TrainState(model=task.model, optimizer=task.optimizer, sampler=sampler)
-            cfg = CheckpointConfig(url=tempfile.mkdtemp(), every_steps=0, memory_every_steps=1)
-            ckpt = et.Checkpointer(state, config=cfg, run_id=f"overhead-own-{port}")
+            every = 1 if name == "api" else 0
+            cfg = CheckpointConfig(url=tempfile.mkdtemp(), every_steps=0, memory_every_steps=every)
+            ckpt = et.Checkpointer(state, config=cfg, run_id=f"overhead-own-{name}-{port}")
             ckpt.restore()
         loops[name] = {"task": task, "loader": loader, "it": iter(loader), "sampler": sampler, "ckpt": ckpt,
                        "ddp": DistributedDataParallel(task.model)}  # fmt: skip
@@ -278,20 +282,21 @@ def _own_loop_worker(rank: int, args: argparse.Namespace, port: int, out: str) -
         if loop["ckpt"] is not None:
             loop["ckpt"].commit(loss)
 
-    times: dict[str, list[float]] = {"plain": [], "api": []}
+    times: dict[str, list[float]] = {name: [] for name in OWN_LOOPS}
     blocks, block_steps = (4, 6) if args.quick else (OWN_LOOP_BLOCKS, OWN_LOOP_BLOCK_STEPS)
     for _ in range(args.warmup):
-        step("plain")
-        step("api")
+        for name in OWN_LOOPS:
+            step(name)
     for block in range(blocks):
-        for name in ("plain", "api") if block % 2 == 0 else ("api", "plain"):
+        for name in OWN_LOOPS[block % 3 :] + OWN_LOOPS[: block % 3]:  # the order rotates
             dist.barrier()
             t = time.perf_counter()
             for _ in range(block_steps):
                 step(name)
             dist.barrier()
             times[name].append((time.perf_counter() - t) / block_steps)
-    loops["api"]["ckpt"].finalize()
+    for name in OWN_LOOPS[1:]:
+        loops[name]["ckpt"].finalize()
     if rank == 0:
         with open(out, "w") as f:
             json.dump(times, f)
@@ -311,19 +316,22 @@ def own_loop_main(args: argparse.Namespace) -> int:
         mp.spawn(_own_loop_worker, args=(args, _free_port(), out), nprocs=args.world, join=True)
         with open(out) as f:
             times = json.load(f)
-    pairs = [a / p for p, a in zip(times["plain"], times["api"], strict=True)]
-    ratio = statistics.median(pairs)
-    plain, api = statistics.median(times["plain"]), statistics.median(times["api"])
-    print(
-        f"own loop: task={args.task} world={args.world} global_batch={args.global_batch} blocks={len(pairs)}"
-    )
-    print(f"plain DataLoader+DDP loop: {plain * 1e3:8.2f} ms per step (median of blocks)")
-    print(f"same loop with the API   : {api * 1e3:8.2f} ms")
-    print(f"ratio                    : {ratio:8.4f}  ({(ratio - 1) * 100:+.2f}% overhead; target <= +3%)")
+    medians = {name: statistics.median(t) for name, t in times.items()}
+    ratios = {
+        name: statistics.median(o / p for p, o in zip(times["plain"], times[name], strict=True))
+        for name in OWN_LOOPS[1:]
+    }
+    blocks = len(times["plain"])
+    print(f"own loop: task={args.task} world={args.world} global_batch={args.global_batch} blocks={blocks}")
+    print(f"plain DataLoader+DDP loop    : {medians['plain'] * 1e3:8.2f} ms per step (median of blocks)")
+    for name, label in (("api", "with the API"), ("api-no-snapshot", "with the API, no snapshots")):
+        ratio = ratios[name]
+        print(f"{label:<29}: {medians[name] * 1e3:8.2f} ms, ratio {ratio:.4f} ({(ratio - 1) * 100:+.2f}%; "
+              "target <= +3%; median of paired blocks)")  # fmt: skip
     if args.json:
         result = {"benchmark": "overhead-own-loop", "task": args.task, "world_size": args.world,
-                  "global_batch": args.global_batch, "plain_step_s": plain, "api_step_s": api, "ratio": ratio,
-                  "pair_ratios": pairs, "target_ratio": 1.03, "blocks": times}  # fmt: skip
+                  "global_batch": args.global_batch, "step_s": medians, "ratios": ratios,
+                  "target_ratio": 1.03, "blocks": times}  # fmt: skip
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
     return 0
