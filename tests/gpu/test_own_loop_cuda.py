@@ -34,7 +34,8 @@ def build(memdir: str, url: str) -> et.Checkpointer:
     data = TensorDataset(torch.randn(96, 64), torch.randn(96, 1))
     sampler = et.ElasticBatchSampler(data, 16, seed=0)
     state = et.TrainState(model=model, optimizer=opt, sampler=sampler, data=_Data(data))
-    return et.Checkpointer(state, url, every_steps=4, config=CheckpointConfig(memory_dir=memdir), run_id="gpu")
+    cfg = CheckpointConfig(memory_dir=memdir)
+    return et.Checkpointer(state, url, every_steps=4, config=cfg, run_id="gpu")
 
 
 class _Data:

@@ -46,7 +46,16 @@ def dataset(n: int = 50) -> TensorDataset:
 
 
 def make(
-    tmp: Path, memdir: str, *, n: int = 50, g: int = 8, every: int = 3, round: int = 0, **extra: object
+    tmp: Path,
+    memdir: str,
+    *,
+    n: int = 50,
+    g: int = 8,
+    every: int = 3,
+    round: int = 0,
+    run_id: str = "api",
+    resume_from: str | None = None,
+    **extra: object,
 ) -> et.Checkpointer:
     """A checkpointed linear model; ``round`` stands for the rendezvous round of a restarted group."""
     torch.manual_seed(1)
@@ -55,7 +64,9 @@ def make(
     sampler = et.ElasticBatchSampler(dataset(n), g, seed=3, round=round, audit_dir=str(tmp / "audit"))
     state = et.TrainState(model=model, optimizer=opt, sampler=sampler, **extra)  # type: ignore[arg-type]
     cfg = CheckpointConfig(memory_dir=memdir, keep_last=10)
-    return et.Checkpointer(state, str(tmp / "ck"), every_steps=every, config=cfg, run_id="api")
+    return et.Checkpointer(
+        state, str(tmp / "ck"), every_steps=every, resume_from=resume_from, config=cfg, run_id=run_id
+    )
 
 
 def train(ckpt: et.Checkpointer, steps: int, *, workers: int = 2) -> list[list[int]]:
@@ -150,6 +161,9 @@ def test_durable_checkpoint_round_trip_and_ckpt_cli(world: et.World, tmp_path: P
     assert again.state.sampler is not None and again.state.sampler.cursor == 40
     again.close()
     run = str(tmp_path / "ck" / "api")
+    elsewhere = make(tmp_path, memdir, run_id="fine-tune", resume_from=run, counter=Counter())
+    assert elsewhere.restore() == 5 and elsewhere.source == "resume_from"
+    elsewhere.close()
     cli = [sys.executable, "-m", "elastic_train", "ckpt"]
     assert subprocess.run([*cli, "verify", run], capture_output=True, timeout=120).returncode == 0
     out = tmp_path / "model.pt"
