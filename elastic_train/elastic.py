@@ -509,16 +509,25 @@ class Checkpointer:
             log.info("training_started", step=0)
             self.events.emit("started", 0)
             return 0
-        fence = getattr(self.manager, "fence", None)
-        if fence is not None:  # no snapshot copy may be reading what load_state_dict overwrites
-            fence()
-        self.state.load_state_dict(restored.state)
+        self.load(restored.state)
         self.source = restored.source
         sampler = self.state.sampler
         epoch = sampler.epoch if sampler is not None else None
         log.info("training_resumed", step=self.step, source=restored.source, epoch=epoch)
         self.events.emit("resumed", self.step, source=restored.source, from_step=self.step)
         return self.step
+
+    def load(self, state: Mapping[str, Any]) -> None:
+        """Put a state (e.g. one read by hand) into the objects, as :meth:`restore` does with what it finds.
+
+        Raises:
+            StateMismatch: the state does not fit the objects.
+        """
+        fence = getattr(self.manager, "fence", None)
+        if fence is not None:  # no snapshot copy may be reading what load_state_dict overwrites
+            fence()
+        self.state.load_state_dict(state)
+        self._restored = True
 
     def skip_restore(self) -> None:
         """Train from the objects as they are, without looking for a saved state (a later restore still may).

@@ -175,7 +175,7 @@ class Trainer:
             StateMismatch: the state does not fit this task (its CheckpointError is raised before this).
         """
         self._batches = None
-        self.train_state.load_state_dict(state)
+        self.ckpt.load(state)
 
     def restore(self) -> None:
         """Collective: load the newest state anywhere, or start fresh; emits ``resumed`` or ``started``."""
