@@ -288,3 +288,21 @@ def test_bad_input_in_a_script_is_one_line(tmp_path: Path) -> None:
         "train.py: error: rank 0: lookup: a dict has no state_dict()/load_state_dict(), so it cannot be "
         "checkpointed (wrap it in an object that has both)"
     )
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--entry"], "--entry: needs a script (or -m MODULE) to run"),
+        (["--checkpoint", "x", "--entry", "t.py"], "--checkpoint: not used with --entry"),
+        (["--seed", "3", "--entry", "t.py", "--seed", "4"], "--seed: not used with --entry"),
+    ],
+)
+def test_local_entry_usage_errors_are_one_line(args: list[str], message: str) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "elastic_train", "local", *args], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("elastic-train: error: "), proc.stderr
+    assert message in proc.stderr
