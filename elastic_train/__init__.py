@@ -12,48 +12,32 @@ __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from elastic_train.elastic import (
-        Checkpointer as Checkpointer,
-    )
-    from elastic_train.elastic import (
-        ElasticBatchSampler as ElasticBatchSampler,
-    )
-    from elastic_train.elastic import (
-        Stateful as Stateful,
-    )
-    from elastic_train.elastic import (
-        TrainState as TrainState,
-    )
-    from elastic_train.elastic import (
-        World as World,
-    )
-    from elastic_train.elastic import (
-        current_world as current_world,
-    )
-    from elastic_train.elastic import (
-        init as init,
-    )
-    from elastic_train.elastic import (
-        shutdown as shutdown,
+        Checkpointer,
+        ElasticBatchSampler,
+        Stateful,
+        TrainState,
+        World,
+        current_world,
+        init,
+        shutdown,
     )
 
-_API = (
+__all__ = [
     "Checkpointer",
     "ElasticBatchSampler",
     "Stateful",
     "TrainState",
     "World",
+    "__version__",
     "current_world",
     "init",
     "shutdown",
-)
+]
 
 
 def __getattr__(name: str) -> Any:
-    if name in _API:
+    if name in __all__:
         from elastic_train import elastic
 
         return getattr(elastic, name)
     raise AttributeError(f"module 'elastic_train' has no attribute {name!r}")
-
-
-__all__ = [*_API, "__version__"]
