@@ -16,8 +16,12 @@ Each configuration is one run of its own; the default set covers three step size
 step of each loop and the median over adjacent (plain, loop) and (plain, all-in) block pairs of the ratio
 (target <= 1.03, all-in, for steps of 100 ms and more).
 
+``--own-loop`` measures the public API (:mod:`elastic_train.elastic`) inside a plain loop instead: the same
+DataLoader + DDP loop with and without the API's lines (see :func:`own_loop_main`).
+
     .venv/bin/python benchmarks/overhead.py --json overhead.json              # every configuration
     .venv/bin/python benchmarks/overhead.py --configs 17ms --quick            # one, fast
+    .venv/bin/python benchmarks/overhead.py --own-loop --quick
 """
 
 from __future__ import annotations
@@ -294,8 +298,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
     p.add_argument("--memory-every", type=int, default=1, help="memory tier snapshot interval of all-in")
     p.add_argument("--quick", action="store_true", help="a few blocks per configuration (a pipeline check)")
+    p.add_argument("--own-loop", action="store_true", help="the API in a plain loop vs the loop without it")
     p.add_argument("--json", metavar="FILE", help="write the results here")
     args = p.parse_args(argv)
+    if args.own_loop:
+        return own_loop_main(args)
     if args.task_args is not None:
         configs = [Config("custom", json.loads(args.task_args), args.global_batch, 20, 10)]
     else:
@@ -346,6 +353,131 @@ def main(argv: list[str] | None = None) -> int:
             "targets": targets(runs),
             "target_ratio": TARGET,
         }
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+# -- the own-loop API inside a plain loop -------------------------------------------------------------------
+
+#: Blocks x steps of the own-loop comparison (quick: 4 x 6).
+OWN_LOOP_BLOCKS, OWN_LOOP_BLOCK_STEPS = 60, 20
+#: The loops compared: without the API, with it, with it but no memory snapshots.
+OWN_LOOPS = ("plain", "api", "api-no-snapshot")
+
+
+def _own_loop_worker(rank: int, args: argparse.Namespace, port: int, out: str) -> None:
+    """Two copies of one plain DataLoader + DDP loop; one with the API's lines added (as in docs/own-loop.md).
+
+    ``plain``: a fixed shuffled order cut into per-rank batches, ``loss.mean().backward()``, step. ``api``:
+    :class:`ElasticBatchSampler`, ``loss * sampler.loss_weight()``, :meth:`Checkpointer.commit` after each
+    step (state dict + RNG capture + copy into the shared-memory tier every step; durable checkpoints off).
+    ``api-no-snapshot``: the same with the memory tier off, which leaves the API's own bookkeeping.
+    """
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.utils.data import DataLoader
+
+    import elastic_train as et
+    from elastic_train.checkpoint import CheckpointConfig
+    from elastic_train.train import rng
+    from elastic_train.train.api import load_task
+    from elastic_train.train.sampler import epoch_permutation, share_bounds
+
+    torch.set_num_threads(args.threads)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.world)
+    world, g = args.world, args.global_batch
+    task_args = json.loads(args.task_args or "{}")
+
+    def plain_batches(n: int) -> list[list[int]]:
+        perm = epoch_permutation(0, 0, n).tolist()
+        lo, hi = share_bounds(g, world, rank)
+        return [perm[c + lo : c + hi] for c in range(0, n - g + 1, g)]
+
+    loops: dict[str, Any] = {}
+    for name in OWN_LOOPS:
+        rng.seed_all(0)
+        task = load_task(args.task, task_args)
+        n = len(task.dataset)
+        sampler: Any = plain_batches(n) if name == "plain" else et.ElasticBatchSampler(n, g, seed=0)
+        loader = DataLoader(range(n), batch_sampler=sampler, collate_fn=task.make_batch)
+        ckpt = None
+        if name != "plain":
+            state = et.TrainState(model=task.model, optimizer=task.optimizer, sampler=sampler)
+            every = 1 if name == "api" else 0
+            cfg = CheckpointConfig(url=tempfile.mkdtemp(), every_steps=0, memory_every_steps=every)
+            ckpt = et.Checkpointer(state, config=cfg, run_id=f"overhead-own-{name}-{port}")
+            ckpt.restore()
+        loops[name] = {"task": task, "loader": loader, "it": iter(loader), "sampler": sampler, "ckpt": ckpt,
+                       "ddp": DistributedDataParallel(task.model)}  # fmt: skip
+
+    def step(name: str) -> None:
+        loop = loops[name]
+        batch = next(loop["it"], None)
+        if batch is None:  # end of the epoch
+            loop["it"] = iter(loop["loader"])
+            batch = next(loop["it"])
+        task = loop["task"]
+        loss = task.loss_fn(loop["ddp"], batch).mean()
+        if loop["ckpt"] is not None:
+            loss = loss * loop["sampler"].loss_weight()
+        loss.backward()
+        task.optimizer.step()
+        task.optimizer.zero_grad(set_to_none=True)
+        if loop["ckpt"] is not None:
+            loop["ckpt"].commit(loss)
+
+    times: dict[str, list[float]] = {name: [] for name in OWN_LOOPS}
+    blocks, block_steps = (4, 6) if args.quick else (OWN_LOOP_BLOCKS, OWN_LOOP_BLOCK_STEPS)
+    for _ in range(args.warmup):
+        for name in OWN_LOOPS:
+            step(name)
+    for block in range(blocks):
+        for name in OWN_LOOPS[block % 3 :] + OWN_LOOPS[: block % 3]:  # the order rotates
+            dist.barrier()
+            t = time.perf_counter()
+            for _ in range(block_steps):
+                step(name)
+            dist.barrier()
+            times[name].append((time.perf_counter() - t) / block_steps)
+    for name in OWN_LOOPS[1:]:
+        loops[name]["ckpt"].finalize()
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(times, f)
+    loops.clear()  # DDP's reducers must go before the process group does
+    et.shutdown()
+
+
+def own_loop_main(args: argparse.Namespace) -> int:
+    """Run :func:`_own_loop_worker` on ``args.world`` processes; print (and write) the per-step ratio."""
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("ELASTIC_TRAIN_LOG_LEVEL", "warning")
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "times.json")
+        mp.spawn(_own_loop_worker, args=(args, _free_port(), out), nprocs=args.world, join=True)
+        with open(out) as f:
+            times = json.load(f)
+    medians = {name: statistics.median(t) for name, t in times.items()}
+    ratios = {
+        name: statistics.median(o / p for p, o in zip(times["plain"], times[name], strict=True))
+        for name in OWN_LOOPS[1:]
+    }
+    blocks = len(times["plain"])
+    print(f"own loop: task={args.task} world={args.world} global_batch={args.global_batch} blocks={blocks}")
+    print(f"plain DataLoader+DDP loop    : {medians['plain'] * 1e3:8.2f} ms per step (median of blocks)")
+    for name, label in (("api", "with the API"), ("api-no-snapshot", "with the API, no snapshots")):
+        ratio = ratios[name]
+        print(f"{label:<29}: {medians[name] * 1e3:8.2f} ms, ratio {ratio:.4f} ({(ratio - 1) * 100:+.2f}%; "
+              "target <= +3%; median of paired blocks)")  # fmt: skip
+    if args.json:
+        result = {"benchmark": "overhead-own-loop", "task": args.task, "world_size": args.world,
+                  "global_batch": args.global_batch, "step_s": medians, "ratios": ratios,
+                  "target_ratio": 1.03, "blocks": times}  # fmt: skip
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
     return 0

@@ -1,5 +1,43 @@
-"""elastic_train: fault-tolerant elastic training for PyTorch on an etcd v3 rendezvous."""
+"""elastic_train: fault-tolerant elastic training for PyTorch on an etcd v3 rendezvous.
+
+The names below are the API for a training loop of your own (docs/own-loop.md). They are loaded on first
+use: ``import elastic_train`` alone does not import torch, so the CLI and the config loader stay fast.
+"""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 __version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from elastic_train.elastic import (
+        Checkpointer,
+        ElasticBatchSampler,
+        Stateful,
+        TrainState,
+        World,
+        current_world,
+        init,
+        shutdown,
+    )
+
+__all__ = [
+    "Checkpointer",
+    "ElasticBatchSampler",
+    "Stateful",
+    "TrainState",
+    "World",
+    "__version__",
+    "current_world",
+    "init",
+    "shutdown",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        from elastic_train import elastic
+
+        return getattr(elastic, name)
+    raise AttributeError(f"module 'elastic_train' has no attribute {name!r}")

@@ -20,7 +20,17 @@ if TYPE_CHECKING:
 EPILOG = """examples:
   elastic-train local --nodes 3 --min-nodes 2 --max-nodes 4 --kill-node 1@step=30 --add-node @step=70
   elastic-train local --config examples/job.yaml --hang-node 2@step=50 --summary run.json
+  elastic-train local --nodes 3 --kill-node 1@step=20 --add-node @step=40 --entry examples/own_loop.py
 """
+
+#: Options that configure the built-in worker only; a script given with --entry takes its own arguments.
+WORKER_ONLY = {
+    "checkpoint": "--checkpoint",
+    "checkpoint_every": "--checkpoint-every",
+    "resume_from": "--resume-from",
+    "task": "--task",
+    "seed": "--seed",
+}
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -58,6 +68,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="members of the job's etcd (3 or 5 for --kill-etcd-leader and --etcd-quorum-loss)",
     )
     add_job_options(p, endpoint=False)
+    p.add_argument(
+        "--entry",
+        nargs=argparse.REMAINDER,
+        metavar="SCRIPT|-m MODULE ...",
+        help="train your own torchrun script (and its arguments: everything after --entry) instead of the "
+        "built-in worker; it uses the elastic_train API, whose sampler writes the audit lines. --steps, "
+        "if given, is the number of steps the script trains (for the fault plan and the summary)",
+    )
     p.set_defaults(func=run)
 
 
@@ -72,6 +90,13 @@ def run(args: argparse.Namespace) -> int:
     faults = plan_faults(args)
     if args.initial_nodes < 1:
         raise ConfigError(f"--nodes {args.initial_nodes}: must be >= 1")
+    entry = args.entry
+    if entry == []:
+        raise ConfigError("--entry: needs a script (or -m MODULE) to run")
+    if entry:
+        for dest, option in WORKER_ONLY.items():
+            if getattr(args, dest, None) is not None:
+                raise ConfigError(f"{option}: not used with --entry (pass your script its own arguments)")
     overrides = collect_overrides(args)
     base = load_job_config(args.config, overrides)
     adds = sum(f.kind == "add-node" for f in faults)
@@ -89,16 +114,22 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_job_config(args.config, overrides)
     if args.initial_nodes > cfg.rendezvous.max_nodes:
         raise ConfigError(f"--nodes {args.initial_nodes}: more than max nodes ({cfg.rendezvous.max_nodes})")
-    validate_plan(faults, args.initial_nodes, cfg.train.steps, args.etcd_members)
-    from elastic_train.checkpoint.preflight import check_settings
+    steps_known = not entry or args.steps is not None
+    validate_plan(
+        faults, args.initial_nodes, cfg.train.steps if steps_known else sys.maxsize, args.etcd_members
+    )
+    if not entry:  # a script keeps its checkpoints where it says
+        from elastic_train.checkpoint.preflight import check_settings
 
-    check_settings(cfg.checkpoint, cfg.rendezvous.run_id)
+        check_settings(cfg.checkpoint, cfg.rendezvous.run_id)
 
     job = LocalJob(cfg, LocalOptions(config_path=args.config, overrides=overrides, nodes=args.initial_nodes,
                                      faults=faults, workdir=workdir, timeout=args.timeout,
-                                     etcd_members=args.etcd_members))  # fmt: skip
+                                     etcd_members=args.etcd_members, entry=entry))  # fmt: skip
     summary = job.run()
-    summary.exactly_once = _check_exactly_once(cfg, job)
+    if not steps_known:  # a script decides its own length
+        summary.steps = summary.completed_steps
+    summary.exactly_once = _check_exactly_once(cfg, job, from_meta=bool(entry))
     print()
     print(render_table(summary))
     if args.summary:
@@ -120,14 +151,16 @@ def run(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
-def _check_exactly_once(cfg: JobConfig, job: LocalJob) -> dict[str, Any] | None:
+def _check_exactly_once(cfg: JobConfig, job: LocalJob, *, from_meta: bool = False) -> dict[str, Any] | None:
+    """The audit verdict; ``from_meta``: the global batch is the one the sampler recorded (a user script)."""
     from elastic_train.train.audit import check_exactly_once
 
     audit_dir = cfg.train.audit_dir
     if not audit_dir or not os.path.isdir(audit_dir):
         return None
     first = 1 if job.resumed_from_step is None else job.resumed_from_step + 1
+    global_batch = None if from_meta else cfg.train.global_batch
     report = check_exactly_once(
-        audit_dir, steps=job.completed_step, global_batch=cfg.train.global_batch, first_step=first
+        audit_dir, steps=job.completed_step, global_batch=global_batch, first_step=first
     )
     return report.to_json()

@@ -33,6 +33,7 @@ from elastic_train.launch.procs import signal_tree, terminate_tree, tree
 from elastic_train.launch.run import worker_overrides_argv
 from elastic_train.launch.summary import Summary, render_table, world_size_timeline
 from elastic_train.log import get_logger
+from elastic_train.train.audit import ENV_AUDIT_DIR
 
 log = get_logger(__name__)
 
@@ -69,6 +70,10 @@ class LocalOptions:
     """Extra fault kinds (name → action), e.g. storage faults in the chaos suite."""
     etcd_members: int = 1
     """Members of the job's etcd: 1, or 3/5 for a cluster (the nodes get the endpoint list)."""
+    entry: list[str] | None = None
+    """A user's own torchrun script instead of the built-in worker: ``[SCRIPT, ARGS...]`` or
+    ``["-m", MODULE, ARGS...]`` (``elastic-train run --entry``); its audit directory comes from
+    ``$ELASTIC_TRAIN_AUDIT_DIR``."""
 
 
 @dataclass(slots=True)
@@ -135,7 +140,11 @@ class LocalJob:
             "--local-addr", "127.0.0.1",
         ]  # fmt: skip
         cmd += worker_overrides_argv(self.opts.overrides) + worker_overrides_argv(extra)
+        if self.opts.entry:
+            cmd += ["--entry", *self.opts.entry]
         env = dict(os.environ)
+        if self.opts.entry and self.cfg.train.audit_dir:
+            env[ENV_AUDIT_DIR] = self.cfg.train.audit_dir
         # All nodes share this machine's cores: one intra-op thread pool per worker would oversubscribe them.
         workers = rdzv.max_nodes * rdzv.nproc_per_node
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // workers)))
@@ -514,9 +523,11 @@ def _last_plain_line(path: str) -> str:
 
 
 def _is_worker(p: psutil.Process) -> bool:
-    """A process torchrun started as a worker (``python -m elastic_train.worker``; not the fork server)."""
+    """A process torchrun started as a worker (``python -m elastic_train.worker`` or ``elastic_train.standin``
+    for a user's script; not the fork server)."""
     try:
-        return "elastic_train.worker" in p.cmdline()
+        cmdline = p.cmdline()
+        return "elastic_train.worker" in cmdline or "elastic_train.standin" in cmdline
     except (psutil.NoSuchProcess, psutil.AccessDenied):
         return False
 

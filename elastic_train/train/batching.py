@@ -29,3 +29,28 @@ def loss_scale(step_size: int, world_size: int) -> float:
     """Factor on a rank's summed per-sample loss so DDP's average over ranks gives the mean over the step."""
     assert step_size >= 1 and world_size >= 1
     return world_size / step_size
+
+
+def share_weight(share: int, step_size: int, world_size: int, reduction: str = "mean") -> float:
+    """Factor on a rank's loss so DDP's gradient average over ranks is the mean-loss gradient over the step.
+
+    A step of ``step_size`` samples is split over ``world_size`` ranks; this rank trains ``share`` of them.
+    DDP averages gradients, which weights every rank alike; when shares are uneven (``step_size`` not a
+    multiple of the world size, or a world larger than the step) the plain mean over a rank's own samples
+    would over-weight the samples of smaller shares. Multiplying the rank's loss by this factor fixes that:
+
+    - ``reduction="sum"`` (the rank's loss is the sum over its samples): ``world_size / step_size``;
+    - ``reduction="mean"`` (the mean over its samples): ``share · world_size / step_size``.
+
+    A rank with no samples of its own (``share == 0``, e.g. a padded share) gets 0.
+
+    Raises:
+        ValueError: ``reduction`` is neither ``"mean"`` nor ``"sum"``.
+    """
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction: {reduction!r} is neither 'mean' nor 'sum'")
+    assert 0 <= share <= step_size and step_size >= 1 and world_size >= 1
+    if share == 0:
+        return 0.0
+    scale = loss_scale(step_size, world_size)
+    return scale * share if reduction == "mean" else scale

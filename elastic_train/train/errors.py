@@ -13,3 +13,15 @@ class TaskError(TrainingError, NonRetryableError):
     """The configured task cannot be loaded or does not return a valid ``Task`` (the same on every retry)."""
 
     exit_code = 2
+
+
+class NotStateful(TrainingError, TypeError):
+    """An object given to the training state cannot be checkpointed (no state_dict/load_state_dict)."""
+
+    exit_code = 2
+
+
+class StateMismatch(TrainingError):
+    """A restored state does not fit the objects it is loaded into (other optimizer, changed dataset …)."""
+
+    exit_code = 2

@@ -1,5 +1,10 @@
 """The training loop: sampler → micro-batches → DDP gradient → optimizer step → checkpoint, once per step.
 
+The loop is a user of the public API of :mod:`elastic_train.elastic`, as a script with its own loop is: its
+state is a :class:`~elastic_train.elastic.TrainState`, restored and committed by a
+:class:`~elastic_train.elastic.Checkpointer`, its data order an
+:class:`~elastic_train.train.sampler.ElasticBatchSampler` (which writes the audit lines).
+
 The loop is world-size agnostic: the sampler's global cursor decides which samples a step trains and
 :mod:`elastic_train.train.batching` weights the losses so the update is the mean-loss gradient over the step,
 so a job that resumes at another world size continues the same optimisation.
@@ -11,7 +16,7 @@ import contextlib
 import gc
 import inspect
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -19,16 +24,15 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from elastic_train import elastic
 from elastic_train.log import get_logger
-from elastic_train.train import rng
 from elastic_train.train.api import Task
-from elastic_train.train.audit import AuditWriter
 from elastic_train.train.batching import loss_scale, micro_batches
 from elastic_train.train.config import TrainConfig
 from elastic_train.train.errors import TrainingError
 from elastic_train.train.events import EventWriter
 from elastic_train.train.lossreduce import LossCarrier
-from elastic_train.train.sampler import ElasticSampler
+from elastic_train.train.sampler import ElasticBatchSampler
 
 log = get_logger(__name__)
 
@@ -96,7 +100,7 @@ class Trainer:
         device: device the model trains on.
         checkpointer: where state is restored from and saved to after every optimizer step.
         events: progress events (a writer that does nothing on ranks other than 0).
-        audit: per-step audit lines of this rank, or ``None``.
+        audit_dir: where the sampler appends this rank's per-step audit lines, or ``None``.
         hooks: called with the step number before each optimizer step.
     """
 
@@ -111,7 +115,7 @@ class Trainer:
         device: torch.device,
         checkpointer: Checkpointer,
         events: EventWriter,
-        audit: AuditWriter | None = None,
+        audit_dir: str | None = None,
         hooks: Sequence[StepHook] = (),
     ) -> None:
         self.cfg = cfg
@@ -122,67 +126,64 @@ class Trainer:
         self.device = device
         self.checkpointer = checkpointer
         self.events = events
-        self.audit = audit
         self.hooks = list(hooks)
         self.model = task.model.to(device)
-        self.sampler = ElasticSampler(len(task.dataset), cfg.global_batch, cfg.seed)
-        self.step = 0
+        self.sampler = ElasticBatchSampler(
+            len(task.dataset),
+            cfg.global_batch,
+            seed=cfg.seed,
+            world_size=world_size,
+            rank=rank,
+            round=round,
+            audit_dir=audit_dir,
+            pad_empty=False,  # make_batch takes an empty share
+        )
+        self.train_state = elastic.TrainState(
+            model=self.model, optimizer=task.optimizer, scheduler=task.scheduler, sampler=self.sampler
+        )
+        group_world = elastic.World(
+            rank=rank,
+            world_size=world_size,
+            local_rank=0,
+            local_world_size=world_size,
+            device=device,
+            backend=str(dist.get_backend()) if dist.is_initialized() else "gloo",
+            round=round,
+            run_id="",
+            restart_count=0,
+        )
+        self.ckpt = elastic.Checkpointer(
+            self.train_state, manager=checkpointer, world=group_world, events=events, hooks=()
+        )
+        self.ckpt.skip_restore()  # restore() is the worker's call; tests and benchmarks start fresh
         self.ddp: torch.nn.Module | None = None
         self._carrier: LossCarrier | None = None
-        self._committed: Any = None
-        self._restored = False
-        attach = getattr(checkpointer, "attach", None)
-        if attach is not None:
-            attach(task.optimizer)
+        self._batches: Iterator[list[int]] | None = None
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps done (restored ones included)."""
+        return self.train_state.step
 
     # -- state -----------------------------------------------------------------------------------------------
 
     def state(self) -> dict[str, Any]:
-        """The checkpoint state (see CONTRACTS.md); tensors are referenced, not copied."""
-        sched = self.task.scheduler
-        return {
-            "model": self.model.state_dict(),
-            "optimizer": self.task.optimizer.state_dict(),
-            "scheduler": sched.state_dict() if sched is not None else None,
-            "scaler": None,
-            "sampler": self.sampler.state_dict(),
-            "rng": rng.capture(),
-            "step": self.step,
-            "extra": {"world_size": self.world_size, "round": self.round},
-        }
+        """The checkpoint state (see docs/checkpoints.md); tensors are referenced, not copied."""
+        return self.train_state.state_dict()
 
     def load_state(self, state: Mapping[str, Any]) -> None:
         """Continue from a restored state.
 
         Raises:
-            TrainingError: the state does not fit this task (its CheckpointError is raised before this).
+            StateMismatch: the state does not fit this task (its CheckpointError is raised before this).
         """
-        fence = getattr(self.checkpointer, "fence", None)
-        if fence is not None:  # no snapshot may be reading the parameters load_state_dict overwrites
-            fence()
-        try:
-            self.model.load_state_dict(state["model"])
-            self.task.optimizer.load_state_dict(state["optimizer"])
-            if self.task.scheduler is not None and state.get("scheduler") is not None:
-                self.task.scheduler.load_state_dict(state["scheduler"])
-            self.sampler.load_state_dict(state["sampler"])
-        except (KeyError, ValueError, RuntimeError) as exc:
-            raise TrainingError(f"restored state does not fit task {self.cfg.task!r}: {exc}") from exc
-        if state.get("rng") is not None:
-            rng.restore(state["rng"])
-        self.step = int(state["step"])
+        self._batches = None
+        self.ckpt.load(state)
 
     def restore(self) -> None:
         """Collective: load the newest state anywhere, or start fresh; emits ``resumed`` or ``started``."""
-        restored = self.checkpointer.restore(model=self.model.state_dict())
-        if restored is None:
-            log.info("training_started", step=0)
-            self.events.emit("started", 0)
-            return
-        self.load_state(restored.state)
-        self._restored = True
-        log.info("training_resumed", step=self.step, source=restored.source, epoch=self.sampler.epoch)
-        self.events.emit("resumed", self.step, source=restored.source, from_step=self.step)
+        self._batches = None
+        self.ckpt.restore()
 
     # -- training --------------------------------------------------------------------------------------------
 
@@ -198,7 +199,7 @@ class Trainer:
         params = inspect.signature(DistributedDataParallel.__init__).parameters
         key = "forward_sync_buffers" if "forward_sync_buffers" in params else "broadcast_buffers"
         options: dict[str, Any] = {key: False}
-        if self._restored and "init_sync" in params:
+        if self.ckpt.source is not None and "init_sync" in params:
             options["init_sync"] = False
         ddp = DistributedDataParallel(self.model, device_ids=device_ids, **options)
         if self.world_size > 1 and LossCarrier.suitable(self.model):
@@ -233,12 +234,11 @@ class Trainer:
         assert self.ddp is not None, "call wrap() first"
         started = time.perf_counter()
         step = self.step + 1
-        plan = self.sampler.plan(self.world_size, self.rank)
-        if self.audit is not None:
-            self.audit.write(epoch=plan.epoch, step=step, indices=plan.indices)
+        indices = self._next_share()
+        plan = self.sampler.current()
         self._seed_step(step)
         scale = loss_scale(plan.size, self.world_size)
-        chunks = micro_batches(plan.indices, self.cfg.micro_batch)
+        chunks = micro_batches(indices, self.cfg.micro_batch)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         for i, chunk in enumerate(chunks):
             sync = contextlib.nullcontext() if i == len(chunks) - 1 else self.ddp.no_sync()  # type: ignore[operator]
@@ -264,8 +264,7 @@ class Trainer:
         self.task.optimizer.zero_grad(set_to_none=True)
         if self.task.scheduler is not None:
             self.task.scheduler.step()
-        self.sampler.advance(plan)
-        self.step = step
+        self.ckpt.advance()
         if work is not None:
             work.wait()
         total_loss = carried.item() if carried is not None else loss_sum.item()
@@ -277,12 +276,14 @@ class Trainer:
             seconds=time.perf_counter() - started,
         )
 
-    def _report_commit(self) -> None:
-        """Emit a ``checkpoint`` event for a durable checkpoint committed since the last call."""
-        committed = getattr(self.checkpointer, "last_committed", None)
-        if committed is not None and committed is not self._committed:
-            self._committed = committed
-            self.events.emit("checkpoint", committed.step, seconds=committed.seconds, bytes=committed.bytes)
+    def _next_share(self) -> list[int]:
+        """This rank's indices of the next step, from the sampler (which writes the step's audit line)."""
+        if self._batches is not None:
+            share = next(self._batches, None)
+            if share is not None:
+                return share
+        self._batches = iter(self.sampler)  # a new epoch (or the first step after a restore)
+        return next(self._batches)
 
     def run(self) -> int:
         """Train until ``cfg.steps``, saving after every optimizer step; returns the final step."""
@@ -291,18 +292,13 @@ class Trainer:
         last = time.perf_counter()
         while self.step < self.cfg.steps:
             result = self.train_step()
-            self.checkpointer.save(self.step, self.state)
-            self._report_commit()
-            now = time.perf_counter()
-            rate = result.samples / max(now - last, 1e-9)
-            last = now
-            self.events.emit("step", result.step, loss=result.loss, samples_per_s=rate, epoch=result.epoch)
+            self.ckpt.save(loss=result.loss, samples=result.samples, epoch=result.epoch)
             if result.step % self.cfg.log_every == 0 or result.step == self.cfg.steps:
+                now = time.perf_counter()
+                rate = result.samples / max(now - last, 1e-9)
                 log.info(
                     "step_done", step=result.step, loss=round(result.loss, 6), samples_per_s=round(rate, 1)
                 )
-        self.checkpointer.finalize(self.step, self.state())
-        self._report_commit()
-        self.events.emit("done", self.step)
-        log.info("training_done", step=self.step)
+            last = time.perf_counter()
+        self.ckpt.finalize()
         return self.step

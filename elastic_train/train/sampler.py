@@ -11,16 +11,23 @@ Epoch boundary: a step never straddles two epochs. When fewer than ``G`` samples
 last step of the epoch takes only those (a short step whose loss is the mean over its own sample count); the
 next step starts the next epoch at cursor 0. So every epoch covers its permutation exactly once.
 
-Everything here is a pure function of the state; the permutation is cached per epoch.
+Everything in :class:`ElasticSampler` is a pure function of the state; the permutation is cached per epoch.
+:class:`ElasticBatchSampler` puts it behind ``DataLoader(dataset, batch_sampler=...)`` for a user's own loop:
+it yields this rank's share of each step of the epoch (ahead of training, as a DataLoader with workers
+prefetches), while the cursor moves only when a step is committed (:meth:`ElasticBatchSampler.advance`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import os
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from elastic_train.train.audit import ENV_AUDIT_DIR
+from elastic_train.train.batching import share_weight
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,16 +86,32 @@ class ElasticSampler:
 
     def state_dict(self) -> dict[str, Any]:
         """The state that goes into ``state["sampler"]``."""
-        return {"epoch": self.epoch, "cursor": self.cursor, "seed": self.seed}
+        return {
+            "epoch": self.epoch,
+            "cursor": self.cursor,
+            "seed": self.seed,
+            "dataset_len": self.dataset_len,
+            "global_batch": self.global_batch,
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from a saved cursor.
 
+        The global batch may differ from the saved one (the cursor is a position in the permutation, so the
+        epoch still covers every sample once); the dataset length may not: the permutation would differ.
+
         Raises:
-            ValueError: the state's seed differs from this sampler's, or the cursor is out of range.
+            ValueError: the state's seed or dataset length differs from this sampler's, or the cursor is
+                out of range.
         """
         if int(state["seed"]) != self.seed:
             raise ValueError(f"checkpoint sampler seed {state['seed']} differs from train.seed {self.seed}")
+        saved_len = state.get("dataset_len")  # absent in checkpoints of earlier versions
+        if saved_len is not None and int(saved_len) != self.dataset_len:
+            raise ValueError(
+                f"the dataset has {self.dataset_len} samples, but the checkpoint's data order is for "
+                f"{int(saved_len)}: the dataset changed since the checkpoint"
+            )
         cursor = int(state["cursor"])
         if not 0 <= cursor < self.dataset_len:
             raise ValueError(f"sampler cursor {cursor} is outside the dataset of {self.dataset_len} samples")
@@ -117,3 +140,164 @@ class ElasticSampler:
         if self.cursor >= self.dataset_len:
             self.epoch += 1
             self.cursor = 0
+
+
+class ElasticBatchSampler(ElasticSampler):
+    """Exactly-once, constant-global-batch data order for ``DataLoader(dataset, batch_sampler=...)``.
+
+    Each item is this rank's share (a list of dataset indices) of one optimizer step: ``global_batch``
+    samples over all ranks, fewer for the last step of an epoch. Iterating yields the remaining steps of the
+    current epoch, from the committed cursor; a ``for epoch in range(sampler.epoch, epochs)`` loop around it
+    resumes where a restored state left off. The cursor is *not* moved by iteration (a DataLoader with
+    workers fetches ahead): :meth:`advance` moves it by one step, and ``Checkpointer.commit`` calls it
+    after the optimizer step, so the cursor saved with a state always points just after its last step.
+
+    Args:
+        dataset: the dataset (anything with ``len``) or its length.
+        global_batch: samples per optimizer step over all ranks (``G``), whatever the world size.
+        seed: epoch ``e`` walks the permutation seeded ``seed + e``.
+        world_size: ranks sharing each step (default: the default process group's size, 1 without one).
+        rank: this rank (default: the default process group's rank).
+        round: rendezvous round written into audit lines (default: from torchrun's environment).
+        audit_dir: append one line per step with the indices this rank takes to
+            ``audit_dir/rank-R-round-N.jsonl`` (default: ``$ELASTIC_TRAIN_AUDIT_DIR``; None: no audit).
+        pad_empty: a rank whose share of a step is empty (the world is larger than the step) gets the step's
+            first sample instead, with a loss weight of 0 (:meth:`loss_weight`): a DataLoader cannot collate
+            an empty batch, and DDP needs every rank's backward. False: yield the empty list.
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        global_batch: int,
+        *,
+        seed: int = 0,
+        world_size: int | None = None,
+        rank: int | None = None,
+        round: int | None = None,
+        audit_dir: str | None = None,
+        pad_empty: bool = True,
+    ) -> None:
+        dataset_len = dataset if isinstance(dataset, int) else len(dataset)
+        super().__init__(dataset_len, global_batch, seed)
+        if world_size is not None and world_size < 1:
+            raise ValueError(f"world_size: {world_size} must be >= 1")
+        if rank is not None and not 0 <= rank < (world_size or _default_world()[0]):
+            raise ValueError(f"rank: {rank} is outside the world")
+        self._world_size = world_size
+        self._rank = rank
+        self._round = round
+        self.audit_dir = audit_dir if audit_dir is not None else (os.environ.get(ENV_AUDIT_DIR) or None)
+        self.pad_empty = pad_empty
+        #: Optimizer steps committed so far (numbers the audit lines; set from the restored state).
+        self.step = 0
+        self._generation = 0
+        self._audit: Any = None
+        self._audited = 0  # highest step with an audit line from this process
+
+    # -- where this rank stands ----------------------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return self._world_size if self._world_size is not None else _default_world()[0]
+
+    @property
+    def rank(self) -> int:
+        return self._rank if self._rank is not None else _default_world()[1]
+
+    def current(self) -> StepPlan:
+        """This rank's share of the step being trained now (the one after the committed cursor)."""
+        return self.plan(self.world_size, self.rank)
+
+    def loss_weight(self, reduction: str = "mean") -> float:
+        """Factor on this rank's loss of the current step so that DDP's gradient average over the ranks is the
+        gradient of the mean loss over the whole step (see :func:`elastic_train.train.batching.share_weight`).
+
+        Args:
+            reduction: how the rank's loss was reduced over its samples: ``"mean"`` or ``"sum"``.
+        """
+        plan = self.current()
+        return share_weight(len(plan.indices), plan.size, self.world_size, reduction)
+
+    # -- the state -----------------------------------------------------------------------------------------
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        super().load_state_dict(state)
+        self._generation += 1  # iterators begun before a restore must not go on from the old cursor
+
+    def advance(self, plan: StepPlan | None = None) -> None:
+        """Commit one step: move the cursor past the current step (or ``plan``)."""
+        super().advance(plan if plan is not None else self.current())
+        self.step += 1
+
+    # -- iteration ----------------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        """Steps left in the current epoch from the committed cursor."""
+        return -(-(self.dataset_len - self.cursor) // self.global_batch)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        world, rank = self.world_size, self.rank
+        generation, epoch, cursor, step = self._generation, self.epoch, self.cursor, self.step
+        audit = self._audit_writer(world, rank)
+        perm = epoch_permutation(self.seed, epoch, self.dataset_len)
+        while cursor < self.dataset_len:
+            if generation != self._generation:
+                from elastic_train.train.errors import TrainingError
+
+                raise TrainingError(
+                    "the sampler was restored while a DataLoader iterator over it was running: "
+                    "restore the state before iterating the DataLoader"
+                )
+            size = min(self.global_batch, self.dataset_len - cursor)
+            lo, hi = share_bounds(size, world, rank)
+            indices = perm[cursor + lo : cursor + hi].tolist()
+            step += 1
+            if audit is not None and step > self._audited:
+                # A step yielded (prefetched) but not trained when the loop left the DataLoader is yielded
+                # again by the next iterator: in the same group, with the same share; one line is enough.
+                audit.write(epoch=epoch, step=step, indices=indices)
+                self._audited = step
+            if not indices and self.pad_empty:
+                indices = [int(perm[cursor])]
+            yield indices
+            cursor += size
+
+    def _audit_writer(self, world: int, rank: int) -> Any:
+        if self.audit_dir is None:
+            return None
+        if self._audit is None or (self._audit.world_size, self._audit.rank) != (world, rank):
+            from elastic_train.train.audit import AuditWriter, write_meta
+
+            if self._audit is not None:
+                self._audit.close()
+            self._audited = 0
+            rnd = self._round if self._round is not None else _round()
+            self._audit = AuditWriter(self.audit_dir, rank=rank, world_size=world, round=rnd)
+            if rank == 0:
+                write_meta(
+                    self.audit_dir,
+                    dataset_len=self.dataset_len,
+                    global_batch=self.global_batch,
+                    seed=self.seed,
+                )
+        return self._audit
+
+    def close(self) -> None:
+        """Close the audit file (if any)."""
+        if self._audit is not None:
+            self._audit.close()
+            self._audit = None
+
+
+def _default_world() -> tuple[int, int]:
+    """(world size, rank) of the default process group; (1, 0) without one."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(), dist.get_rank()
+    return 1, 0
+
+
+def _round() -> int:
+    """This worker group's rendezvous round (audit lines of a redone step must sort after the first try)."""
+    from elastic_train.worker.env import WorkerEnv
+
+    return WorkerEnv.from_environ(os.environ).round

@@ -30,7 +30,6 @@ import signal
 import socket
 import struct
 import sys
-import traceback
 from collections.abc import Sequence
 from typing import Any
 
@@ -242,7 +241,9 @@ class ForkServer:
             except SystemExit as exc:
                 code = exc.code if isinstance(exc.code, int) else 1
             except BaseException:
-                traceback.print_exc()
+                # as the interpreter would: an excepthook the worker installed (elastic_train.init's
+                # one-line errors) applies
+                sys.excepthook(*sys.exc_info())
             finally:
                 with contextlib.suppress(Exception):
                     sys.stdout.flush()

@@ -68,7 +68,7 @@ class NullCheckpointer:
 
 @pytest.fixture(scope="module")
 def world_one() -> object:
-    from elastic_train.worker.run import _free_port
+    from elastic_train.train.group import _free_port
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group(

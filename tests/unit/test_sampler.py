@@ -54,7 +54,7 @@ def test_last_step_of_epoch_is_short_and_never_straddles() -> None:
         sizes.append((p.epoch, p.size))
         s.advance(p)
     assert sizes == [(0, 4), (0, 4), (0, 2), (1, 4), (1, 4), (1, 2)]
-    assert s.state_dict() == {"epoch": 2, "cursor": 0, "seed": 0}
+    assert s.state_dict() == {"epoch": 2, "cursor": 0, "seed": 0, "dataset_len": 10, "global_batch": 4}
 
 
 def test_random_resizes_with_restores_train_every_sample_once_per_epoch() -> None:

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
+from elastic_train.elastic import resolve_backend
 from elastic_train.errors import ConfigError
 from elastic_train.worker.env import ENV_ROUND, WorkerEnv
 from elastic_train.worker.faults import FAULT_EXIT_CODE, PlannedFault, fault_hook, parse_faults
 from elastic_train.worker.main import build_parser, overrides_from_args
-from elastic_train.worker.run import resolve_backend
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,0 +1,283 @@
+"""Restore, per-step commit and finalize of a :class:`~elastic_train.train.state.TrainState` through the
+checkpoint manager's two tiers, with the progress events ``elastic-train local`` follows."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from elastic_train.checkpoint.config import CheckpointConfig
+from elastic_train.log import get_logger
+from elastic_train.train.errors import NotStateful, TrainingError
+from elastic_train.train.events import EventWriter
+from elastic_train.train.group import World, current_world
+from elastic_train.train.sampler import ElasticBatchSampler
+from elastic_train.train.state import TrainState
+
+if TYPE_CHECKING:
+    from elastic_train.checkpoint.manager import Committed
+
+log = get_logger(__name__)
+
+StepHook = Callable[[int], None]
+"""Called with the step number at :meth:`Checkpointer.commit`, before the state is saved (test faults)."""
+
+
+class Manager(Protocol):
+    """What :class:`Checkpointer` needs from :class:`elastic_train.checkpoint.CheckpointManager`."""
+
+    def restore(self, model: Mapping[str, Any] | None = None) -> Any: ...
+
+    def save(self, step: int, state: Callable[[], Mapping[str, Any]]) -> None: ...
+
+    def finalize(self, step: int, state: Mapping[str, Any]) -> Any: ...
+
+    def close(self) -> None: ...
+
+
+class Checkpointer:
+    """Restore, per-step commit and finalize of a :class:`TrainState` through both state tiers.
+
+    Every :meth:`commit` copies the state into this rank's shared-memory snapshot; every ``every_steps``
+    steps a durable checkpoint is written in the background to ``url/run_id`` (any fsspec URL), in the format
+    of the built-in loop. :meth:`restore` is collective and loads the newest valid state held anywhere: a
+    surviving rank's memory snapshot (broadcast from it), else the newest durable checkpoint, else
+    ``resume_from``. Rank 0 appends progress events to ``$ELASTIC_TRAIN_EVENTS`` (what ``elastic-train
+    local`` follows).
+
+    Args:
+        state: what to checkpoint.
+        url: checkpoint root (default: ``config.url``, itself ``checkpoints`` by default).
+        every_steps: durable checkpoint every N steps (0: only the final one; default ``config.every_steps``).
+        resume_from: a checkpoint (run root or ``step-N`` directory) to start from when the run has none.
+        config: every other checkpoint setting (``keep_last``, ``memory_dir``, ``storage_options`` …).
+        run_id: checkpoints go to ``url/run_id`` (default: torchrun's ``--rdzv-id``).
+        world: the group the state is trained in (default: :func:`current_world`).
+        manager: an existing checkpoint manager to use instead of creating one (the built-in worker's).
+        events: progress events (default: rank 0 writes to ``$ELASTIC_TRAIN_EVENTS``).
+        hooks: called with the step number at each commit before the save (default: the test-only fault
+            hooks of ``$ELASTIC_TRAIN_TEST_FAULT`` / ``$ELASTIC_TRAIN_TEST_STEP_DELAY``).
+
+    Raises:
+        StorageError: the URL's filesystem cannot be opened.
+        ValueError: a setting is out of range.
+    """
+
+    def __init__(
+        self,
+        state: TrainState,
+        url: str | None = None,
+        *,
+        every_steps: int | None = None,
+        resume_from: str | None = None,
+        config: CheckpointConfig | None = None,
+        run_id: str | None = None,
+        world: World | None = None,
+        manager: Manager | None = None,
+        events: EventWriter | None = None,
+        hooks: Sequence[StepHook] | None = None,
+    ) -> None:
+        if not isinstance(state, TrainState):
+            raise NotStateful(f"state: a {type(state).__name__} is not an elastic_train TrainState")
+        self.state = state
+        self.world = world or current_world()
+        state.meta = {"world_size": self.world.world_size, "round": self.world.round}
+        self._own_events = events is None
+        self.events = events or EventWriter.from_env(
+            rank=self.world.rank, round=self.world.round, world_size=self.world.world_size
+        )
+        if manager is None:
+            cfg = config or CheckpointConfig()
+            changes: dict[str, Any] = {"url": url, "every_steps": every_steps, "resume_from": resume_from}
+            cfg = dataclasses.replace(cfg, **{k: v for k, v in changes.items() if v is not None})
+            from elastic_train.checkpoint import CheckpointManager
+
+            manager = CheckpointManager(
+                cfg,
+                run_id or self.world.run_id,
+                rank=self.world.rank,
+                world_size=self.world.world_size,
+                local_rank=self.world.local_rank,
+                group=dist.group.WORLD if self.world.world_size > 1 else None,
+                device=self.world.device,
+            )
+        elif url is not None or every_steps is not None or resume_from is not None or config is not None:
+            raise ValueError("Checkpointer: give either a manager or checkpoint settings, not both")
+        self.manager: Manager = manager
+        self.hooks = list(_env_hooks(self.world) if hooks is None else hooks)
+        #: Where the restored state came from (``memory``, ``durable``, ``resume_from``), None when fresh.
+        self.source: str | None = None
+        self._restored = False
+        self._reported: Any = None
+        self._last_commit = time.perf_counter()
+        # With a manager that can copy the optimizer's tensors while the next step computes (its step
+        # pre-hook fences the copy), let it: the snapshot then costs the loop less.
+        attach = getattr(manager, "attach", None)
+        if attach is not None and isinstance(state.optimizer, torch.optim.Optimizer):
+            attach(state.optimizer)
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps committed so far (restored ones included)."""
+        return self.state.step
+
+    # -- restore -------------------------------------------------------------------------------------------
+    def restore(self) -> int:
+        """Collective: load the newest valid state anywhere into the state's objects; returns its step.
+
+        Call it on every rank before the DataLoader is iterated, and before the first :meth:`commit`.
+        Returns 0 (and leaves everything as it is) when there is no state anywhere.
+
+        Raises:
+            ModelMismatch: the newest checkpoint is of another model (names, shapes or dtypes differ).
+            StateMismatch: it does not fit the optimizer, the dataset or an extra object.
+            CheckpointError: storage failure or an unreadable ``resume_from``.
+        """
+        restored = self.manager.restore(model=self.state.model.state_dict())
+        self._restored = True
+        self._last_commit = time.perf_counter()
+        if restored is None:
+            log.info("training_started", step=0)
+            self.events.emit("started", 0)
+            return 0
+        self.load(restored.state)
+        self.source = restored.source
+        sampler = self.state.sampler
+        epoch = sampler.epoch if sampler is not None else None
+        log.info("training_resumed", step=self.step, source=restored.source, epoch=epoch)
+        self.events.emit("resumed", self.step, source=restored.source, from_step=self.step)
+        return self.step
+
+    def load(self, state: Mapping[str, Any]) -> None:
+        """Put a state (e.g. one read by hand) into the objects, as :meth:`restore` does with what it finds.
+
+        Raises:
+            StateMismatch: the state does not fit the objects.
+        """
+        fence = getattr(self.manager, "fence", None)
+        if fence is not None:  # no snapshot copy may be reading what load_state_dict overwrites
+            fence()
+        self.state.load_state_dict(state)
+        self._restored = True
+
+    def skip_restore(self) -> None:
+        """Train from the objects as they are, without looking for a saved state (a later restore still may).
+
+        Only for a state known to be right (e.g. loaded by hand): committing on top of an older state
+        than one already saved for this run makes that run's newest snapshot go back in time.
+        """
+        self._restored = True
+
+    # -- commit --------------------------------------------------------------------------------------------
+    def commit(self, loss: float | torch.Tensor | None = None) -> int:
+        """After each optimizer step, on every rank: count the step, move the data cursor, save the state.
+
+        The state is copied into shared memory (every ``memory_every_steps``) and handed to the background
+        writer when a durable checkpoint is due; this returns without waiting for storage.
+
+        Args:
+            loss: this rank's loss of the step, for the progress events (read only when events are on).
+
+        Returns:
+            The step number just committed.
+
+        Raises:
+            TrainingError: :meth:`restore` was not called first.
+            WriteFailed: an earlier background write failed (after its retries).
+        """
+        samples = self.advance()
+        self.save(loss=loss, samples=samples)
+        return self.step
+
+    def advance(self) -> int:
+        """The first half of :meth:`commit`: count the step and move the sampler past it; returns its size."""
+        if not self._restored:
+            raise TrainingError("call restore() before the first commit(): it decides where training starts")
+        sampler = self.state.sampler
+        size = 0
+        if sampler is not None:
+            plan = (
+                sampler.current()
+                if isinstance(sampler, ElasticBatchSampler)
+                else sampler.plan(self.world.world_size, self.world.rank)
+            )
+            sampler.advance(plan)
+            size = plan.size
+        self.state.step += 1
+        return size
+
+    def save(
+        self, *, loss: float | torch.Tensor | None = None, samples: int = 0, epoch: int | None = None
+    ) -> None:
+        """The second half of :meth:`commit`: save the state of the step just counted and report it."""
+        step = self.step
+        for hook in self.hooks:
+            hook(step)
+        self.manager.save(step, self.state.state_dict)
+        self._report_commit()
+        if self.events.enabled:
+            now = time.perf_counter()
+            rate = samples / max(now - self._last_commit, 1e-9)
+            self._last_commit = now
+            value = float(loss.detach().item()) if isinstance(loss, torch.Tensor) else loss
+            if epoch is None and self.state.sampler is not None:
+                sampler = self.state.sampler
+                epoch = sampler.epoch if sampler.cursor else sampler.epoch - 1  # the step's own epoch
+            self.events.emit("step", step, loss=value, samples_per_s=rate, epoch=epoch)
+
+    def _report_commit(self) -> None:
+        """Emit a ``checkpoint`` event for a durable checkpoint committed since the last call."""
+        committed = getattr(self.manager, "last_committed", None)
+        if committed is not None and committed is not self._reported:
+            self._reported = committed
+            self.events.emit("checkpoint", committed.step, seconds=committed.seconds, bytes=committed.bytes)
+
+    # -- the end -------------------------------------------------------------------------------------------
+    def finalize(self) -> Committed | None:
+        """Collective, at the end of training: write the final durable checkpoint, wait for it, release the
+        shared-memory snapshot; returns the committed checkpoint on rank 0 (None elsewhere).
+
+        Raises:
+            WriteFailed: the final checkpoint could not be written (after retries).
+        """
+        committed: Committed | None = self.manager.finalize(self.step, self.state.state_dict())
+        self._report_commit()
+        self.events.emit("done", self.step)
+        log.info("training_done", step=self.step)
+        self._release()
+        return committed
+
+    def close(self) -> None:
+        """Stop without a final checkpoint (error paths); the memory snapshot stays for a restarted group."""
+        self.manager.close()
+        self._release()
+
+    def _release(self) -> None:
+        if isinstance(self.state.sampler, ElasticBatchSampler):
+            self.state.sampler.close()
+        if self._own_events:
+            self.events.close()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
+        if kind is not None:
+            self.close()
+
+
+def _env_hooks(w: World) -> list[StepHook]:
+    """The test-only fault and delay hooks the environment asks for (none in normal runs)."""
+    from elastic_train.worker.faults import ENV_FAULT, ENV_STEP_DELAY, delay_hook, fault_hook
+
+    hooks = (
+        fault_hook(os.environ.get(ENV_FAULT), rank=w.rank, restart_count=w.restart_count),
+        delay_hook(os.environ.get(ENV_STEP_DELAY)),
+    )
+    return [h for h in hooks if h is not None]

@@ -1,0 +1,204 @@
+"""The process group of a worker, formed from torchrun's environment (:func:`init`), and its :class:`World`.
+
+Used by the built-in worker and by scripts with their own loop alike (``elastic_train.init``).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import types
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from elastic_train.errors import ElasticTrainError
+from elastic_train.log import bind_context, configure_logging
+from elastic_train.train.errors import TrainingError
+from elastic_train.worker.env import WorkerEnv
+
+#: Run id of the checkpoints when torchrun gives none (``TORCHELASTIC_RUN_ID`` unset: a plain process).
+DEFAULT_RUN_ID = "default"
+
+
+@dataclass(frozen=True, slots=True)
+class World:
+    """This process's place in the current worker group (what :func:`init` formed)."""
+
+    rank: int
+    """Global rank."""
+    world_size: int
+    """Processes in the group."""
+    local_rank: int
+    """Rank on this node (the CUDA device index with NCCL)."""
+    local_world_size: int
+    """Processes on this node."""
+    device: torch.device
+    """Where this rank trains: ``cuda:LOCAL_RANK`` with NCCL, the CPU with gloo."""
+    backend: str
+    """Process-group backend (``gloo`` or ``nccl``)."""
+    round: int
+    """Rendezvous round of the group (grows with every restart; audit lines and events carry it)."""
+    run_id: str
+    """Checkpoints go to ``URL/run_id``: torchrun's ``--rdzv-id``, or ``"default"`` outside torchrun."""
+    restart_count: int
+    """How often this node's agent restarted its workers."""
+
+    @property
+    def device_ids(self) -> list[int] | None:
+        """``device_ids`` for ``DistributedDataParallel``: ``[index]`` on a GPU, None on the CPU."""
+        return [self.device.index or 0] if self.device.type == "cuda" else None
+
+    @property
+    def is_main(self) -> bool:
+        """True on global rank 0 (where one-per-job things such as printing go)."""
+        return self.rank == 0
+
+
+_WORLD: World | None = None
+
+
+def resolve_backend(requested: str, cuda: bool) -> str:
+    """``auto`` → nccl when CUDA is usable, gloo otherwise.
+
+    Raises:
+        ValueError: ``requested`` is not auto, gloo or nccl.
+    """
+    if requested not in ("auto", "gloo", "nccl"):
+        raise ValueError(f"backend: {requested!r} is not one of auto, gloo, nccl")
+    if requested == "auto":
+        return "nccl" if cuda else "gloo"
+    return requested
+
+
+def init(backend: str = "auto", *, timeout: timedelta | None = None, env: WorkerEnv | None = None) -> World:
+    """Form the default process group from torchrun's environment; idempotent.
+
+    The backend is NCCL on ``cuda:LOCAL_RANK`` when a GPU is visible (``torch.cuda.set_device`` first),
+    gloo on the CPU otherwise. When torchrun hands its workers the agent's long-lived TCPStore
+    (``TORCHELASTIC_USE_AGENT_STORE=True``, torch's own dynamic rendezvous), keys are prefixed with the
+    group's round, so a restarted group never reads the gloo addresses of the one before. Without torchrun's
+    variables (``RANK`` unset) this is a world of one on loopback. A group the script formed itself is
+    adopted as is.
+
+    Also configures logging when nothing else did, and renders elastic_train's own errors that reach the top
+    of the script as one line (``SCRIPT: error: rank R: ...``) instead of a traceback.
+
+    Args:
+        backend: ``auto``, ``gloo`` or ``nccl``.
+        timeout: collective timeout of the group (torch's default when None).
+        env: torchrun's variables, parsed (default: from ``os.environ``).
+
+    Raises:
+        ConfigError: torchrun's variables are inconsistent or not integers.
+        TrainingError: ``nccl`` asked for without a visible GPU.
+    """
+    global _WORLD
+    if _WORLD is not None and dist.is_initialized():
+        return _WORLD
+    env = env or WorkerEnv.from_environ(os.environ)
+    import structlog
+
+    if not structlog.is_configured():
+        configure_logging()
+    _install_excepthook()
+    cuda = torch.cuda.is_available()
+    if dist.is_initialized():  # the script formed the group itself: adopt it
+        chosen = str(dist.get_backend())
+        on_gpu = chosen == "nccl"
+        device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+    else:
+        chosen = resolve_backend(backend, cuda)
+        if chosen == "nccl":
+            if not cuda:
+                raise TrainingError("backend nccl needs CUDA, and no GPU is visible")
+            device = torch.device("cuda", env.local_rank)
+            torch.cuda.set_device(device)
+        else:
+            device = torch.device("cpu")
+        _form_group(chosen, device, env, timeout)
+        rank, world_size = env.rank, env.world_size
+    _WORLD = World(
+        rank=rank,
+        world_size=world_size,
+        local_rank=env.local_rank,
+        local_world_size=env.local_world_size,
+        device=device,
+        backend=chosen,
+        round=env.round,
+        run_id=env.run_id or DEFAULT_RUN_ID,
+        restart_count=env.restart_count,
+    )
+    bind_context(rank=rank, world_size=world_size, round=env.round)
+    return _WORLD
+
+
+def _form_group(backend: str, device: torch.device, env: WorkerEnv, timeout: timedelta | None) -> None:
+    kwargs: dict[str, Any] = {"device_id": device} if backend == "nccl" else {}
+    if timeout is not None:
+        kwargs["timeout"] = timeout
+    generation = env.group_generation
+    if env.agent_store and generation is not None:
+        # torch's dynamic rendezvous hands workers the agent's TCPStore, which outlives worker groups: keys of
+        # an earlier group (gloo peer addresses) would be read by the next one; a per-group prefix avoids it.
+        store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=False)
+        kwargs["store"] = dist.PrefixStore(f"elastic_train/{generation}/", store)
+    elif env.master_port == 0:  # a world of one outside torchrun: a store of its own on a free port
+        assert env.world_size == 1, "MASTER_PORT is required for a multi-process group"
+        kwargs["init_method"] = f"tcp://{env.master_addr}:{_free_port(env.master_addr)}"
+    else:
+        os.environ.setdefault("MASTER_ADDR", env.master_addr)
+        kwargs["init_method"] = "env://"
+    dist.init_process_group(backend, rank=env.rank, world_size=env.world_size, **kwargs)
+
+
+def _free_port(addr: str) -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind((addr, 0))
+        return int(s.getsockname()[1])
+
+
+def current_world() -> World:
+    """The :class:`World` of this process: the one :func:`init` formed (forming it if nobody did)."""
+    return _WORLD if _WORLD is not None and dist.is_initialized() else init()
+
+
+def shutdown() -> None:
+    """Destroy the process group (a no-op without one).
+
+    Call it at the end instead of ``destroy_process_group()``, after dropping the DDP model: a DDP reducer
+    freed after its group is gone can abort the process (gloo: ``terminate called without an active
+    exception``); this collects such garbage first.
+    """
+    global _WORLD
+    import gc
+
+    gc.collect()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _WORLD = None
+
+
+def _install_excepthook() -> None:
+    """Render an :class:`ElasticTrainError` that ends the script as one line on stderr (exit code 1)."""
+    previous = sys.excepthook
+    if getattr(previous, "_elastic_train", False):
+        return
+
+    def hook(kind: type[BaseException], exc: BaseException, tb: types.TracebackType | None) -> None:
+        if isinstance(exc, ElasticTrainError):
+            rank = _WORLD.rank if _WORLD is not None else os.environ.get("RANK", "0")
+            prog = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "python"
+            sys.stderr.write(f"{prog}: error: rank {rank}: {exc}\n")
+            sys.stderr.flush()
+            return
+        previous(kind, exc, tb)
+
+    hook._elastic_train = True  # type: ignore[attr-defined]
+    sys.excepthook = hook

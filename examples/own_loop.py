@@ -1,0 +1,119 @@
+"""A plain DDP training script of the PyTorch-tutorial kind, made elastic with elastic_train.
+
+Own model, own optimizer, own Dataset and DataLoader, own loop; the lines marked ``# elastic`` are all it
+takes (docs/own-loop.md explains each). Run it like any torchrun script:
+
+    torchrun --nnodes=1:3 --nproc-per-node=1 --rdzv-backend=etcd3 --rdzv-endpoint=127.0.0.1:2379 \\
+             --rdzv-id=own-loop examples/own_loop.py --epochs 4
+    elastic-train local --nodes 3 --kill-node 1@step=20 --add-node @step=40 --entry examples/own_loop.py
+    python examples/own_loop.py          # no torchrun: a world of one
+
+A node that dies costs at most the step it was in: the others resume from their shared-memory snapshot. A
+job that is stopped entirely resumes from the last durable checkpoint (``--checkpoint``, every
+``--checkpoint-every`` steps). Each epoch trains every sample exactly once, whatever the world size did.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import torch
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, Dataset
+
+import elastic_train as et  # elastic
+
+
+class Waves(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """A synthetic regression set: y = sin(x · w) + 0.3 · (x · v), plus noise; fixed by its seed."""
+
+    def __init__(self, n: int, dim: int = 8, seed: int = 1234, dtype: torch.dtype = torch.float32) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(n, dim, generator=gen, dtype=torch.float64)
+        w, v = torch.randn(dim, 1, generator=gen, dtype=torch.float64), torch.randn(dim, 1, generator=gen)
+        noise = 0.05 * torch.randn(n, 1, generator=gen, dtype=torch.float64)
+        self.y = (torch.sin(self.x @ w) + 0.3 * (self.x @ v.double()) + noise).to(dtype)
+        self.x = self.x.to(dtype)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.x[i], self.y[i]
+
+
+class Net(torch.nn.Module):
+    def __init__(self, dim: int = 8, hidden: int = 32) -> None:
+        super().__init__()
+        self.body = torch.nn.Sequential(
+            torch.nn.Linear(dim, hidden),
+            torch.nn.Tanh(),
+            torch.nn.Linear(hidden, hidden),
+            torch.nn.Tanh(),
+            torch.nn.Linear(hidden, 1),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.body(x)
+        return out
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--epochs", type=int, default=4)
+    p.add_argument("--samples", type=int, default=240, help="dataset size")
+    p.add_argument("--global-batch", type=int, default=16, help="samples per step over all ranks")
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workers", type=int, default=2, help="DataLoader worker processes")
+    p.add_argument("--checkpoint", default="checkpoints", help="checkpoint root, any fsspec URL")
+    p.add_argument("--checkpoint-every", type=int, default=10, help="durable checkpoint every N steps")
+    p.add_argument("--float64", action="store_true", help="train in double precision")
+    return p.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    world = et.init()  # elastic: replaces init_process_group + set_device
+    dtype = torch.float64 if args.float64 else torch.float32
+    torch.manual_seed(args.seed)  # the same initial weights on every rank
+
+    dataset = Waves(args.samples, dtype=dtype)
+    model = Net().to(world.device, dtype)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    steps_per_epoch = math.ceil(len(dataset) / args.global_batch)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs * steps_per_epoch)
+
+    sampler = et.ElasticBatchSampler(dataset, args.global_batch, seed=args.seed)  # elastic
+    loader = DataLoader(
+        dataset,
+        batch_sampler=sampler,  # elastic: replaces batch_size=, shuffle=, sampler=DistributedSampler(...)
+        num_workers=args.workers,
+        persistent_workers=args.workers > 0,
+    )
+    state = et.TrainState(model=model, optimizer=optimizer, scheduler=scheduler, sampler=sampler)  # elastic
+    ckpt = et.Checkpointer(state, args.checkpoint, every_steps=args.checkpoint_every)  # elastic
+    ckpt.restore()  # elastic: replaces loading snapshot.pt
+    ddp = DDP(model, device_ids=world.device_ids)
+
+    for epoch in range(sampler.epoch, args.epochs):  # elastic: start at the restored epoch
+        for x, y in loader:
+            x, y = x.to(world.device), y.to(world.device)
+            loss = F.mse_loss(ddp(x), y)
+            (loss * sampler.loss_weight()).backward()  # elastic: uneven shares weigh by sample count
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            scheduler.step()
+            ckpt.commit(loss)  # elastic: replaces the every-N-epochs torch.save
+            if world.is_main and ckpt.step % 20 == 0:
+                print(f"epoch {epoch} step {ckpt.step} loss {loss.item():.5f}", flush=True)
+
+    ckpt.finalize()  # elastic: the final checkpoint
+    del ddp
+    et.shutdown()  # elastic: replaces destroy_process_group
+
+
+if __name__ == "__main__":
+    main()

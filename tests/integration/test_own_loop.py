@@ -1,0 +1,240 @@
+"""examples/own_loop.py, a plain DDP script using the elastic_train API, under real faults.
+
+- ``elastic-train local --entry``: a kill -9 of a node and a join; exactly-once, at most one step redone per
+  fault, recovery from a surviving rank's memory, and final weights equal to a fault-free world-1 run.
+- plain ``torchrun --rdzv-backend=etcd3`` agents (no fork server, the script as torchrun's entry): a kill and
+  a join, the same checks.
+- every node killed, then started again: the job resumes from its durable checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from elastic_train.launch.procs import kill_tree, tree
+from elastic_train.train.audit import check_exactly_once
+from elastic_train.train.events import read_events
+
+pytestmark = pytest.mark.slow
+pytest.importorskip("elastic_train.rendezvous.registry")
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "examples" / "own_loop.py"
+EPOCHS = 6
+STEPS = EPOCHS * 15  # 240 samples, 16 per step
+ARGS = ["--float64", "--epochs", str(EPOCHS), "--workers", "1", "--checkpoint-every", "10"]
+
+
+def env(**extra: str) -> dict[str, str]:
+    base = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    for key in ("ELASTIC_TRAIN_TEST_FAULT", "ELASTIC_TRAIN_EVENTS", "ELASTIC_TRAIN_AUDIT_DIR", "RANK"):
+        base.pop(key, None)
+    return {**base, **extra}
+
+
+def final_weights(root: Path, run_id: str, step: int = STEPS) -> dict[str, torch.Tensor]:
+    from elastic_train.checkpoint import CheckpointConfig, CheckpointManager
+
+    mgr = CheckpointManager(
+        CheckpointConfig(url=str(root), memory_every_steps=0), run_id, rank=0, world_size=1, local_rank=0
+    )
+    restored = mgr.restore()
+    mgr.close()
+    assert restored is not None and restored.step == step, f"no step {step} in {root}/{run_id}"
+    return dict(restored.state["model"])
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    """The same script, fault-free, as one plain process (no torchrun: a world of one)."""
+    ck = tmp_path_factory.mktemp("reference")
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), *ARGS, "--checkpoint", str(ck)],
+        cwd=ck,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return final_weights(ck, "default")
+
+
+def assert_same_weights(weights: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> None:
+    assert weights.keys() == reference.keys()
+    for key, value in reference.items():
+        assert weights[key].dtype == torch.float64
+        rel = float((weights[key] - value).norm() / value.norm())
+        assert rel < 1e-5, f"{key} differs by {rel:.2e} relative to the fault-free world-1 run"
+
+
+def test_local_entry_kill_and_join(tmp_path: Path, reference: dict[str, torch.Tensor]) -> None:
+    summary_path = tmp_path / "summary.json"
+    cmd = [
+        sys.executable, "-m", "elastic_train", "local",
+        "--nodes", "3", "--min-nodes", "2", "--max-nodes", "3",
+        "--kill-node", "1@step=15", "--add-node", "@step=40", "--workdir", str(tmp_path / "work"),
+        "--audit", str(tmp_path / "audit"), "--summary", str(summary_path), "--timeout", "400",
+        "--entry", str(SCRIPT), *ARGS, "--checkpoint", str(tmp_path / "ck"),
+    ]  # fmt: skip
+    proc = subprocess.run(
+        cmd, cwd=tmp_path, env=env(ELASTIC_TRAIN_TEST_STEP_DELAY="0.3"), capture_output=True, text=True,
+        timeout=500,
+    )  # fmt: skip
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-2000:]}"
+    summary = json.loads(summary_path.read_text())
+    assert summary["succeeded"] and summary["completed_steps"] == STEPS
+    assert summary["exactly_once"]["ok"], summary["exactly_once"]["problems"]
+    kill, join = summary["faults"]
+    assert kill["kind"] == "kill-node" and kill["source"] == "memory" and kill["resumed_world_size"] == 2
+    assert join["kind"] == "add-node" and join["source"] == "memory" and join["resumed_world_size"] == 3
+    for fault in (kill, join):
+        assert fault["steps_redone"] is not None and fault["steps_redone"] <= 1, fault
+    sizes = [point["world_size"] for point in summary["world_size_timeline"]]
+    assert sizes[0] == 3 and 2 in sizes and sizes[-1] == 3
+    assert "exactly-once: OK" in proc.stdout
+    assert_same_weights(final_weights(tmp_path / "ck", summary["run_id"]), reference)
+
+
+class Agents:
+    """Plain torchrun agents running the script, meeting through etcd3 (no fork server, no stand-in)."""
+
+    def __init__(self, tmp: Path, endpoint: str, reaper: Any, run_id: str) -> None:
+        self.tmp, self.endpoint, self.reaper, self.run_id = tmp, endpoint, reaper, run_id
+        self.events = tmp / "events.jsonl"
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def start(self, nodes: str = "2:3") -> subprocess.Popen[bytes]:
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", "--nproc-per-node=1",
+            "--rdzv-backend=etcd3", f"--rdzv-endpoint={self.endpoint}", f"--rdzv-id={self.run_id}",
+            "--rdzv-conf=lease_ttl=2,settle=1", "--max-restarts=100", "--monitor-interval=0.1",
+            "--local-addr=127.0.0.1", str(SCRIPT), *ARGS, "--checkpoint", str(self.tmp / "ck"),
+        ]  # fmt: skip
+        log = open(self.tmp / f"agent{len(self.procs)}.log", "ab")  # noqa: SIM115 - lives with the process
+        variables = env(
+            ELASTIC_TRAIN_EVENTS=str(self.events),
+            ELASTIC_TRAIN_AUDIT_DIR=str(self.tmp / "audit"),
+            ELASTIC_TRAIN_TEST_STEP_DELAY="0.2",
+        )
+        proc = self.reaper.popen(cmd, cwd=self.tmp, stdout=log, stderr=subprocess.STDOUT, env=variables)
+        self.procs.append(proc)
+        return proc
+
+    def kill(self, proc: subprocess.Popen[bytes]) -> None:
+        """kill -9 of a node: the agent and its workers (in their own sessions)."""
+        for p in tree(proc.pid):
+            p.kill()
+        kill_tree(proc.pid)
+        proc.wait(timeout=30)
+
+    def wait_step(self, world: int, min_step: int, timeout: float = 240.0) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.events.exists():
+                for e in reversed(read_events(str(self.events))):
+                    if e["event"] == "step" and e["world_size"] == world and e["step"] >= min_step:
+                        return e
+            time.sleep(0.2)
+        raise AssertionError(f"no step >= {min_step} at world {world}; logs in {self.tmp}")
+
+
+def test_plain_torchrun_agents_kill_and_join(
+    tmp_path: Path, etcd_server: Any, reaper: Any, reference: dict[str, torch.Tensor]
+) -> None:
+    job = Agents(tmp_path, etcd_server.endpoint, reaper, "own-loop")
+    for _ in range(3):
+        job.start()
+    job.wait_step(3, 5)
+    job.kill(job.procs[2])
+    shrunk = job.wait_step(2, 1)
+    job.start()
+    job.wait_step(3, shrunk["step"] + 1)
+    for agent in job.procs[:2] + job.procs[3:]:
+        assert agent.wait(timeout=300) == 0, f"agent failed; logs in {tmp_path}"
+
+    events = read_events(str(job.events))
+    resumed = [e for e in events if e["event"] == "resumed"]
+    assert resumed and all(e["source"] == "memory" for e in resumed), resumed
+    for e in resumed:  # at most one step redone: the group resumes from the newest step any rank reached
+        last = max(s["step"] for s in events if s["event"] == "step" and s["round"] < e["round"])
+        assert e["from_step"] >= last - 1, (e, last)
+    assert events[-1]["event"] == "done" and events[-1]["step"] == STEPS
+    report = check_exactly_once(str(tmp_path / "audit"), steps=STEPS)
+    assert report.ok, report.problems
+    assert {3, 2} <= set(report.world_sizes.values())
+    assert_same_weights(final_weights(tmp_path / "ck", "own-loop"), reference)
+
+
+def test_every_node_killed_then_restarted_resumes_from_durable(
+    tmp_path: Path, etcd_server: Any, reaper: Any
+) -> None:
+    job = Agents(tmp_path, etcd_server.endpoint, reaper, "own-loop-restart")
+    for _ in range(2):
+        job.start("2:2")
+    job.wait_step(2, 14)
+    for proc in list(job.procs):
+        job.kill(proc)
+    before = read_events(str(job.events))
+    reached = max(e["step"] for e in before if e["event"] == "step")
+    run = tmp_path / "ck" / "own-loop-restart"
+    durable = sorted(p.name for p in run.glob("step-*") if (p / "manifest.json").exists())
+    assert durable, "no durable checkpoint before the kill"
+    newest = int(durable[-1].removeprefix("step-"))
+    for _ in range(2):
+        job.start("2:2")
+    for agent in job.procs[2:]:
+        assert agent.wait(timeout=300) == 0, f"agent failed; logs in {tmp_path}"
+
+    after = read_events(str(job.events))[len(before) :]
+    resumed = [e for e in after if e["event"] == "resumed"]
+    assert resumed[0]["source"] == "durable" and newest <= resumed[0]["from_step"] <= reached, resumed
+    assert after[-1]["event"] == "done" and after[-1]["step"] == STEPS
+    report = check_exactly_once(str(tmp_path / "audit"), steps=STEPS)
+    assert report.ok, report.problems
+
+
+BAD_SCRIPT = """
+import torch, elastic_train as et
+et.init()
+et.TrainState(model=torch.nn.Linear(2, 1), lookup={"a": 1})
+"""
+
+
+@pytest.mark.parametrize("with_server", [True, False])
+def test_api_error_in_a_script_under_the_standin_is_one_line(
+    tmp_path: Path, reaper: Any, with_server: bool
+) -> None:
+    """``run/local --entry`` start the script via a stand-in and (usually) a fork server: same one line."""
+    from elastic_train.worker.forkserver import ENV_PID, ENV_SOCKET
+
+    script = tmp_path / "train.py"
+    script.write_text(BAD_SCRIPT)
+    variables = env()
+    if with_server:
+        sock = str(tmp_path / "fs.sock")
+        server = reaper.popen([sys.executable, "-m", "elastic_train.worker.forkserver", "--socket", sock])
+        variables.update({ENV_SOCKET: sock, ENV_PID: str(server.pid)})
+    proc = subprocess.run(
+        [sys.executable, "-m", "elastic_train.standin", str(script)],
+        env=variables,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert proc.returncode == 1
+    assert "fork server unavailable" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].endswith(
+        "train.py: error: rank 0: lookup: a dict has no state_dict()/load_state_dict(), so it cannot be "
+        "checkpointed (wrap it in an object that has both)"
+    ), proc.stderr
