@@ -290,7 +290,7 @@ def test_kill_mid_copy_leaves_the_previous_step_valid(memdir, tmp_path, reaper, 
 
 @pytest.fixture
 def world_one():
-    from elastic_train.worker.run import _free_port
+    from elastic_train.etcd.server import free_port as _free_port
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group(
