@@ -107,6 +107,23 @@ def _no_leaked_snapshots() -> Iterator[None]:
 
 
 @pytest.fixture(autouse=True)
+def _restored_environ() -> Iterator[None]:
+    """Give every test the environment the session started with.
+
+    Code under test may set process-wide variables (the etcd3 rendezvous handler exports the round for the
+    workers an agent starts, as ``ELASTIC_TRAIN_RDZV_ROUND``); left behind, they reach every process a later
+    test starts and change what it does.
+    """
+    saved = dict(os.environ)
+    yield
+    for key in set(os.environ) - set(saved):
+        del os.environ[key]
+    for key, value in saved.items():
+        if os.environ.get(key) != value:
+            os.environ[key] = value
+
+
+@pytest.fixture(autouse=True)
 def _fresh_logging() -> Iterator[None]:
     """Undo any logging set-up a test (or a CLI main() it ran) made: its stream is closed after the test."""
     yield
