@@ -29,8 +29,9 @@ from typing import Any
 
 import psutil
 
-from elastic_train.etcd.server import EmbeddedEtcd, free_port
-from elastic_train.launch import procs
+from elastic_train import procs
+from elastic_train.etcd.server import EmbeddedEtcd
+from elastic_train.net import free_port
 
 #: The worker every agent runs.
 WORKER = str(Path(__file__).with_name("bench_worker.py"))

@@ -46,8 +46,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from harness import CONFIGS, BackendConfig, Job, Outcome, machine_info, phases, summarize
 
-from elastic_train.etcd.server import EtcdCluster, free_port
-from elastic_train.launch import procs
+from elastic_train import procs
+from elastic_train.etcd.server import EtcdCluster
+from elastic_train.net import free_port
 
 PROXY = str(Path(__file__).resolve().parent.parent / "tests" / "netproxy.py")
 DELAYS_MS = (0, 25, 50, 100)

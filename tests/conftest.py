@@ -14,7 +14,7 @@ import pytest
 import structlog
 
 from elastic_train.etcd.server import EmbeddedEtcd, EtcdCluster, etcd_version, find_etcd_binary
-from elastic_train.launch.procs import kill_tree
+from elastic_train.procs import kill_tree
 
 
 def etcd_binaries() -> list[str]:

@@ -35,8 +35,11 @@ class CheckpointConfig:
     """What a failed durable write does: retry (then fatal), log (carry on), fatal (stop training)."""
     retries: int = 3
     """Attempts per durable write when on_error is retry."""
+    memory: bool = True
+    """Keep the in-memory (shared memory) tier: a restarted or re-formed group resumes from a surviving
+    rank's snapshot instead of the newest durable checkpoint."""
     memory_every_steps: int = 1
-    """Copy state into the in-memory (shared memory) tier every N steps (0: off)."""
+    """Copy state into the in-memory tier every N steps (N >= 1); a failure redoes up to N steps."""
     resume_from: str | None = None
     """Checkpoint URL (a run root or one step-XXXXXXXX directory), used when the run has none of its own."""
     storage_options: dict[str, Any] = field(default_factory=dict)
@@ -47,10 +50,15 @@ class CheckpointConfig:
     def __post_init__(self) -> None:
         if not self.url:
             raise ValueError("url: must not be empty")
-        for name in ("every_steps", "keep_every", "memory_every_steps"):
+        for name in ("every_steps", "keep_every"):
             value = getattr(self, name)
             if value < 0:
                 raise ValueError(f"{name}: {value} must be >= 0")
+        if self.memory_every_steps < 1:
+            raise ValueError(
+                f"memory_every_steps: {self.memory_every_steps} must be >= 1 "
+                "(memory: false turns the tier off)"
+            )
         if self.every_seconds < 0:
             raise ValueError(f"every_seconds: {self.every_seconds} must be >= 0")
         if self.keep_last < 1:

@@ -156,7 +156,7 @@ class CheckpointManager:
             self._ctl = dist.new_group(ranks=ranks, backend="gloo")
             self._io = dist.new_group(ranks=ranks, backend="gloo")
         self.memory: MemorySnapshot | None = None
-        if cfg.memory_every_steps:
+        if cfg.memory:
             import os
 
             if os.path.isdir(cfg.memory_dir):

@@ -39,12 +39,11 @@ import xxhash
 from elastic_train.checkpoint import schema
 from elastic_train.checkpoint.codec import Flat, TensorSpec, destinations
 from elastic_train.checkpoint.errors import CheckpointError
+from elastic_train.envvars import ENV_SHM_OWNER
 from elastic_train.log import get_logger
 
 log = get_logger(__name__)
 
-#: Override of the owner PID (default: the parent process, i.e. the torchrun agent).
-ENV_OWNER = "ELASTIC_TRAIN_SHM_OWNER"
 PREFIX = "elastic_train."
 PAGE = 4096
 MAGIC = b"ETSNAP01"
@@ -72,7 +71,7 @@ def checksum(view: memoryview) -> int:
 
 def owner_identity() -> tuple[int, int]:
     """(pid, start time in ms) of the owner process, which scopes the snapshot's lifetime."""
-    pid = int(os.environ.get(ENV_OWNER) or os.getppid())
+    pid = int(os.environ.get(ENV_SHM_OWNER) or os.getppid())
     try:
         return pid, int(psutil.Process(pid).create_time() * 1000)
     except psutil.NoSuchProcess:
@@ -205,7 +204,7 @@ class MemorySnapshot:
                     f"the shared-memory snapshot needs {_mib(total)} MiB in {directory} ({SLOTS} copies of a "
                     f"{_mib(flat.nbytes)} MiB state) but {_mib(free_bytes(directory))} MiB are free "
                     f"({exc.strerror}); enlarge it (docker --shm-size, a k8s emptyDir medium: Memory) or set "
-                    "checkpoint.memory_every_steps: 0"
+                    "checkpoint.memory: false"
                 ) from exc
             self._mm = mmap.mmap(fd, total)
         finally:

@@ -122,7 +122,7 @@ def run_has_state(cfg: CheckpointConfig, run_id: str, storage: Storage | None = 
     storage = storage or open_storage(cfg.url, cfg.storage_options)
     if durable.newest_valid(storage, storage.join(storage.root, run_id)) is not None:
         return True
-    return bool(cfg.memory_every_steps and snapshot_files(cfg.memory_dir, run_id))
+    return bool(cfg.memory and snapshot_files(cfg.memory_dir, run_id))
 
 
 def check_settings(cfg: CheckpointConfig, run_id: str) -> None:

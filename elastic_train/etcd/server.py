@@ -13,7 +13,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import tempfile
@@ -23,8 +22,9 @@ import urllib.request
 from pathlib import Path
 
 from elastic_train.etcd.errors import EtcdError
-from elastic_train.launch.procs import die_with_parent
 from elastic_train.log import get_logger
+from elastic_train.net import free_port
+from elastic_train.procs import die_with_parent
 
 #: Environment variable naming an etcd binary to use instead of the bundled or PATH one.
 ENV_ETCD_BINARY = "ETCD_BINARY"
@@ -69,13 +69,6 @@ def etcd_version(binary: str) -> str:
         if line.lower().startswith("etcd version:"):
             return line.split(":", 1)[1].strip()
     return "unknown"
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """Return a TCP port that was free on ``host`` a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 class EmbeddedEtcd:

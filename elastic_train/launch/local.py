@@ -24,21 +24,18 @@ from typing import Any, TextIO
 import psutil
 
 from elastic_train.config import JobConfig
+from elastic_train.envvars import ENV_AUDIT_DIR, ENV_EVENTS, ENV_NODE_ID
 from elastic_train.etcd.errors import EtcdError
 from elastic_train.etcd.server import EmbeddedEtcd, EtcdCluster
-from elastic_train.launch import ENV_NODE_ID
 from elastic_train.launch.events import EventTail
 from elastic_train.launch.faults import CLUSTER_KINDS, COLLISION_KINDS, Fault
-from elastic_train.launch.procs import signal_tree, terminate_tree, tree
 from elastic_train.launch.run import worker_overrides_argv
 from elastic_train.launch.summary import Summary, render_table, world_size_timeline
 from elastic_train.log import get_logger
-from elastic_train.train.audit import ENV_AUDIT_DIR
+from elastic_train.procs import signal_tree, terminate_tree, tree
 
 log = get_logger(__name__)
 
-#: Where the workers' rank 0 appends its events (read by this launcher).
-ENV_EVENTS = "ELASTIC_TRAIN_EVENTS"
 #: Seconds between two looks at the event stream and the processes.
 POLL_INTERVAL = 0.1
 #: Seconds between two reads of the rendezvous state while a fault waits to be detected.

@@ -18,10 +18,10 @@ from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 from elastic_train.config import JobConfig
+from elastic_train.envvars import ENV_NODE_ID
 from elastic_train.etcd.endpoints import parse_endpoints
-from elastic_train.launch import ENV_NODE_ID
-from elastic_train.launch.procs import die_with_parent
 from elastic_train.log import get_logger
+from elastic_train.procs import die_with_parent
 from elastic_train.rendezvous.config import RendezvousConfig
 
 log = get_logger(__name__)
@@ -113,7 +113,8 @@ def prepare_environment(
     share, or with ``own_entry`` (a user's script, which ignores the train and checkpoint sections) only what
     torchrun knows.
     """
-    from elastic_train.rendezvous.identity import ENV_IDENTITY, JobIdentity, job_settings, torchrun_settings
+    from elastic_train.envvars import ENV_IDENTITY
+    from elastic_train.rendezvous.identity import JobIdentity, job_settings, torchrun_settings
 
     rdzv = cfg.rendezvous
     environ.setdefault(ENV_NODE_ID, socket.gethostname())

@@ -7,10 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-#: Env var set in the agent before workers start (workers inherit it): the global rendezvous round number.
-ENV_ROUND = "ELASTIC_TRAIN_RDZV_ROUND"
-
-__all__ = ["ENV_ROUND", "create_backend"]
+__all__ = ["create_backend"]
 
 
 def __getattr__(name: str) -> Any:

@@ -40,13 +40,13 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousStoreInfo,
 )
 
+from elastic_train.envvars import ENV_OUTCOME_DIR, ENV_ROUND
 from elastic_train.errors import ConfigError
 from elastic_train.etcd.client import Etcd
 from elastic_train.log import bind_context, get_logger
-from elastic_train.rendezvous import ENV_ROUND
 from elastic_train.rendezvous.errors import JobFailed, RunRefused
 from elastic_train.rendezvous.identity import JobIdentity, identity_from_environ, torchrun_settings
-from elastic_train.rendezvous.outcome import ENV_OUTCOME_DIR, clear_outcomes, read_outcomes
+from elastic_train.rendezvous.outcome import clear_outcomes, read_outcomes
 from elastic_train.rendezvous.protocol import Participant, ProtocolSettings, RoundResult
 
 log = get_logger(__name__)

@@ -21,11 +21,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from elastic_train.envvars import ENV_IDENTITY
+
 if TYPE_CHECKING:
     from elastic_train.config import JobConfig
 
-#: Set by ``elastic-train run`` in the agent's environment: the job's identity settings as JSON.
-ENV_IDENTITY = "ELASTIC_TRAIN_JOB_IDENTITY"
 #: Longest rendering of one value in a refusal line.
 MAX_VALUE_CHARS = 80
 

@@ -15,8 +15,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-#: Directory (per agent) where workers leave their outcome files.
-ENV_OUTCOME_DIR = "ELASTIC_TRAIN_OUTCOME_DIR"
+from elastic_train.envvars import ENV_OUTCOME_DIR
 
 
 def record_outcome(

@@ -27,8 +27,6 @@ from typing import Any
 AUDIT_GLOB = "rank-*-round-*.jsonl"
 #: Written by rank 0 next to the audit files: ``{"dataset_len", "global_batch", "seed"}``.
 META_FILE = "meta.json"
-#: Audit directory of samplers not given one (``elastic-train local --entry`` sets it for a user's script).
-ENV_AUDIT_DIR = "ELASTIC_TRAIN_AUDIT_DIR"
 
 
 def audit_file(directory: str, rank: int, round: int) -> str:

@@ -14,8 +14,7 @@ import os
 import time
 from typing import Any
 
-#: Environment variable naming the events file (set by ``elastic-train local``).
-ENV_EVENTS = "ELASTIC_TRAIN_EVENTS"
+from elastic_train.envvars import ENV_EVENTS
 
 EVENTS = ("started", "resumed", "step", "checkpoint", "done")
 

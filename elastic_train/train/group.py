@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from elastic_train.errors import ElasticTrainError
 from elastic_train.log import bind_context, configure_logging
+from elastic_train.net import free_port
 from elastic_train.train.errors import TrainingError
 from elastic_train.worker.env import WorkerEnv
 
@@ -149,19 +150,11 @@ def _form_group(backend: str, device: torch.device, env: WorkerEnv, timeout: tim
         kwargs["store"] = dist.PrefixStore(f"elastic_train/{generation}/", store)
     elif env.master_port == 0:  # a world of one outside torchrun: a store of its own on a free port
         assert env.world_size == 1, "MASTER_PORT is required for a multi-process group"
-        kwargs["init_method"] = f"tcp://{env.master_addr}:{_free_port(env.master_addr)}"
+        kwargs["init_method"] = f"tcp://{env.master_addr}:{free_port(env.master_addr)}"
     else:
         os.environ.setdefault("MASTER_ADDR", env.master_addr)
         kwargs["init_method"] = "env://"
     dist.init_process_group(backend, rank=env.rank, world_size=env.world_size, **kwargs)
-
-
-def _free_port(addr: str) -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind((addr, 0))
-        return int(s.getsockname()[1])
 
 
 def current_world() -> World:

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from elastic_train.train.audit import ENV_AUDIT_DIR
+from elastic_train.envvars import ENV_AUDIT_DIR
 from elastic_train.train.batching import share_weight
 
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from elastic_train.envvars import ENV_ROUND  # the global round, set by the etcd3 handler in the agent
 from elastic_train.errors import ConfigError
-from elastic_train.rendezvous import ENV_ROUND  # the global round, set by the etcd3 handler in the agent
 
-__all__ = ["ENV_ROUND", "WorkerEnv"]
+__all__ = ["WorkerEnv"]
 
 
 @dataclass(frozen=True, slots=True)

@@ -33,6 +33,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from elastic_train.envvars import ENV_SHM_OWNER
+
 #: Unix socket of this node's fork server; when set, ``python -m elastic_train.worker`` is a stand-in.
 ENV_SOCKET = "ELASTIC_TRAIN_FORKSERVER"
 #: Modules the server imports before forking (everything a worker needs except the user's task module).
@@ -53,8 +55,6 @@ PRELOAD = (
 ENV_PID = "ELASTIC_TRAIN_FORKSERVER_PID"
 #: Seconds a stand-in waits for a fork server that is still importing before starting the worker itself.
 CONNECT_WAIT = 60.0
-#: Snapshot owner for workers: the agent, as if the worker were its child (see checkpoint.memory).
-ENV_SHM_OWNER = "ELASTIC_TRAIN_SHM_OWNER"
 _LEN = struct.Struct("!I")
 _FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 

@@ -99,7 +99,8 @@ def main() -> int:
     cfg = CheckpointConfig(
         url=args.url,
         every_steps=args.every,
-        memory_every_steps=args.mem_every,
+        memory=args.mem_every > 0,
+        memory_every_steps=max(args.mem_every, 1),
         memory_dir=args.memdir,
         keep_last=args.keep_last,
     )

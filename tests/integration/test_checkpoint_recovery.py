@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,18 +14,13 @@ import pytest
 from elastic_train.checkpoint import durable
 from elastic_train.checkpoint.memory import snapshot_files
 from elastic_train.checkpoint.storage import open_storage
+from elastic_train.net import free_port
 
 WORKER = Path(__file__).with_name("ckpt_worker.py")
 _spec = importlib.util.spec_from_file_location("ckpt_worker", WORKER)
 assert _spec is not None and _spec.loader is not None
 ckpt_worker = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(ckpt_worker)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(reaper, world: int, out: Path, *args: str) -> list[subprocess.Popen]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -19,15 +18,10 @@ import torch
 
 from elastic_train.checkpoint import CheckpointConfig, CheckpointManager
 from elastic_train.cli.main import main as cli
+from elastic_train.net import free_port
 
 pytest.importorskip("s3fs")
 pytest.importorskip("moto")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +80,7 @@ def test_s3_save_restore_and_cli(s3_endpoint, s3_env, capsys, tmp_path):
         url=url,
         every_steps=2,
         keep_last=2,
-        memory_every_steps=0,
+        memory=False,
         memory_dir=memdir,
         storage_options={"endpoint_url": s3_endpoint},
     )

@@ -23,10 +23,11 @@ import structlog
 from elastic_train.config import load_job_config
 from elastic_train.etcd.client import Etcd, connect
 from elastic_train.etcd.errors import EtcdError
-from elastic_train.etcd.server import EmbeddedEtcd, EtcdCluster, free_port
+from elastic_train.etcd.server import EmbeddedEtcd, EtcdCluster
 from elastic_train.launch.faults import Fault
 from elastic_train.launch.local import QUORUM_LOSS_SECONDS, LocalJob, LocalOptions
-from elastic_train.launch.procs import tree
+from elastic_train.net import free_port
+from elastic_train.procs import tree
 from elastic_train.rendezvous.protocol import Participant, ProtocolSettings
 from elastic_train.rendezvous.view import LeaseKeeper
 from elastic_train.train.audit import check_exactly_once

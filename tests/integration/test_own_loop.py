@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-from elastic_train.launch.procs import kill_tree, tree
+from elastic_train.procs import kill_tree, tree
 from elastic_train.train.audit import check_exactly_once
 from elastic_train.train.events import read_events
 
@@ -45,7 +45,7 @@ def final_weights(root: Path, run_id: str, step: int = STEPS) -> dict[str, torch
     from elastic_train.checkpoint import CheckpointConfig, CheckpointManager
 
     mgr = CheckpointManager(
-        CheckpointConfig(url=str(root), memory_every_steps=0), run_id, rank=0, world_size=1, local_rank=0
+        CheckpointConfig(url=str(root), memory=False), run_id, rank=0, world_size=1, local_rank=0
     )
     restored = mgr.restore()
     mgr.close()

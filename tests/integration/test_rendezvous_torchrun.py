@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from elastic_train.etcd.client import Etcd, connect
-from elastic_train.launch.procs import signal_tree, tree
+from elastic_train.procs import signal_tree, tree
 from elastic_train.rendezvous.status import read_status
 
 pytestmark = pytest.mark.slow

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from elastic_train.config import load_job_config
-from elastic_train.launch.procs import kill_tree, tree
+from elastic_train.procs import kill_tree, tree
 from elastic_train.train.audit import check_exactly_once
 from elastic_train.train.events import read_events
 
@@ -59,7 +59,7 @@ def final_model(ckpt: Path, run_id: str) -> dict[str, torch.Tensor]:
     from elastic_train.checkpoint import CheckpointConfig, CheckpointManager
 
     mgr = CheckpointManager(
-        CheckpointConfig(url=str(ckpt), memory_every_steps=0), run_id, rank=0, world_size=1, local_rank=0
+        CheckpointConfig(url=str(ckpt), memory=False), run_id, rank=0, world_size=1, local_rank=0
     )
     restored = mgr.restore()
     mgr.close()

@@ -90,7 +90,7 @@ def final_weights(work: Path) -> dict[str, torch.Tensor]:
 
     (run_dir,) = glob.glob(str(work / "ck" / "*"))
     mgr = CheckpointManager(
-        CheckpointConfig(url=str(work / "ck"), memory_every_steps=0),
+        CheckpointConfig(url=str(work / "ck"), memory=False),
         os.path.basename(run_dir),
         rank=0,
         world_size=1,

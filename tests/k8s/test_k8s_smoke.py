@@ -31,7 +31,7 @@ import k8s_checks as k
 import pytest
 import yaml
 
-from elastic_train.launch.procs import kill_tree, tree, wait_gone
+from elastic_train.procs import kill_tree, tree, wait_gone
 
 pytest.importorskip("elastic_train.cli.run")
 pytest.importorskip("elastic_train.rendezvous.registry")

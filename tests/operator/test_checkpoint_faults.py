@@ -143,12 +143,10 @@ def test_tampered_manifest_is_an_invalid_checkpoint(
     assert not (tmp_path / "w.pt").exists()
 
     # Restore falls back to step 4, as for a checksum mismatch: as the run itself and as a resume source.
-    cfg = CheckpointConfig(url=str(root), memory_every_steps=0, memory_dir=memdir)
+    cfg = CheckpointConfig(url=str(root), memory=False, memory_dir=memdir)
     restored = CheckpointManager(cfg, "job", rank=0, world_size=1, local_rank=0).restore()
     assert restored is not None and restored.step == 4 and restored.source == "durable"
-    cfg = CheckpointConfig(
-        url=str(tmp_path / "new"), memory_every_steps=0, memory_dir=memdir, resume_from=str(run)
-    )
+    cfg = CheckpointConfig(url=str(tmp_path / "new"), memory=False, memory_dir=memdir, resume_from=str(run))
     restored = CheckpointManager(cfg, "new", rank=0, world_size=1, local_rank=0).restore()
     assert restored is not None and restored.step == 4 and restored.source == "resume_from"
 

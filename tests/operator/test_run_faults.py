@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from elastic_train.etcd.client import Etcd, connect
-from elastic_train.launch.procs import signal_tree
+from elastic_train.procs import signal_tree
 from elastic_train.rendezvous.status import read_status
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
@@ -41,7 +41,7 @@ train:
   log_every: 1000
 checkpoint:
   every_steps: 5
-  memory_every_steps: 0
+  memory: false
 """
 
 

@@ -68,12 +68,10 @@ class NullCheckpointer:
 
 @pytest.fixture(scope="module")
 def world_one() -> object:
-    from elastic_train.train.group import _free_port
+    from elastic_train.net import free_port
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{_free_port('127.0.0.1')}", rank=0, world_size=1
-    )
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     yield None
     dist.destroy_process_group()
 

@@ -117,7 +117,7 @@ def test_manifests_of_formats_1_and_2_still_load_and_verify(tmp_path, fmt):
 def test_format_3_files_must_tile_the_state(tmp_path):
     url = str(tmp_path / "ckpt")
     mgr = CheckpointManager(
-        CheckpointConfig(url=url, every_steps=1, memory_every_steps=0),
+        CheckpointConfig(url=url, every_steps=1, memory=False),
         "run",
         rank=0,
         world_size=1,

@@ -41,7 +41,7 @@ def make_state(step: int, width: int = 8) -> dict:
 
 
 def cfg(url: str, memdir: str, **kw) -> CheckpointConfig:
-    kw.setdefault("memory_every_steps", 0)
+    kw.setdefault("memory", False)
     return CheckpointConfig(url=url, memory_dir=memdir, **kw)
 
 
@@ -258,12 +258,12 @@ def test_memory_tier_reallocates_when_layout_changes(memdir):
 
 def test_restore_prefers_newer_memory_snapshot_and_finalize_releases_it(tmp_path, memdir):
     url = str(tmp_path / "c")
-    m = manager(cfg(url, memdir, every_steps=3, memory_every_steps=1))
+    m = manager(cfg(url, memdir, every_steps=3, memory=True))
     for step in range(1, 6):
         m.save(step, make_state(step))
     m.close()  # an error path: the snapshot stays for the restarted worker
     assert len(snapshot_files(memdir, "run")) == 1
-    m2 = manager(cfg(url, memdir, every_steps=3, memory_every_steps=1))
+    m2 = manager(cfg(url, memdir, every_steps=3, memory=True))
     r = m2.restore()
     assert r is not None and (r.step, r.source, r.holder_rank) == (5, "memory", 0)
     assert torch.equal(r.state["model"]["bias"], make_state(5)["model"]["bias"])
@@ -274,7 +274,7 @@ def test_restore_prefers_newer_memory_snapshot_and_finalize_releases_it(tmp_path
 
 
 def test_close_with_release_and_stale_owner_sweep(tmp_path, memdir):
-    m = manager(cfg(str(tmp_path / "c"), memdir, memory_every_steps=1))
+    m = manager(cfg(str(tmp_path / "c"), memdir, memory=True))
     m.save(1, make_state(1))
     m.close(release_memory=True)
     assert snapshot_files(memdir, "run") == []

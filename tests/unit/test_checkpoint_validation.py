@@ -40,7 +40,7 @@ def state(step: int) -> dict[str, Any]:
 @pytest.fixture
 def saved(tmp_path, memdir) -> tuple[str, dict[str, Any]]:
     """A run with checkpoints of steps 1 and 2; returns the run path and step 2's manifest."""
-    cfg = CheckpointConfig(url=str(tmp_path / "c"), every_steps=1, memory_every_steps=0, memory_dir=memdir)
+    cfg = CheckpointConfig(url=str(tmp_path / "c"), every_steps=1, memory=False, memory_dir=memdir)
     m = CheckpointManager(cfg, "run", rank=0, world_size=1, local_rank=0)
     m.save(1, state(1))
     m.finalize(2, state(2))
@@ -138,7 +138,7 @@ def test_an_invalid_newest_checkpoint_is_skipped_at_restore(saved, memdir, tmp_p
     (entry,) = [e for e in durable.list_entries(storage, run) if e.step == 2]
     assert not entry.valid and "not a plain file name" in (entry.problem or "")
     assert durable.verify(storage, entry.path) == [entry.problem]
-    cfg = CheckpointConfig(url=str(tmp_path / "c"), memory_every_steps=0, memory_dir=memdir)
+    cfg = CheckpointConfig(url=str(tmp_path / "c"), memory=False, memory_dir=memdir)
     restored = CheckpointManager(cfg, "run", rank=0, world_size=1, local_rank=0).restore()
     assert restored is not None and restored.step == 1
     assert restored.state["extra"]["blob"] == b"\x00\x01payload"
@@ -195,7 +195,7 @@ def test_invalid_snapshot_metadata_is_skipped_like_a_torn_slot(memdir, change):
 def test_recycle_pool_is_emptied_when_the_last_step_is_a_checkpoint_step(tmp_path, memdir):
     url = str(tmp_path / "c")
     cfg = CheckpointConfig(
-        url=url, every_steps=2, keep_last=1, memory_every_steps=0, memory_dir=memdir, async_write=False
+        url=url, every_steps=2, keep_last=1, memory=False, memory_dir=memdir, async_write=False
     )
     m = CheckpointManager(cfg, "run", rank=0, world_size=1, local_rank=0)
     for step in range(1, 7):
@@ -251,7 +251,7 @@ def test_resume_source_checks(saved, tmp_path, memdir):
     ):
         check_resume_source(run)
     # The run to be resumed already has a checkpoint of its own: resume_from is not used, so not checked.
-    own = CheckpointConfig(url=str(tmp_path / "own"), memory_every_steps=0, memory_dir=memdir)
+    own = CheckpointConfig(url=str(tmp_path / "own"), memory=False, memory_dir=memdir)
     CheckpointManager(own, "r", rank=0, world_size=1, local_rank=0).finalize(1, state(1))
     own.resume_from = str(tmp_path / "nothing")
     check_settings(own, "r")

@@ -207,9 +207,9 @@ def test_snapshot_every_k_steps_restores_the_newest_multiple(memdir, tmp_path):
     assert same(restored.state["model"], kept[6]["model"])
 
 
-@pytest.mark.parametrize("bad", [-1, -5])
-def test_negative_snapshot_interval_is_a_one_line_error(bad):
-    with pytest.raises(ValueError, match=rf"^memory_every_steps: {bad} must be >= 0$"):
+@pytest.mark.parametrize("bad", [0, -1, -5])
+def test_snapshot_interval_below_one_is_a_one_line_error(bad):
+    with pytest.raises(ValueError, match=rf"^memory_every_steps: {bad} must be >= 1 \(memory: false turns"):
         CheckpointConfig(memory_every_steps=bad)
 
 
@@ -269,11 +269,11 @@ _CRASHER = textwrap.dedent(
 
 
 def test_kill_mid_copy_leaves_the_previous_step_valid(memdir, tmp_path, reaper, monkeypatch):
-    monkeypatch.setenv(memory_mod.ENV_OWNER, str(os.getpid()))
+    monkeypatch.setenv(memory_mod.ENV_SHM_OWNER, str(os.getpid()))
     proc = reaper.popen(
         [sys.executable, "-c", _CRASHER, memdir, str(tmp_path / "c")],
         stdout=subprocess.PIPE,
-        env={**os.environ, memory_mod.ENV_OWNER: str(os.getpid())},
+        env={**os.environ, memory_mod.ENV_SHM_OWNER: str(os.getpid())},
     )
     assert proc.stdout is not None
     for line in proc.stdout:  # log lines, then the marker
@@ -290,12 +290,10 @@ def test_kill_mid_copy_leaves_the_previous_step_valid(memdir, tmp_path, reaper, 
 
 @pytest.fixture
 def world_one():
-    from elastic_train.etcd.server import free_port as _free_port
+    from elastic_train.net import free_port
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{_free_port('127.0.0.1')}", rank=0, world_size=1
-    )
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     yield
     dist.destroy_process_group()
 

@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from elastic_train.elastic import resolve_backend
+from elastic_train.envvars import ENV_ROUND
 from elastic_train.errors import ConfigError
-from elastic_train.worker.env import ENV_ROUND, WorkerEnv
+from elastic_train.worker.env import WorkerEnv
 from elastic_train.worker.faults import FAULT_EXIT_CODE, PlannedFault, fault_hook, parse_faults
 from elastic_train.worker.main import build_parser, overrides_from_args
 
@@ -158,7 +159,7 @@ def test_single_process_run_trains_and_checkpoints(tmp_path: Path) -> None:
         "--set",
         "train.global_batch=8",
         "--set",
-        "checkpoint.memory_every_steps=0",
+        "checkpoint.memory=False",
         "--steps",
         "6",
         "--checkpoint",

@@ -1,0 +1,28 @@
+"""The environment variables elastic_train's processes pass to each other: one definition each.
+
+An agent or launcher sets them for the workers it starts; the layers that read them import the name from
+here, so the writer and the reader can never disagree on the spelling.
+"""
+
+from __future__ import annotations
+
+ENV_ROUND = "ELASTIC_TRAIN_RDZV_ROUND"
+"""The global rendezvous round of the worker group, exported by the etcd3 handler in the agent."""
+
+ENV_NODE_ID = "ELASTIC_TRAIN_NODE_ID"
+"""The node's id in the rendezvous (``elastic-train run``/``local`` set it per agent)."""
+
+ENV_IDENTITY = "ELASTIC_TRAIN_JOB_IDENTITY"
+"""The job's identity fingerprint (JSON) an agent checks against the run's record in etcd."""
+
+ENV_OUTCOME_DIR = "ELASTIC_TRAIN_OUTCOME_DIR"
+"""Where a worker records that the job finished or failed for good, for its agent to read."""
+
+ENV_EVENTS = "ELASTIC_TRAIN_EVENTS"
+"""File rank 0 appends progress events to (``elastic-train local`` follows it)."""
+
+ENV_AUDIT_DIR = "ELASTIC_TRAIN_AUDIT_DIR"
+"""Directory of the per-step data audit of samplers not given one."""
+
+ENV_SHM_OWNER = "ELASTIC_TRAIN_SHM_OWNER"
+"""PID of the process that owns this node's shared-memory snapshots (they outlive the workers, not it)."""
