@@ -3,8 +3,12 @@
 The loop reports the global mean loss of every step. A separate all-reduce of one number per step costs
 little bandwidth but a full round of latency (and, on a CPU with few cores, thread wake-ups on every rank);
 measured on 2 cores it was most of the loop's overhead over a plain DDP loop. :class:`LossCarrier` is a DDP
-communication hook that behaves as DDP's default one (divide by the world size, then sum) and, for the last
+communication hook that behaves as DDP's default one (divide by the world size, then sum) and, for the first
 bucket of the step, appends the step's loss sum to the bucket before the all-reduce and takes it back after.
+
+The first bucket (index 0: the gradients that are ready first) is DDP's small one (``first_bucket_cap``, 1 MiB
+by default), so the copy that appending costs stays small whatever the model's size; the last bucket can hold
+up to ``bucket_cap_mb`` (25 MiB), and copying it on every step cost a 38 MB model ~3% of a 200 ms step.
 
 Only used when every parameter is float32 or float64 (the appended value takes the bucket's dtype); with
 other dtypes the loop keeps its separate all-reduce.
@@ -52,7 +56,7 @@ def _hook(state: LossCarrier, bucket: dist.GradBucket) -> torch.futures.Future[t
     buf = bucket.buffer()
     buf.div_(world)  # as DDP's default hook: divide first, then sum
     pending = state._pending
-    if not bucket.is_last() or pending is None:
+    if bucket.index() != 0 or pending is None:
         fut = dist.all_reduce(buf, group=state.group, async_op=True).get_future()
         return fut.then(lambda f: f.value()[0])
     state._pending = None
