@@ -437,8 +437,7 @@ def _own_loop_worker(rank: int, args: argparse.Namespace, port: int, out: str) -
         ckpt = None
         if name != "plain":
             state = et.TrainState(model=task.model, optimizer=task.optimizer, sampler=sampler)
-            every = 1 if name == "api" else 0
-            cfg = CheckpointConfig(url=tempfile.mkdtemp(), every_steps=0, memory_every_steps=every)
+            cfg = CheckpointConfig(url=tempfile.mkdtemp(), every_steps=0, memory=name == "api")
             ckpt = et.Checkpointer(state, config=cfg, run_id=f"overhead-own-{name}-{port}")
             ckpt.restore()
         loops[name] = {"task": task, "loader": loader, "it": iter(loader), "sampler": sampler, "ckpt": ckpt,
