@@ -328,7 +328,7 @@ def render(
             lines += render_scale(doc)
         elif isinstance(doc, CheckpointDoc):
             lines += render_checkpoint(doc)
-        elif isinstance(doc, LatencyDoc):
+        elif isinstance(doc, LatencyDoc) and doc.series():
             lines += render_latency(doc, images, out)
         elif isinstance(doc, schema.OverheadDoc | schema.RecoveryDoc):
             lines += render_figures(name, doc.description, doc.figures)
