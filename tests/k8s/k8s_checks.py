@@ -2,10 +2,14 @@
 
 * :func:`render` runs ``kubectl kustomize`` (offline) and returns the objects.
 * :func:`schema_errors` validates one object strictly (no unknown fields) against the OpenAPI-derived JSON
-  schemas bundled by ``kubernetes-validate`` and returns *every* error, not just the first.
-* :func:`structural_errors` checks the whole render for what schemas cannot see: the training command agrees
-  with the Job (node counts, etcd endpoint, run id, job config), references resolve, names, quantities and
-  enum values are valid, security settings hold, NetworkPolicies select the right pods.
+  schemas bundled by ``kubernetes-validate``, and returns *every* error, not just the first. The bundled
+  schemas carry types and fields only, so the API server's own rules on values that any manifest can break
+  (names and label syntax, quantities, enumerations: :data:`REFINEMENTS`) are added to those schemas as
+  JSON-schema constraints, and jsonschema checks them with the rest.
+* :func:`structural_errors` checks the whole render for what this project relies on and no schema can see:
+  the training command agrees with the Job (node counts, etcd endpoint, run id, job config), references
+  resolve, probes, etcd wiring, security settings hold, NetworkPolicies select the right pods.
+* :func:`manifest_errors` is both, over a whole render: what the tests hold every overlay to.
 
 Every check returns a list of one-line messages (empty: fine) so a test can report all problems at once.
 """
@@ -32,18 +36,18 @@ OVERLAYS = ("cpu-demo", "gpu", "s3", "etcd-ha")
 #: Kubernetes versions every object must validate against: the oldest supported and the newest bundled.
 MIN_KUBERNETES = "1.33"
 
-#: The uid:gid the Dockerfile's USER sets; pods running the elastic-train image must run as it.
+#: The project image's name (any registry, any tag): its containers run as the Dockerfile's numeric
+#: USER and group (see :func:`check_image_user`), so files on shared volumes have one owner.
 IMAGE_NAME = "elastic-train"
 
 #: Labels the Job controller puts on the pods it creates (value: the Job's name).
 JOB_NAME_LABELS = ("batch.kubernetes.io/job-name", "job-name")
 
-DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
-DNS1123_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
-IANA_SVC_NAME = re.compile(r"^(?=.{1,15}$)(?=.*[a-z])[a-z0-9]+(-[a-z0-9]+)*$")
-LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
-LABEL_KEY_NAME = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")
-QUANTITY = re.compile(r"^[+-]?(\d+(\.\d*)?|\.\d+)(?P<suffix>[KMGTPE]i|[numkMGTPE]|[eE][+-]?\d+)?$")
+_DNS1123_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
+_DNS1123_SUBDOMAIN = rf"{_DNS1123_LABEL}(\.{_DNS1123_LABEL})*"
+_QUANTITY = r"\+?(\d+(\.\d*)?|\.\d+)(?P<suffix>[KMGTPE]i|[numkMGTPE]|[eE][+-]?\d+)?"
+DNS1123_LABEL = re.compile(rf"^{_DNS1123_LABEL}$")
+QUANTITY = re.compile(rf"^{_QUANTITY}$")
 ENV_REF = re.compile(r"\$\$|\$\(([-._a-zA-Z][-._a-zA-Z0-9]*)\)")
 IMAGE_PINNED = re.compile(r"^[^:@\s]+(:[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?(@sha256:[0-9a-f]{64})?$")
 
@@ -52,23 +56,63 @@ SUFFIX_FACTORS = {
     "n": 1e-9, "u": 1e-6, "m": 1e-3, "": 1, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18,
 }  # fmt: skip
 
-ENUMS: dict[str, set[str]] = {
-    "imagePullPolicy": {"Always", "IfNotPresent", "Never"},
-    "restartPolicy": {"Always", "OnFailure", "Never"},
-    "protocol": {"TCP", "UDP", "SCTP"},
-    "serviceType": {"ClusterIP", "NodePort", "LoadBalancer", "ExternalName"},
-    "completionMode": {"NonIndexed", "Indexed"},
-    "podFailureAction": {"FailJob", "FailIndex", "Ignore", "Count"},
-    "exitCodeOperator": {"In", "NotIn"},
-    "accessMode": {"ReadWriteOnce", "ReadOnlyMany", "ReadWriteMany", "ReadWriteOncePod"},
-    "policyType": {"Ingress", "Egress"},
-    "podManagementPolicy": {"OrderedReady", "Parallel"},
-    "seccompType": {"RuntimeDefault", "Localhost", "Unconfined"},
-    "emptyDirMedium": {"", "Memory"},
-    "podReplacementPolicy": {"TerminatingOrFailed", "Failed"},
-    "tolerationOperator": {"Exists", "Equal"},
-    "taintEffect": {"NoSchedule", "PreferNoSchedule", "NoExecute"},
-    "whenUnsatisfiable": {"DoNotSchedule", "ScheduleAnyway"},
+
+def _matching(title: str, pattern: str, max_length: int | None = None) -> dict[str, Any]:
+    """A string constraint; ``title`` names what the value should be in the error message."""
+    then: dict[str, Any] = {"pattern": f"^{pattern}$", "title": title}
+    if max_length is not None:
+        then["maxLength"] = max_length
+    return {"if": {"type": "string"}, "then": then}
+
+
+def _one_of(*values: str) -> dict[str, Any]:
+    return {"if": {"type": "string"}, "then": {"enum": list(values)}}
+
+
+_CORE, _META, _BATCH = "io.k8s.api.core.v1.", "io.k8s.apimachinery.pkg.apis.meta.v1.", "io.k8s.api.batch.v1."
+_LABEL_KEY = rf"({_DNS1123_SUBDOMAIN}/)?([A-Za-z0-9][-A-Za-z0-9_.]{{0,61}})?[A-Za-z0-9]"
+_LABEL_VALUE = r"(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?"
+_IANA_SVC_NAME = r"(?=.{1,15}$)(?=.*[a-z])[a-z0-9]+(-[a-z0-9]+)*"
+
+#: The API server's rules on values, which the bundled schemas do not carry, as JSON-schema constraints:
+#: (definition, property, constraint); ``property[]`` constrains each item of a list property.
+REFINEMENTS: tuple[tuple[str, str, dict[str, Any]], ...] = (
+    (_META + "ObjectMeta", "name", _matching("a DNS-1123 subdomain", _DNS1123_SUBDOMAIN, 253)),
+    (_META + "ObjectMeta", "labels", {
+        "propertyNames": {"pattern": f"^{_LABEL_KEY}$", "title": "a label key"},
+        "additionalProperties": _matching("a label value", _LABEL_VALUE, 63),
+    }),
+    (_CORE + "Container", "name", _matching("a DNS-1123 label", _DNS1123_LABEL, 63)),
+    (_CORE + "Volume", "name", _matching("a DNS-1123 label", _DNS1123_LABEL, 63)),
+    (_CORE + "PodSpec", "subdomain", _matching("a DNS-1123 label", _DNS1123_LABEL, 63)),
+    (_CORE + "ContainerPort", "name", _matching("an IANA service name", _IANA_SVC_NAME)),
+    (_CORE + "Container", "imagePullPolicy", _one_of("Always", "IfNotPresent", "Never")),
+    (_CORE + "PodSpec", "restartPolicy", _one_of("Always", "OnFailure", "Never")),
+    (_CORE + "ContainerPort", "protocol", _one_of("TCP", "UDP", "SCTP")),
+    (_CORE + "ServicePort", "protocol", _one_of("TCP", "UDP", "SCTP")),
+    ("io.k8s.api.networking.v1.NetworkPolicyPort", "protocol", _one_of("TCP", "UDP", "SCTP")),
+    (_CORE + "ServiceSpec", "type", _one_of("ClusterIP", "NodePort", "LoadBalancer", "ExternalName")),
+    (_CORE + "SeccompProfile", "type", _one_of("RuntimeDefault", "Localhost", "Unconfined")),
+    (_CORE + "EmptyDirVolumeSource", "medium", _one_of("", "Memory")),
+    (_CORE + "Toleration", "operator", _one_of("Exists", "Equal")),
+    (_CORE + "Toleration", "effect", _one_of("NoSchedule", "PreferNoSchedule", "NoExecute")),
+    (_CORE + "TopologySpreadConstraint", "whenUnsatisfiable", _one_of("DoNotSchedule", "ScheduleAnyway")),
+    (_CORE + "PersistentVolumeClaimSpec", "accessModes[]",
+     _one_of("ReadWriteOnce", "ReadOnlyMany", "ReadWriteMany", "ReadWriteOncePod")),
+    ("io.k8s.api.networking.v1.NetworkPolicySpec", "policyTypes[]", _one_of("Ingress", "Egress")),
+    ("io.k8s.api.apps.v1.StatefulSetSpec", "podManagementPolicy", _one_of("OrderedReady", "Parallel")),
+    (_BATCH + "JobSpec", "completionMode", _one_of("NonIndexed", "Indexed")),
+    (_BATCH + "JobSpec", "podReplacementPolicy", _one_of("TerminatingOrFailed", "Failed")),
+    (_BATCH + "PodFailurePolicyRule", "action", _one_of("FailJob", "FailIndex", "Ignore", "Count")),
+    (_BATCH + "PodFailurePolicyOnExitCodesRequirement", "operator", _one_of("In", "NotIn")),
+)  # fmt: skip
+
+#: A quantity (``500m``, ``2Gi``, ``4``): the API server refuses others, and negative ones where it counts.
+QUANTITY_SCHEMA = {
+    "allOf": [
+        _matching("a Kubernetes quantity", _QUANTITY),
+        {"if": {"type": "number"}, "then": {"minimum": 0}},
+    ]
 }
 
 # --------------------------------------------------------------------------------------------- rendering
@@ -120,11 +164,27 @@ def _validator(kind: str, api_version: str, version: str) -> Any:
         schema = utils.schema_contents(f"{schema_dir}/{kind.lower()}-{group_version}.json", version)
     except FileNotFoundError:
         return None
-    defs = utils.schema_contents(f"{schema_dir}/_definitions.json", version)
+    defs = _refined_definitions(schema_dir, version)
     # The same registry kubernetes-validate builds (its schemas carry their own ids).
     registry = referencing.Resource.from_contents(schema) @ referencing.Registry()
     registry = referencing.Resource.from_contents(defs) @ registry
     return jsonschema.validators.Draft202012Validator(schema, registry=registry)
+
+
+@functools.cache
+def _refined_definitions(schema_dir: str, version: str) -> dict[str, Any]:
+    """The bundled ``_definitions.json`` with :data:`REFINEMENTS` and :data:`QUANTITY_SCHEMA` added."""
+    from kubernetes_validate import utils
+
+    defs = copy.deepcopy(utils.schema_contents(f"{schema_dir}/_definitions.json", version))
+    by_name = defs["$defs"]
+    for definition, prop, constraint in REFINEMENTS:
+        target = by_name[definition]["properties"][prop.removesuffix("[]")]
+        if prop.endswith("[]"):
+            target = target["items"]
+        target.setdefault("allOf", []).append(constraint)
+    by_name["io.k8s.apimachinery.pkg.api.resource.Quantity"].setdefault("allOf", []).append(QUANTITY_SCHEMA)
+    return defs
 
 
 def schema_errors(obj: dict[str, Any], version: str) -> list[str]:
@@ -137,8 +197,16 @@ def schema_errors(obj: dict[str, Any], version: str) -> list[str]:
     out = []
     for err in sorted(validator.iter_errors(obj), key=lambda e: list(map(str, e.absolute_path))):
         where = ".".join(str(p) for p in err.absolute_path) or "(root)"
-        out.append(f"{ident(obj)} [k8s {version}] {where}: {err.message}")
+        title = err.schema.get("title") if isinstance(err.schema, dict) else None
+        message = f"{err.instance!r} is not {title}" if title else err.message
+        out.append(f"{ident(obj)} [k8s {version}] {where}: {message}")
     return out
+
+
+def manifest_errors(objs: list[dict[str, Any]], dockerfile: Path | None = REPO / "Dockerfile") -> list[str]:
+    """Every schema error (each of :func:`validation_versions`) and every structural error of a render."""
+    errors = [e for v in validation_versions() for obj in objs for e in schema_errors(obj, v)]
+    return errors + structural_errors(objs, dockerfile)
 
 
 # --------------------------------------------------------------------------------------------- helpers
@@ -269,7 +337,7 @@ def structural_errors(objs: list[dict[str, Any]], dockerfile: Path | None = REPO
     for check in (
         check_namespaces,
         check_names,
-        check_quantities_and_enums,
+        check_requests,
         check_references,
         check_env_expansion,
         check_security,
@@ -299,112 +367,26 @@ def check_namespaces(objs: list[dict[str, Any]]) -> list[str]:
 
 
 def check_names(objs: list[dict[str, Any]]) -> list[str]:
+    """Name rules that depend on the kind or on siblings (the schemas check every name's own syntax)."""
     errors = []
-    label_named = {"Service", "Namespace", "Job", "StatefulSet"}
     for obj in objs:
-        meta = obj.get("metadata") or {}
-        name = str(meta.get("name", ""))
-        pattern = DNS1123_LABEL if obj.get("kind") in label_named else DNS1123_SUBDOMAIN
-        limit = 63 if obj.get("kind") in label_named else 253
-        if not pattern.match(name) or len(name) > limit:
-            errors.append(
-                f"{ident(obj)}: name {name!r} is not a DNS-1123 {'label' if limit == 63 else 'subdomain'}"
-            )
+        name = str((obj.get("metadata") or {}).get("name", ""))
+        if obj.get("kind") in ("Service", "Namespace", "Job", "StatefulSet") and not (
+            DNS1123_LABEL.match(name) and len(name) <= 63
+        ):
+            errors.append(f"{ident(obj)}: name {name!r} is not a DNS-1123 label")
         if obj.get("kind") == "StatefulSet" and len(name) > 52:
             errors.append(f"{ident(obj)}: StatefulSet names longer than 52 characters break pod labels")
-        for where, labels in _all_labels(obj):
-            for key, value in labels.items():
-                prefix, _, key_name = str(key).rpartition("/")
-                if not LABEL_KEY_NAME.match(key_name) or len(key_name) > 63:
-                    errors.append(f"{ident(obj)}: {where} label key {key!r} is invalid")
-                if prefix and (not DNS1123_SUBDOMAIN.match(prefix) or len(prefix) > 253):
-                    errors.append(f"{ident(obj)}: {where} label key prefix {prefix!r} is invalid")
-                if not isinstance(value, str) or not LABEL_VALUE.match(value) or len(value) > 63:
-                    errors.append(f"{ident(obj)}: {where} label {key}={value!r} has an invalid value")
     for w in workloads(objs):
         names = [c.get("name", "") for c in w.containers()]
-        for n in names:
-            if not DNS1123_LABEL.match(n):
-                errors.append(f"{w.name}: container name {n!r} is not a DNS-1123 label")
         if len(set(names)) != len(names):
             errors.append(f"{w.name}: duplicate container names {names}")
-        for vol in w.spec.get("volumes") or []:
-            if not DNS1123_LABEL.match(vol.get("name", "")):
-                errors.append(f"{w.name}: volume name {vol.get('name')!r} is not a DNS-1123 label")
-        for c in w.containers():
-            for port in c.get("ports") or []:
-                if "name" in port and not IANA_SVC_NAME.match(port["name"]):
-                    errors.append(f"{w.name}: container {c['name']} port name {port['name']!r} is invalid")
-    if w_job := [w for w in workloads(objs) if w.owner["kind"] == "Job"]:
-        for w in w_job:
-            sub = w.spec.get("subdomain")
-            if sub and not DNS1123_LABEL.match(sub):
-                errors.append(f"{w.name}: subdomain {sub!r} is not a DNS-1123 label")
     return errors
 
 
-def _all_labels(obj: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]:
-    yield "metadata", (obj.get("metadata") or {}).get("labels") or {}
-    for w in workloads([obj]):
-        yield "pod template", (w.template.get("metadata") or {}).get("labels") or {}
-
-
-def _walk(node: Any, path: str = "") -> Iterator[tuple[str, str, Any]]:
-    """(path, key, value) of every mapping entry, depth first."""
-    if isinstance(node, dict):
-        for k, v in node.items():
-            yield path, k, v
-            yield from _walk(v, f"{path}.{k}" if path else str(k))
-    elif isinstance(node, list):
-        for i, v in enumerate(node):
-            yield from _walk(v, f"{path}[{i}]")
-
-
-def check_quantities_and_enums(objs: list[dict[str, Any]]) -> list[str]:
+def check_requests(objs: list[dict[str, Any]]) -> list[str]:
+    """No container requests more of a resource than its limit."""
     errors = []
-    for obj in objs:
-        if obj.get("kind") in ("ConfigMap", "Secret"):
-            continue
-        for path, key, value in _walk(obj):
-            where = f"{ident(obj)}: {path}.{key}"
-            if path.endswith(("resources.requests", "resources.limits")) or (
-                key in ("sizeLimit", "storage") and not isinstance(value, dict)
-            ):
-                if parse_quantity(value) is None:
-                    errors.append(f"{where}: {value!r} is not a Kubernetes quantity")
-                elif parse_quantity(value) < 0:  # type: ignore[operator]
-                    errors.append(f"{where}: {value!r} is negative")
-            enum = {
-                "imagePullPolicy": "imagePullPolicy",
-                "restartPolicy": "restartPolicy",
-                "protocol": "protocol",
-                "completionMode": "completionMode",
-                "podManagementPolicy": "podManagementPolicy",
-                "podReplacementPolicy": "podReplacementPolicy",
-                "whenUnsatisfiable": "whenUnsatisfiable",
-            }.get(key)
-            if path.endswith("podFailurePolicy.rules") or re.search(r"podFailurePolicy\.rules\[\d+\]$", path):
-                enum = {"action": "podFailureAction"}.get(key, enum)
-            if path.endswith("onExitCodes") and key == "operator":
-                enum = "exitCodeOperator"
-            if re.search(r"tolerations\[\d+\]$", path):
-                enum = {"operator": "tolerationOperator", "effect": "taintEffect"}.get(key, enum)
-            if path.endswith("seccompProfile") and key == "type":
-                enum = "seccompType"
-            if path.endswith("emptyDir") and key == "medium":
-                enum = "emptyDirMedium"
-            if obj.get("kind") == "Service" and path == "spec" and key == "type":
-                enum = "serviceType"
-            if key == "accessModes":
-                for mode in value or []:
-                    if mode not in ENUMS["accessMode"]:
-                        errors.append(f"{where}: {mode!r} is not one of {sorted(ENUMS['accessMode'])}")
-            if key == "policyTypes":
-                for t in value or []:
-                    if t not in ENUMS["policyType"]:
-                        errors.append(f"{where}: {t!r} is not one of {sorted(ENUMS['policyType'])}")
-            if enum and value not in ENUMS[enum]:
-                errors.append(f"{where}: {value!r} is not one of {sorted(ENUMS[enum])}")
     for w in workloads(objs):
         for c in w.containers():
             res = c.get("resources") or {}

@@ -157,8 +157,69 @@ def test_checks_catch_a_broken_manifest(rendered: dict[str, list[dict[str, Any]]
         if obj["kind"] == kind and re.fullmatch(rf"{name}(-[a-z0-9]{{10}})?", obj["metadata"]["name"]):
             name = obj["metadata"]["name"]
     assert not k.structural_errors(objs)
-    errors = k.structural_errors(k.patched(objs, kind, name, edit))
+    errors = k.manifest_errors(k.patched(objs, kind, name, edit))
     assert any(expected in e for e in errors), f"{case}: expected {expected!r} in:\n" + "\n".join(errors)
+
+
+def _pod_edit(path: str, value: Any) -> Any:
+    """An edit that sets ``path`` (dots; a number indexes a list) below the Job's pod spec."""
+
+    def edit(o: dict[str, Any]) -> None:
+        node: Any = o["spec"]["template"]["spec"]
+        *parents, last = path.split(".")
+        for part in parents:
+            node = node[int(part)] if part.isdigit() else node.setdefault(part, {})
+        node[int(last) if last.isdigit() else last] = value
+
+    return edit
+
+
+# What the API server refuses and the bundled schemas alone would let through (k.REFINEMENTS).
+REFUSED: dict[str, tuple[Any, str, str]] = {
+    "label-key": (
+        lambda o: o["metadata"]["labels"].update({"bad key!": "x"}), "metadata.labels", "is not a label key",
+    ),
+    "label-value": (
+        lambda o: o["spec"]["template"]["metadata"]["labels"].update(tier="a b"),
+        "spec.template.metadata.labels.tier", "'a b' is not a label value",
+    ),
+    "container-name": (_pod_edit("containers.0.name", "Node_1"), "containers.0.name", "DNS-1123 label"),
+    "volume-name": (_pod_edit("volumes.0.name", "x" * 64), "volumes.0.name", "DNS-1123 label"),
+    "port-name": (
+        _pod_edit("containers.0.ports", [{"name": "a-very-long-port-name", "containerPort": 80}]),
+        "containers.0.ports.0.name", "is not an IANA service name",
+    ),
+    "protocol": (
+        _pod_edit("containers.0.ports", [{"containerPort": 80, "protocol": "HTTP"}]),
+        "containers.0.ports.0.protocol", "'HTTP' is not one of",
+    ),
+    "restart-policy": (_pod_edit("restartPolicy", "Sometimes"), "spec.restartPolicy", "is not one of"),
+    "negative-quantity": (
+        _pod_edit("containers.0.resources.requests.cpu", -1), "requests.cpu", "less than the minimum",
+    ),
+    "signed-quantity": (
+        _pod_edit("containers.0.resources.requests.cpu", "-1"), "requests.cpu",
+        "is not a Kubernetes quantity",
+    ),
+    "medium": (
+        lambda o: next(v for v in o["spec"]["template"]["spec"]["volumes"] if "emptyDir" in v)["emptyDir"]
+        .update(medium="Disk"), "emptyDir.medium", "is not one of",
+    ),
+    "completion-mode": (
+        lambda o: o["spec"].update(completionMode="Ordered"), "spec.completionMode", "is not one of",
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED))
+def test_schemas_refuse_what_the_api_server_refuses(
+    rendered: dict[str, list[dict[str, Any]]], case: str
+) -> None:
+    edit, where, expected = REFUSED[case]
+    job = _job(k.patched(rendered["cpu-demo"], "Job", "elastic-train", edit))
+    for version in k.validation_versions():
+        errors = k.schema_errors(job, version)
+        assert len(errors) == 1 and where in errors[0] and expected in errors[0], errors
 
 
 def test_checks_catch_a_broken_overlay_rendered_by_kustomize(tmp_path: Path) -> None:

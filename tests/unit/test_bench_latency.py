@@ -2,12 +2,31 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 from tests.unit.bench_scripts import load
 
+MACHINE = {
+    "cpu": "c", "cores": 2, "ram_gib": 8.0, "loadavg": [1.0, 1.0, 1.0], "torch": "2", "python": "3.11",
+    "etcd": "3.5", "platform": "Linux",
+}  # fmt: skip
 
-def doc() -> dict:
+
+def latency_doc(**over: Any) -> Any:
+    """rdzv_latency.py's document, read through the report's schema."""
+    base = {
+        "benchmark": "rdzv_latency", "schema": 1, "command": "python benchmarks/rdzv_latency.py",
+        "machine": MACHINE, "started": "2026-12-01 06:22:39 UTC", "complete": True,
+        "settings": {"delays_ms": [0, 100], "repeats": 2, "leader_repeats": 2, "cap": 60.0, "nnodes": "2:4",
+                     "step_interval": 0.1},
+        "configs": [], "recovery": {}, "leader_kill": {"samples": []}, "seconds": 1.0, "loadavg_end": [1.0],
+    }  # fmt: skip
+    return load("report").schema.parse("rdzv_latency", json.dumps(base | over))
+
+
+def doc() -> Any:
     def cell(*secs: float | None) -> dict:
         samples = [
             {"status": "ok", "seconds": s, "cap": 60.0} if s is not None else {"status": "timeout", "cap": 60}
@@ -15,11 +34,8 @@ def doc() -> dict:
         ]
         return {"samples": samples}
 
-    report = load("report")
     summarize = load("harness").summarize
     out = {
-        "settings": {"repeats": 2, "cap": 60.0},
-        "command": "python benchmarks/rdzv_latency.py",
         "recovery": {
             "etcd3": {"0": cell(1.5, 2.5), "100": cell(3.0, 4.0)},
             "c10d-tuned": {"0": cell(10.0, None), "100": cell(None, None)},
@@ -35,14 +51,15 @@ def doc() -> dict:
         for c in per.values():
             c["summary"] = summarize(c["samples"])
     out["leader_kill"]["summary"] = summarize(out["leader_kill"]["samples"])
-    assert report.latency_series(out)
-    return out
+    d = latency_doc(**out)
+    assert d.series()
+    return d
 
 
 def test_latency_table_plot_and_leader_kill(tmp_path: Path) -> None:
     report = load("report")
     d = doc()
-    series = report.latency_series(d)
+    series = d.series()
     assert [x for x, _ in series["etcd3"]] == [0.0, 100.0]
     img = report.plot_latency(d, tmp_path)
     assert img is not None and img.stat().st_size > 1000
@@ -56,5 +73,6 @@ def test_latency_table_plot_and_leader_kill(tmp_path: Path) -> None:
 
 def test_no_latency_results_no_section(tmp_path: Path) -> None:
     report = load("report")
-    assert report.plot_latency({}, tmp_path) is None
-    assert report.latency_series({"recovery": {"etcd3": {"0": {"samples": []}}}}) == {}
+    d = latency_doc(recovery={"etcd3": {"0": {"samples": []}}})
+    assert d.series() == {}
+    assert report.plot_latency(d, tmp_path) is None
