@@ -34,7 +34,7 @@ from typing import Any
 from elastic_train.etcd.client import Etcd, cmp_mod, cmp_version, op_put
 from elastic_train.etcd.errors import EtcdError
 from elastic_train.log import get_logger
-from elastic_train.rendezvous.config import validate_run_id
+from elastic_train.rendezvous.config import RendezvousConfig, run_prefix
 from elastic_train.rendezvous.decide import (
     Joiner,
     assign_ranks,
@@ -54,7 +54,6 @@ from elastic_train.rendezvous.view import LeaseKeeper, RunView
 
 log = get_logger(__name__)
 
-ROOT = "/elastic_train/"
 #: Least seconds between two evaluations of the forming round by the node expected to close it (or while that
 #: is not known yet), and by every other node. A watch batch that brings no new ``round`` record within these
 #: intervals is folded into the next evaluation: each one costs O(N), and in a large job a batch arrives with
@@ -69,11 +68,6 @@ RUN_RECORD_TTL = 7 * 24 * 3600
 RUN_RECORD_KEYS = ("closed", "identity", "round", "failures", "config")
 #: Seconds an identity written by a node binds the run even before that node's lease shows up.
 IDENTITY_FRESH = 10.0
-
-
-def run_prefix(run_id: str) -> str:
-    """The etcd key prefix of a run (the run id is validated: it must not escape the prefix)."""
-    return f"{ROOT}{validate_run_id(run_id)}/"
 
 
 def run_view(etcd: Etcd, run_id: str) -> RunView:
@@ -135,6 +129,21 @@ class ProtocolSettings:
     """The settings every node of the run must share (``None``: not checked)."""
     identity_wait: float = 120.0
     """Seconds a node whose identity differs from a live run's waits for that run's nodes to go away."""
+
+    @classmethod
+    def from_config(cls, cfg: RendezvousConfig) -> ProtocolSettings:
+        """The protocol settings of a job's rendezvous config (the identity is left to the handler)."""
+        return cls(
+            run_id=cfg.run_id,
+            min_nodes=cfg.min_nodes,
+            max_nodes=cfg.max_nodes,
+            lease_ttl=cfg.lease_ttl,
+            settle=cfg.settle,
+            join_timeout=cfg.join_timeout,
+            failure_budget=cfg.failure_budget,
+            keepalive_interval=cfg.keepalive_interval,
+            identity_wait=cfg.identity_wait,
+        )
 
 
 class Participant:
