@@ -114,7 +114,8 @@ def prepare_environment(
     torchrun knows.
     """
     from elastic_train.envvars import ENV_IDENTITY
-    from elastic_train.rendezvous.identity import JobIdentity, job_settings, torchrun_settings
+    from elastic_train.launch.identity import job_settings
+    from elastic_train.rendezvous.identity import JobIdentity, torchrun_settings
 
     rdzv = cfg.rendezvous
     environ.setdefault(ENV_NODE_ID, socket.gethostname())
