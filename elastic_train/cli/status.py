@@ -8,8 +8,9 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
+from elastic_train.cli.etcd import add_tls_options, tls_from_args
 from elastic_train.errors import ConfigError
-from elastic_train.etcd.config import DEFAULT_PASSWORD_ENV, TLSConfig
+from elastic_train.etcd.config import DEFAULT_PASSWORD_ENV
 from elastic_train.rendezvous.config import RendezvousConfig
 
 if TYPE_CHECKING:
@@ -26,9 +27,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--user", default=None, help="etcd user (password from --password-env or --password-file)")
     p.add_argument("--password-env", default=DEFAULT_PASSWORD_ENV, help="env var holding the password")
     p.add_argument("--password-file", default=None, help="file holding the password")
-    p.add_argument("--ca-file", default=None, help="CA bundle of the etcd server certificate")
-    p.add_argument("--cert-file", default=None, help="client certificate (mutual TLS)")
-    p.add_argument("--key-file", default=None, help="client certificate key")
+    add_tls_options(p)
     p.add_argument("--timeout", type=float, default=5.0, help="seconds per etcd request")
     p.set_defaults(func=run)
 
@@ -37,10 +36,8 @@ def run(args: argparse.Namespace) -> int:
     from elastic_train.rendezvous.connect import open_etcd
     from elastic_train.rendezvous.status import read_status
 
+    tls = tls_from_args(args)
     try:
-        tls = None
-        if args.ca_file or args.cert_file or args.key_file:
-            tls = TLSConfig(ca_file=args.ca_file, cert_file=args.cert_file, key_file=args.key_file)
         cfg = RendezvousConfig(
             endpoint=args.endpoint,
             run_id=args.run_id,
