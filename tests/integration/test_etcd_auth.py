@@ -99,6 +99,7 @@ def test_a_rotated_training_password_is_applied_and_the_old_one_refused(etcd_ser
     assert ensure_once(ep, "trainer", "", ROOT_PW, "rotated-pw") is False
     with connect(ep, user="trainer", password="rotated-pw") as trainer:
         trainer.put("/anywhere", b"the empty prefix is the whole keyspace")
+        assert "rotated-pw" not in repr(trainer) and trainer.user == "trainer"
     with pytest.raises(EtcdError, match="authentication failed"):
         connect(ep, user="trainer", password=TRAINING_PW)
 
