@@ -90,7 +90,7 @@ def host(
     ``waiting`` (reply with the monotonic time at which every remaining participant reports a node waiting),
     ``stop``.
     """
-    clients = [Etcd(connect(endpoint, timeout=30)) for _ in range(max(1, -(-len(ids) // per_client)))]
+    clients = [connect(endpoint, timeout=30) for _ in range(max(1, -(-len(ids) // per_client)))]
     view = run_view(clients[0], settings.run_id) if shared_watch else None
     if view is not None:
         view.start()
@@ -246,7 +246,7 @@ def bootstrap(endpoint: str, n: int) -> dict:
     def tcp(i: int):
         return server if i == 0 else dist.TCPStore("127.0.0.1", server.port, is_master=False)
 
-    etcd = Etcd(connect(endpoint))
+    etcd = connect(endpoint)
 
     def via_etcd(i: int):
         return Etcd3Store(etcd, f"/elastic_train/boot-{n}/", timedelta(seconds=60))

@@ -8,8 +8,10 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
+from elastic_train.cli.etcd import add_tls_options, tls_from_args
 from elastic_train.errors import ConfigError
-from elastic_train.rendezvous.config import RendezvousConfig, TLSConfig
+from elastic_train.etcd.config import DEFAULT_PASSWORD_ENV
+from elastic_train.rendezvous.config import RendezvousConfig
 
 if TYPE_CHECKING:
     from elastic_train.rendezvous.status import JobStatus
@@ -23,25 +25,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--run-id", required=True, help="the job's run id (--rdzv-id)")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.add_argument("--user", default=None, help="etcd user (password from --password-env or --password-file)")
-    p.add_argument(
-        "--password-env", default="ELASTIC_TRAIN_ETCD_PASSWORD", help="env var holding the password"
-    )
+    p.add_argument("--password-env", default=DEFAULT_PASSWORD_ENV, help="env var holding the password")
     p.add_argument("--password-file", default=None, help="file holding the password")
-    p.add_argument("--ca-file", default=None, help="CA bundle of the etcd server certificate")
-    p.add_argument("--cert-file", default=None, help="client certificate (mutual TLS)")
-    p.add_argument("--key-file", default=None, help="client certificate key")
+    add_tls_options(p)
     p.add_argument("--timeout", type=float, default=5.0, help="seconds per etcd request")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from elastic_train.etcd.client import Etcd, connect_config
+    from elastic_train.rendezvous.connect import open_etcd
     from elastic_train.rendezvous.status import read_status
 
+    tls = tls_from_args(args)
     try:
-        tls = None
-        if args.ca_file or args.cert_file or args.key_file:
-            tls = TLSConfig(ca_file=args.ca_file, cert_file=args.cert_file, key_file=args.key_file)
         cfg = RendezvousConfig(
             endpoint=args.endpoint,
             run_id=args.run_id,
@@ -52,11 +48,8 @@ def run(args: argparse.Namespace) -> int:
         )
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
-    etcd = Etcd(connect_config(cfg, timeout=args.timeout, connect_timeout=args.timeout))
-    try:
+    with open_etcd(cfg, timeout=args.timeout, connect_timeout=args.timeout) as etcd:
         st = read_status(etcd, args.run_id)
-    finally:
-        etcd.close()
     if not st.exists:
         if args.json:
             print(json.dumps(st.to_json(), indent=2))

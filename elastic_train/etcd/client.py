@@ -1,15 +1,16 @@
-"""An etcd v3 client factory with one clear line per failure, and a thin KV layer on its gRPC stubs.
+"""The project's etcd v3 client: one connection type with clear errors, on the raw gRPC stubs.
 
-:func:`connect` builds a ``python3-etcd3`` client tuned for a rendezvous: a per-RPC deadline, a connection
-deadline of several seconds (slow links), quick gRPC reconnects (an etcd restart is survived in about a
-second, not after gRPC's default 2-minute backoff), no 300 s "failed endpoint" quarantine, and authentication
-and a probe call up front. An etcd that is not reachable yet is waited for up to ``connect_timeout``; a wrong
-password or a TLS problem surfaces at once as :class:`~elastic_train.etcd.errors.EtcdError`.
+:func:`connect` is the one way to get a client. It builds a ``python3-etcd3`` channel tuned for a
+rendezvous: a per-RPC deadline, a connection deadline of several seconds (slow links), quick gRPC reconnects
+(an etcd restart is survived in about a second, not after gRPC's default 2-minute backoff), no 300 s "failed
+endpoint" quarantine, and authentication and a probe call up front. An etcd that is not reachable yet is
+waited for up to ``connect_timeout``; a wrong password or a TLS problem surfaces at once as
+:class:`~elastic_train.etcd.errors.EtcdError`.
 
-:class:`Etcd` wraps the raw v3 stubs (KV, Txn, Lease, Watch) with uniform error translation, failover between
-the members of an endpoint list, re-authentication when a token expires, and operation counters (benchmarks
-read them). The password is kept only in memory and
-never appears in a message or a log event.
+:class:`Etcd`, what it returns, holds the endpoint list and the credentials and wraps the v3 stubs (KV, Txn,
+Lease, Watch) with uniform error translation, failover between the members of an endpoint list,
+re-authentication when a token expires, and operation counters (benchmarks read them). The password is
+kept only in memory and never appears in a message, a ``repr`` or a log event.
 """
 
 from __future__ import annotations
@@ -32,12 +33,11 @@ import grpc
 from etcd3 import etcdrpc
 from etcd3.client import Endpoint, MultiEndpointEtcd3Client
 
-from elastic_train.errors import ConfigError
-from elastic_train.etcd.endpoints import format_endpoint
-from elastic_train.etcd.endpoints import parse_endpoints as _parse_endpoints
+from elastic_train.etcd.config import EtcdConfig, TLSConfig
+from elastic_train.etcd.endpoints import format_endpoints, parse_endpoints
 from elastic_train.etcd.errors import EtcdError
+from elastic_train.etcd.keys import range_end
 from elastic_train.log import get_logger
-from elastic_train.rendezvous.config import RendezvousConfig, TLSConfig
 
 log = get_logger(__name__)
 
@@ -72,18 +72,6 @@ def grpc_options(connect_attempt_timeout: float = CONNECT_ATTEMPT_TIMEOUT) -> li
 
 #: The channel options with the default connection deadline.
 GRPC_OPTIONS = grpc_options()
-
-
-def parse_endpoints(endpoints: str) -> list[tuple[str, int]]:
-    """:func:`elastic_train.etcd.endpoints.parse_endpoints` raising :class:`EtcdError` (no port: 2379).
-
-    Raises:
-        EtcdError: an entry is not HOST[:PORT].
-    """
-    try:
-        return _parse_endpoints(endpoints)
-    except ValueError as exc:
-        raise EtcdError(str(exc)) from None
 
 
 def _read(path: str, what: str) -> bytes:
@@ -188,192 +176,6 @@ def describe_rpc_error(exc: BaseException, where: str, user: str | None = None) 
     return f"etcd request to {where} failed: {type(exc).__name__}: {exc}"
 
 
-def connect(
-    endpoints: str,
-    *,
-    tls: TLSConfig | None = None,
-    user: str | None = None,
-    password: str | None = None,
-    timeout: float = 5.0,
-    probe_key: str | None = None,
-    connect_timeout: float = 0.0,
-) -> MultiEndpointEtcd3Client:
-    """Return an authenticated, reachable etcd v3 client.
-
-    Every member of the list is tried in turn (from a random one, to spread clients); the first that
-    authenticates and answers the probe is used, and later requests fail over to the others
-    (:class:`Etcd`). While none is reachable, the whole list is tried again with a growing pause until
-    ``connect_timeout`` seconds have passed, with a ``waiting for etcd at ...`` warning every
-    :data:`WAIT_LOG_EVERY` seconds. Errors waiting cannot fix (credentials, permissions, TLS) end it at once.
-
-    Args:
-        endpoints: ``HOST[:PORT][,HOST[:PORT]...]`` (port 2379 when absent).
-        tls: CA bundle and optional client certificate; plain text when ``None`` or empty.
-        user: etcd user for password authentication.
-        password: that user's password (from an env var or file; never from a command line).
-        timeout: deadline of each RPC, the probe included (also raises the connection-attempt deadline).
-        probe_key: a key to read as the reachability/permission probe (default: the cluster status, which
-            needs no key permission).
-        connect_timeout: seconds to keep trying an unreachable etcd (0: one pass over the list).
-
-    Raises:
-        EtcdError: bad endpoint, unreadable TLS file, etcd unreachable for ``connect_timeout``, TLS
-            handshake failure, authentication or permission failure; one line, no credentials.
-    """
-    pairs = parse_endpoints(endpoints)
-    creds = None
-    if tls is not None and tls.enabled:
-        if tls.ca_file is None:
-            raise EtcdError("TLS client certificate given without ca_file")
-        ca = _read(tls.ca_file, "ca_file")
-        key = _read(tls.key_file, "key_file") if tls.key_file else None
-        cert = _read(tls.cert_file, "cert_file") if tls.cert_file else None
-        creds = grpc.ssl_channel_credentials(ca, key, cert)
-    if (user is None) != (password is None):
-        raise EtcdError("etcd authentication needs both a user and a password")
-    where = ",".join(format_endpoint(host, port) for host, port in pairs)
-    opts = grpc_options(max(CONNECT_ATTEMPT_TIMEOUT, timeout))
-    eps = [
-        Endpoint(
-            f"[{host}]" if ":" in host else host,
-            port,
-            secure=creds is not None,
-            creds=creds,
-            time_retry=0.5,
-            opts=opts,
-        )
-        for host, port in pairs
-    ]
-    client = MultiEndpointEtcd3Client(endpoints=eps, timeout=timeout, failover=len(eps) > 1)
-    if creds is None:
-        # gRPC refuses call credentials on a plain-text channel; the token travels in the metadata.
-        client.call_credentials = None
-    client._et_user = user
-    client._et_password = password
-    client._et_where = where
-    labels = list(client.endpoints)
-    first = labels.index(client._current_endpoint_label)
-    order = labels[first:] + labels[:first]
-    started = time.monotonic()
-    pause = 0.5
-    last_log = -WAIT_LOG_EVERY
-    while True:
-        last_exc: BaseException | None = None
-        for label in order:
-            client._current_endpoint_label = label
-            try:
-                _probe(client, probe_key)
-                return client
-            except grpc.RpcError as exc:
-                if not is_transient(exc):
-                    client.close()
-                    raise EtcdError(
-                        describe_rpc_error(exc, label if len(order) > 1 else where, user)
-                    ) from None
-                last_exc = exc
-        assert last_exc is not None
-        waited = time.monotonic() - started
-        if waited >= connect_timeout:
-            client.close()
-            gave_up = f" (gave up after {waited:.0f} s; rdzv-conf connect_timeout)" if connect_timeout else ""
-            raise EtcdError(describe_rpc_error(last_exc, where, user) + gave_up) from None
-        if time.monotonic() - last_log >= WAIT_LOG_EVERY:
-            last_log = time.monotonic()
-            reason = wait_reason(last_exc)
-            log.warning(
-                "etcd_waiting",
-                message=f"waiting for etcd at {where}: {reason} ({waited:.0f} s of {connect_timeout:.0f} s)",
-                endpoint=where,
-                reason=reason,
-                waited_s=round(waited, 1),
-                connect_timeout_s=connect_timeout,
-            )
-        # the last pause ends at the deadline, for one more pass over the list there
-        time.sleep(min(pause * random.uniform(0.8, 1.2), connect_timeout - waited))
-        pause = min(pause * 2, CONNECT_RETRY_MAX)
-
-
-def _probe(client: MultiEndpointEtcd3Client, probe_key: str | None) -> None:
-    """Authenticate on the current member (tokens may be per member) and issue the probe request."""
-    if getattr(client, "_et_user", None) is not None:
-        reauthenticate(client)
-    if probe_key is not None:
-        client.kvstub.Range(
-            etcdrpc.RangeRequest(key=probe_key.encode()),
-            client.timeout,
-            credentials=client.call_credentials,
-            metadata=client.metadata,
-        )
-    else:
-        client.maintenancestub.Status(
-            etcdrpc.StatusRequest(),
-            client.timeout,
-            credentials=client.call_credentials,
-            metadata=client.metadata,
-        )
-
-
-def reauthenticate(client: MultiEndpointEtcd3Client) -> None:
-    """Fetch a fresh auth token (tokens expire, and an etcd restart invalidates simple tokens)."""
-    user = getattr(client, "_et_user", None)
-    password = getattr(client, "_et_password", None)
-    if user is None or password is None:
-        return
-    resp = client.authstub.Authenticate(
-        etcdrpc.AuthenticateRequest(name=user, password=password), client.timeout
-    )
-    client.metadata = (("token", resp.token),)
-    if getattr(client.endpoint_in_use, "secure", False):
-        client.call_credentials = grpc.metadata_call_credentials(
-            etcd3.client.EtcdTokenCallCredentials(resp.token)
-        )
-
-
-def read_password(cfg: RendezvousConfig) -> str | None:
-    """The etcd password: env var ``cfg.password_env``, else ``cfg.password_file``; None without a user.
-
-    Raises:
-        ConfigError: a user is set but no password is found, or the file cannot be read.
-    """
-    if cfg.user is None:
-        return None
-    value = os.environ.get(cfg.password_env)
-    if value:
-        return value
-    if cfg.password_file:
-        try:
-            with open(cfg.password_file, encoding="utf-8") as f:
-                return f.read().rstrip("\r\n")
-        except OSError as exc:
-            raise ConfigError(f"password_file {cfg.password_file!r} cannot be read ({exc.strerror})") from exc
-    raise ConfigError(
-        f"etcd user {cfg.user!r} is set but no password: set ${cfg.password_env} or rdzv-conf password_file"
-    )
-
-
-def connect_config(
-    cfg: RendezvousConfig, timeout: float | None = None, *, connect_timeout: float | None = None
-) -> MultiEndpointEtcd3Client:
-    """:func:`connect` with a job's rendezvous settings (endpoints, TLS, user, password from env/file).
-
-    The probe reads the run's own ``config`` key, so a user limited to the run prefix passes it. The RPC
-    deadline and the wait for an unreachable etcd default to ``cfg.rpc_timeout`` and ``cfg.connect_timeout``.
-
-    Raises:
-        EtcdError: unreachable for ``connect_timeout``, TLS or authentication failure (one line).
-        ConfigError: a user without a password.
-    """
-    return connect(
-        cfg.endpoint,
-        tls=cfg.tls,
-        user=cfg.user,
-        password=read_password(cfg),
-        timeout=cfg.rpc_timeout if timeout is None else timeout,
-        probe_key=f"/elastic_train/{cfg.run_id}/config",
-        connect_timeout=cfg.connect_timeout if connect_timeout is None else connect_timeout,
-    )
-
-
 @dataclass(slots=True)
 class KeyValue:
     """One key as read from etcd."""
@@ -412,24 +214,90 @@ def _kv(kv: Any) -> KeyValue:
     return KeyValue(kv.key.decode(), kv.value, kv.mod_revision, kv.create_revision, kv.lease)
 
 
-def range_end(prefix: str) -> bytes:
-    """The exclusive end of the key range that holds every key starting with ``prefix``."""
-    b = bytearray(prefix.encode())
-    b[-1] += 1
-    return bytes(b)
-
-
 class Etcd:
-    """KV, Txn, Lease and Watch on an etcd v3 client, with one error type (:class:`EtcdError`).
+    """A connection to etcd: the endpoint list, the credentials, and KV, Txn, Lease and Watch on the v3 stubs
+    with one error type (:class:`EtcdError`).
 
-    Thread-safe (gRPC channels are). Calls that fail with an expired token re-authenticate and retry once.
+    Get one from :func:`connect` (or :func:`connect_config`), which also authenticates and probes it.
+    Thread-safe (gRPC channels are). Calls that fail with an expired token re-authenticate and retry once;
+    a member that fails is left for the next one in the list.
+
+    Attributes:
+        raw: the ``python3-etcd3`` client under this one, for RPCs not wrapped here (its stubs, e.g.
+            ``raw.authstub``, through :meth:`unary` keep this class's error handling).
+        where: the endpoint list as ``HOST:PORT,...``, for messages.
+        user: the etcd user, or ``None`` without authentication.
+        counts: RPCs issued so far.
     """
 
-    def __init__(self, client: MultiEndpointEtcd3Client) -> None:
-        self.client = client
+    __slots__ = ("_lock", "_password", "counts", "raw", "user", "where")
+
+    def __init__(
+        self, raw: MultiEndpointEtcd3Client, *, where: str, user: str | None, password: str | None
+    ) -> None:
+        self.raw = raw
+        self.where = where
+        self.user = user
+        self._password = password
         self.counts = OpCounts()
         self._lock = threading.Lock()
-        self.where = getattr(client, "_et_where", "etcd")
+
+    def __repr__(self) -> str:
+        return f"Etcd(where={self.where!r}, user={self.user!r}, member={self.member!r})"
+
+    @property
+    def timeout(self) -> float:
+        """Deadline of each RPC, in seconds."""
+        return float(self.raw.timeout)
+
+    @property
+    def member(self) -> str:
+        """HOST:PORT of the member requests go to now."""
+        return str(self.raw._current_endpoint_label)
+
+    @property
+    def members(self) -> list[str]:
+        """HOST:PORT of every member of the endpoint list, in its order."""
+        return list(self.raw.endpoints)
+
+    def use_member(self, member: str) -> None:
+        """Send later requests to ``member`` (one of :attr:`members`), logged in there.
+
+        Raises:
+            ValueError: ``member`` is not in the endpoint list.
+        """
+        if member not in self.raw.endpoints:
+            raise ValueError(f"{member} is not one of the etcd endpoints {self.where}")
+        self.raw._current_endpoint_label = member
+        if self.user is not None:
+            with contextlib.suppress(grpc.RpcError):  # simple auth tokens are per member
+                self.reauthenticate()
+
+    def reauthenticate(self) -> None:
+        """Fetch a fresh auth token (tokens expire, and an etcd restart invalidates simple tokens).
+
+        Raises:
+            grpc.RpcError: etcd refused or did not answer (callers decide whether that matters).
+        """
+        if self.user is None or self._password is None:
+            return
+        resp = self.raw.authstub.Authenticate(
+            etcdrpc.AuthenticateRequest(name=self.user, password=self._password), self.raw.timeout
+        )
+        self.raw.metadata = (("token", resp.token),)
+        if getattr(self.raw.endpoint_in_use, "secure", False):
+            self.raw.call_credentials = grpc.metadata_call_credentials(
+                etcd3.client.EtcdTokenCallCredentials(resp.token)
+            )
+
+    def _probe(self, probe_key: str | None) -> None:
+        """Authenticate on the current member (tokens may be per member) and issue the probe request."""
+        self.reauthenticate()
+        if probe_key is not None:
+            request = etcdrpc.RangeRequest(key=probe_key.encode())
+            self.raw.kvstub.Range(request, self.raw.timeout, **self._md())
+        else:
+            self.raw.maintenancestub.Status(etcdrpc.StatusRequest(), self.raw.timeout, **self._md())
 
     def _call(self, fn: Callable[[], T], *, idempotent: bool = True) -> T:
         """Run one RPC; re-authenticate once on an expired token; fail over to another member.
@@ -439,9 +307,9 @@ class Etcd:
         reads and keep-alives (``idempotent``), for writes only when the first member never received it.
         """
         reauth = True
-        tries = len(self.client.endpoints)
+        tries = len(self.raw.endpoints)
         while True:
-            label = self.client._current_endpoint_label
+            label = self.member
             try:
                 return fn()
             except grpc.RpcError as exc:
@@ -450,71 +318,74 @@ class Etcd:
                 if reauth and (code == grpc.StatusCode.UNAUTHENTICATED or "invalid auth token" in text):
                     reauth = False
                     with contextlib.suppress(grpc.RpcError):
-                        reauthenticate(self.client)
+                        self.reauthenticate()
                     continue
                 if is_transient(exc) and self.failover(label):
                     tries -= 1
                     if tries > 0 and (idempotent or not_sent(exc)):
                         reauth = True
                         continue
-                raise EtcdError(
-                    describe_rpc_error(exc, self.where, getattr(self.client, "_et_user", None))
-                ) from exc
+                raise EtcdError(describe_rpc_error(exc, self.where, self.user)) from exc
             except ValueError as exc:  # python3-etcd3: "Trying to use a failed node"
                 raise EtcdError(f"cannot reach etcd at {self.where}: {exc}") from exc
 
     def failover(self, failed: str) -> bool:
         """Move later requests from member ``failed`` to the next one in the list; False with one member."""
-        labels = list(self.client.endpoints)
+        labels = self.members
         if len(labels) < 2:
             return False
         with self._lock:
-            if self.client._current_endpoint_label == failed:
+            if self.member == failed:
                 nxt = labels[(labels.index(failed) + 1) % len(labels)]
-                self.client._current_endpoint_label = nxt
+                self.raw._current_endpoint_label = nxt
                 self.counts.failovers += 1
                 log.info("etcd_failover", failed=failed, now=nxt)
-        if getattr(self.client, "_et_user", None) is not None:
+        if self.user is not None:
             with contextlib.suppress(grpc.RpcError):  # simple auth tokens are per member
-                reauthenticate(self.client)
+                self.reauthenticate()
         return True
 
-    @property
-    def member(self) -> str:
-        """HOST:PORT of the member requests go to now."""
-        return str(self.client._current_endpoint_label)
-
     def _md(self) -> dict[str, Any]:
-        return {"credentials": self.client.call_credentials, "metadata": self.client.metadata}
+        return {"credentials": self.raw.call_credentials, "metadata": self.raw.metadata}
+
+    def unary(self, method: Callable[..., T], request: Any, *, idempotent: bool = True) -> T:
+        """Call one unary RPC of a stub this class does not wrap (``raw.authstub``, ``raw.maintenancestub``)
+        with its deadline, credentials, re-authentication, failover and error translation.
+
+        Args:
+            method: a stub method, e.g. ``etcd.raw.authstub.UserAdd``.
+            request: its request message.
+            idempotent: whether resending it to another member after a failure is safe.
+
+        Raises:
+            EtcdError: the call failed; ``__cause__`` holds gRPC's error (:func:`rpc_details` reads it).
+        """
+        return self._call(lambda: method(request, self.raw.timeout, **self._md()), idempotent=idempotent)
 
     def get_prefix(self, prefix: str) -> tuple[list[KeyValue], int]:
         """All keys under ``prefix`` and the store revision they were read at."""
         self.counts.reads += 1
         req = etcdrpc.RangeRequest(key=prefix.encode(), range_end=range_end(prefix))
-        resp = self._call(lambda: self.client.kvstub.Range(req, self.client.timeout, **self._md()))
+        resp = self._call(lambda: self.raw.kvstub.Range(req, self.raw.timeout, **self._md()))
         return [_kv(kv) for kv in resp.kvs], resp.header.revision
 
     def get(self, key: str) -> KeyValue | None:
         self.counts.reads += 1
         req = etcdrpc.RangeRequest(key=key.encode())
-        resp = self._call(lambda: self.client.kvstub.Range(req, self.client.timeout, **self._md()))
+        resp = self._call(lambda: self.raw.kvstub.Range(req, self.raw.timeout, **self._md()))
         return _kv(resp.kvs[0]) if resp.kvs else None
 
     def put(self, key: str, value: bytes, lease: int = 0) -> int:
         """Write ``key``; returns the new store revision."""
         self.counts.writes += 1
         req = etcdrpc.PutRequest(key=key.encode(), value=value, lease=lease)
-        resp = self._call(
-            lambda: self.client.kvstub.Put(req, self.client.timeout, **self._md()), idempotent=False
-        )
+        resp = self._call(lambda: self.raw.kvstub.Put(req, self.raw.timeout, **self._md()), idempotent=False)
         return int(resp.header.revision)
 
     def delete(self, key: str, prefix: bool = False) -> None:
         self.counts.writes += 1
         req = etcdrpc.DeleteRangeRequest(key=key.encode(), range_end=range_end(key) if prefix else b"")
-        self._call(
-            lambda: self.client.kvstub.DeleteRange(req, self.client.timeout, **self._md()), idempotent=False
-        )
+        self._call(lambda: self.raw.kvstub.DeleteRange(req, self.raw.timeout, **self._md()), idempotent=False)
 
     def txn(
         self,
@@ -530,7 +401,7 @@ class Etcd:
         req = etcdrpc.TxnRequest(compare=compare, success=success, failure=failure or [])
         read_only = all(op.WhichOneof("request") == "request_range" for op in success + (failure or []))
         resp = self._call(
-            lambda: self.client.kvstub.Txn(req, self.client.timeout, **self._md()), idempotent=read_only
+            lambda: self.raw.kvstub.Txn(req, self.raw.timeout, **self._md()), idempotent=read_only
         )
         if resp.succeeded:
             self.counts.writes += sum(1 for op in success if op.WhichOneof("request") != "request_range")
@@ -540,7 +411,7 @@ class Etcd:
         """A new lease (a lease granted twice by a resend is never used and expires after ``ttl``)."""
         self.counts.leases += 1
         req = etcdrpc.LeaseGrantRequest(TTL=ttl)
-        resp = self._call(lambda: self.client.leasestub.LeaseGrant(req, self.client.timeout, **self._md()))
+        resp = self._call(lambda: self.raw.leasestub.LeaseGrant(req, self.raw.timeout, **self._md()))
         return int(resp.ID)
 
     def lease_keepalive(self, lease_id: int, timeout: float | None = None) -> int:
@@ -550,11 +421,11 @@ class Etcd:
         must not outlast the lease it refreshes.
         """
         self.counts.leases += 1
-        deadline = time.monotonic() + (timeout if timeout is not None else self.client.timeout)
+        deadline = time.monotonic() + (timeout if timeout is not None else self.raw.timeout)
 
         def once() -> int:
             left = max(0.05, deadline - time.monotonic())
-            it = self.client.leasestub.LeaseKeepAlive(
+            it = self.raw.leasestub.LeaseKeepAlive(
                 iter([etcdrpc.LeaseKeepAliveRequest(ID=lease_id)]), left, **self._md()
             )
             for resp in it:
@@ -566,7 +437,7 @@ class Etcd:
     def lease_revoke(self, lease_id: int) -> None:
         self.counts.leases += 1
         req = etcdrpc.LeaseRevokeRequest(ID=lease_id)
-        self._call(lambda: self.client.leasestub.LeaseRevoke(req, self.client.timeout, **self._md()))
+        self._call(lambda: self.raw.leasestub.LeaseRevoke(req, self.raw.timeout, **self._md()))
 
     def watch_prefix(
         self, prefix: str, start_revision: int, stop: threading.Event
@@ -581,13 +452,13 @@ class Etcd:
             key=prefix.encode(), range_end=range_end(prefix), start_revision=start_revision
         )
         requests: Any = _RequestQueue(etcdrpc.WatchRequest(create_request=create), stop)
-        stub = etcdrpc.WatchStub(self.client.channel)
+        stub = etcdrpc.WatchStub(self.raw.channel)
         self.counts.reads += 1
         md = self._md()
         # etcd ends the stream of a member that loses its leader (a partition, lost quorum) instead of
         # leaving it silent; the caller then re-lists through another member.
         md["metadata"] = (*(md["metadata"] or ()), ("hasleader", "true"))
-        label = self.client._current_endpoint_label
+        label = self.member
         try:
             stream = stub.Watch(requests, **md)
             requests.stream = stream
@@ -622,17 +493,21 @@ class Etcd:
                 getattr(exc, "details", lambda: "")()
             ):
                 with contextlib.suppress(grpc.RpcError):
-                    reauthenticate(self.client)
+                    self.reauthenticate()
             elif is_transient(exc):
                 self.failover(label)
-            raise EtcdError(
-                describe_rpc_error(exc, self.where, getattr(self.client, "_et_user", None))
-            ) from exc
+            raise EtcdError(describe_rpc_error(exc, self.where, self.user)) from exc
         finally:
             requests.close()
 
     def close(self) -> None:
-        self.client.close()
+        self.raw.close()
+
+    def __enter__(self) -> Etcd:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 class _RequestQueue:
@@ -688,3 +563,142 @@ def op_get(key: str) -> Any:
 
 def op_delete(key: str) -> Any:
     return etcdrpc.RequestOp(request_delete_range=etcdrpc.DeleteRangeRequest(key=key.encode()))
+
+
+def rpc_details(exc: BaseException) -> str:
+    """gRPC's details text of a failed call (of an :class:`EtcdError` from :meth:`Etcd.unary`: its cause)."""
+    cause = exc.__cause__ if isinstance(exc, EtcdError) else exc
+    return _details(cause) if cause is not None else ""
+
+
+def connect(
+    endpoints: str,
+    *,
+    tls: TLSConfig | None = None,
+    user: str | None = None,
+    password: str | None = None,
+    timeout: float = 5.0,
+    probe_key: str | None = None,
+    connect_timeout: float = 0.0,
+) -> Etcd:
+    """Return an authenticated, reachable etcd client.
+
+    Every member of the list is tried in turn (from a random one, to spread clients); the first that
+    authenticates and answers the probe is used, and later requests fail over to the others. While none is
+    reachable, the whole list is tried again with a growing pause until ``connect_timeout`` seconds have
+    passed, with a ``waiting for etcd at ...`` warning every :data:`WAIT_LOG_EVERY` seconds. Errors waiting
+    cannot fix (credentials, permissions, TLS) end it at once.
+
+    Args:
+        endpoints: ``HOST[:PORT][,HOST[:PORT]...]`` (port 2379 when absent).
+        tls: CA bundle and optional client certificate; plain text when ``None`` or empty.
+        user: etcd user for password authentication.
+        password: that user's password (from an env var or file; never from a command line).
+        timeout: deadline of each RPC, the probe included (also raises the connection-attempt deadline).
+        probe_key: a key to read as the reachability/permission probe (default: the cluster status, which
+            needs no key permission).
+        connect_timeout: seconds to keep trying an unreachable etcd (0: one pass over the list).
+
+    Raises:
+        EtcdError: bad endpoint, unreadable TLS file, etcd unreachable for ``connect_timeout``, TLS
+            handshake failure, authentication or permission failure; one line, no credentials.
+    """
+    try:
+        pairs = parse_endpoints(endpoints)
+    except ValueError as exc:
+        raise EtcdError(str(exc)) from None
+    creds = None
+    if tls is not None and tls.enabled:
+        if tls.ca_file is None:
+            raise EtcdError("TLS client certificate given without ca_file")
+        ca = _read(tls.ca_file, "ca_file")
+        key = _read(tls.key_file, "key_file") if tls.key_file else None
+        cert = _read(tls.cert_file, "cert_file") if tls.cert_file else None
+        creds = grpc.ssl_channel_credentials(ca, key, cert)
+    if (user is None) != (password is None):
+        raise EtcdError("etcd authentication needs both a user and a password")
+    where = format_endpoints(pairs)
+    opts = grpc_options(max(CONNECT_ATTEMPT_TIMEOUT, timeout))
+    eps = [
+        Endpoint(
+            f"[{host}]" if ":" in host else host,
+            port,
+            secure=creds is not None,
+            creds=creds,
+            time_retry=0.5,
+            opts=opts,
+        )
+        for host, port in pairs
+    ]
+    raw = MultiEndpointEtcd3Client(endpoints=eps, timeout=timeout, failover=len(eps) > 1)
+    if creds is None:
+        # gRPC refuses call credentials on a plain-text channel; the token travels in the metadata.
+        raw.call_credentials = None
+    etcd = Etcd(raw, where=where, user=user, password=password)
+    labels = etcd.members
+    first = labels.index(etcd.member)
+    order = labels[first:] + labels[:first]
+    started = time.monotonic()
+    pause = 0.5
+    last_log = -WAIT_LOG_EVERY
+    while True:
+        last_exc: BaseException | None = None
+        for label in order:
+            raw._current_endpoint_label = label
+            try:
+                etcd._probe(probe_key)
+                return etcd
+            except grpc.RpcError as exc:
+                if not is_transient(exc):
+                    etcd.close()
+                    raise EtcdError(
+                        describe_rpc_error(exc, label if len(order) > 1 else where, user)
+                    ) from None
+                last_exc = exc
+        assert last_exc is not None
+        waited = time.monotonic() - started
+        if waited >= connect_timeout:
+            etcd.close()
+            gave_up = f" (gave up after {waited:.0f} s; rdzv-conf connect_timeout)" if connect_timeout else ""
+            raise EtcdError(describe_rpc_error(last_exc, where, user) + gave_up) from None
+        if time.monotonic() - last_log >= WAIT_LOG_EVERY:
+            last_log = time.monotonic()
+            reason = wait_reason(last_exc)
+            log.warning(
+                "etcd_waiting",
+                message=f"waiting for etcd at {where}: {reason} ({waited:.0f} s of {connect_timeout:.0f} s)",
+                endpoint=where,
+                reason=reason,
+                waited_s=round(waited, 1),
+                connect_timeout_s=connect_timeout,
+            )
+        # the last pause ends at the deadline, for one more pass over the list there
+        time.sleep(min(pause * random.uniform(0.8, 1.2), connect_timeout - waited))
+        pause = min(pause * 2, CONNECT_RETRY_MAX)
+
+
+def connect_config(
+    cfg: EtcdConfig,
+    *,
+    probe_key: str | None = None,
+    timeout: float | None = None,
+    connect_timeout: float | None = None,
+) -> Etcd:
+    """:func:`connect` with a config's settings (endpoints, TLS, user, password from env/file).
+
+    The RPC deadline and the wait for an unreachable etcd default to ``cfg.rpc_timeout`` and
+    ``cfg.connect_timeout``.
+
+    Raises:
+        EtcdError: unreachable for ``connect_timeout``, TLS or authentication failure (one line).
+        ConfigError: a user without a password.
+    """
+    return connect(
+        cfg.endpoint,
+        tls=cfg.tls,
+        user=cfg.user,
+        password=cfg.read_password(),
+        timeout=cfg.rpc_timeout if timeout is None else timeout,
+        probe_key=probe_key,
+        connect_timeout=cfg.connect_timeout if connect_timeout is None else connect_timeout,
+    )

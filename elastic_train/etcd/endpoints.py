@@ -1,4 +1,5 @@
-"""The one parser of etcd endpoint lists (``--rdzv-endpoint``, job.yaml ``rendezvous.endpoint``).
+"""The one parser of etcd endpoint lists (``--rdzv-endpoint``, job.yaml ``rendezvous.endpoint``,
+``--endpoint`` of the CLI) and its inverse.
 
 Kept free of gRPC so that configuration validation can use it without importing the client.
 """
@@ -61,3 +62,8 @@ def parse_endpoints(endpoints: str) -> list[tuple[str, int]]:
 def format_endpoint(host: str, port: int) -> str:
     """``HOST:PORT`` (``[ADDR]:PORT`` for IPv6), the form gRPC and etcdctl take."""
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def format_endpoints(pairs: list[tuple[str, int]]) -> str:
+    """The canonical endpoint list ``HOST:PORT,HOST:PORT,...`` of parsed (host, port) pairs."""
+    return ",".join(format_endpoint(host, port) for host, port in pairs)

@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 import psutil
 
@@ -33,6 +33,9 @@ from elastic_train.launch.run import worker_overrides_argv
 from elastic_train.launch.summary import Summary, render_table, world_size_timeline
 from elastic_train.log import get_logger
 from elastic_train.procs import signal_tree, terminate_tree, tree
+
+if TYPE_CHECKING:
+    from elastic_train.etcd.client import Etcd
 
 log = get_logger(__name__)
 
@@ -108,7 +111,7 @@ class LocalJob:
         self.final_status: Any = None
         self._last_scan = 0.0
         self._last_status = 0.0
-        self._status_client: Any = None
+        self._status_client: Etcd | None = None
         #: Nodes started by collision faults (same run id, other settings), with their fault.
         self.intruders: list[tuple[Fault, Node]] = []
 
@@ -381,13 +384,13 @@ class LocalJob:
         if any(f.kind in CLUSTER_KINDS and f.fired_at and f.detected_at is None for f in self.opts.faults):
             return  # etcd is being broken on purpose: asking it now would stall this loop
         self._last_status = now
-        from elastic_train.etcd.client import Etcd, connect
+        from elastic_train.etcd.client import connect
         from elastic_train.etcd.errors import EtcdError
         from elastic_train.rendezvous.status import read_status
 
         try:
             if self._status_client is None:
-                self._status_client = Etcd(connect(self.etcd.endpoint, timeout=1.0))
+                self._status_client = connect(self.etcd.endpoint, timeout=1.0)
             status = read_status(self._status_client, self.run_id)
         except EtcdError:
             return

@@ -114,7 +114,8 @@ def prepare_environment(
     torchrun knows.
     """
     from elastic_train.envvars import ENV_IDENTITY
-    from elastic_train.rendezvous.identity import JobIdentity, job_settings, torchrun_settings
+    from elastic_train.launch.identity import job_settings
+    from elastic_train.rendezvous.identity import JobIdentity, torchrun_settings
 
     rdzv = cfg.rendezvous
     environ.setdefault(ENV_NODE_ID, socket.gethostname())
@@ -139,7 +140,7 @@ def preflight(cfg: JobConfig) -> None:
     """
     from elastic_train.checkpoint.storage import open_storage
     from elastic_train.errors import ElasticTrainError
-    from elastic_train.etcd.client import connect_config
+    from elastic_train.rendezvous.connect import open_etcd
 
     try:
         open_storage(cfg.checkpoint.url, cfg.checkpoint.storage_options)
@@ -150,8 +151,7 @@ def preflight(cfg: JobConfig) -> None:
         if module is None or not _import_quietly(module):
             raise
         open_storage(cfg.checkpoint.url, cfg.checkpoint.storage_options)
-    client = connect_config(cfg.rendezvous)
-    client.close()
+    open_etcd(cfg.rendezvous).close()
 
 
 class ForkServerSupervisor:

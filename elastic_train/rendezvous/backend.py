@@ -37,20 +37,13 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend, Token
 
-from elastic_train.etcd.client import (
-    Etcd,
-    cmp_mod,
-    cmp_version,
-    connect_config,
-    op_delete,
-    op_get,
-    op_put,
-    range_end,
-)
+from elastic_train.etcd.client import Etcd, cmp_mod, cmp_version, op_delete, op_get, op_put
 from elastic_train.etcd.errors import EtcdError
+from elastic_train.etcd.keys import range_end
 from elastic_train.log import get_logger
+from elastic_train.rendezvous.config import run_prefix
+from elastic_train.rendezvous.connect import open_etcd
 from elastic_train.rendezvous.params import DEFAULT_STATE_TTL, ETCD3_DYNAMIC, parse_params
-from elastic_train.rendezvous.protocol import run_prefix
 
 log = get_logger(__name__)
 
@@ -455,7 +448,7 @@ def create_backend(params: RendezvousParameters) -> tuple[Etcd3RendezvousBackend
     for key, why in parsed.ignored.items():
         log.warning("rdzv_conf_ignored", backend=BACKEND_NAME, key=key, reason=why)
     try:
-        etcd = Etcd(connect_config(parsed.config))
+        etcd = open_etcd(parsed.config)
     except EtcdError as exc:
         raise RendezvousConnectionError(str(exc)) from exc
     lease = NodeLease(etcd, parsed.store.state_ttl)

@@ -1,12 +1,14 @@
-"""Rendezvous settings of a job (the ``rendezvous:`` section of job.yaml)."""
+"""Rendezvous settings of a job (the ``rendezvous:`` section of job.yaml) and where a run's keys live."""
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
 
-from elastic_train.etcd.endpoints import parse_endpoints
+from elastic_train.etcd.config import EtcdConfig
 
+#: Every run's keys live under this etcd prefix.
+ROOT = "/elastic_train/"
 #: Run ids become etcd key prefixes and Kubernetes-style names: keep them tame.
 RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 
@@ -21,32 +23,16 @@ def validate_run_id(run_id: str) -> str:
     return run_id
 
 
-@dataclass(kw_only=True, slots=True)
-class TLSConfig:
-    """TLS material for talking to etcd; all paths are local files."""
-
-    ca_file: str | None = None
-    """CA bundle that signed the etcd server certificate."""
-    cert_file: str | None = None
-    """Client certificate (mutual TLS); needs key_file."""
-    key_file: str | None = None
-    """Private key of the client certificate."""
-
-    def __post_init__(self) -> None:
-        if (self.cert_file is None) != (self.key_file is None):
-            raise ValueError("cert_file/key_file: give both or neither")
-
-    @property
-    def enabled(self) -> bool:
-        return self.ca_file is not None or self.cert_file is not None
+def run_prefix(run_id: str) -> str:
+    """The etcd key prefix of a run (the run id is validated: it must not escape the prefix)."""
+    return f"{ROOT}{validate_run_id(run_id)}/"
 
 
 @dataclass(kw_only=True, slots=True)
-class RendezvousConfig:
-    """Where and how the agents of a job meet."""
+class RendezvousConfig(EtcdConfig):
+    """Where and how the agents of a job meet: the etcd connection (:class:`EtcdConfig`: endpoint, TLS,
+    user and password source, timeouts) and the rendezvous settings below."""
 
-    endpoint: str = "127.0.0.1:2379"
-    """etcd client endpoint(s), HOST[:PORT] (port 2379 when absent), comma-separated for a cluster."""
     run_id: str = "elastic-train"
     """Job identity; every etcd key of the job lives under a prefix made from it."""
     min_nodes: int = 1
@@ -60,12 +46,6 @@ class RendezvousConfig:
     keepalive_interval: float | None = None
     """Seconds between lease keep-alives, also each keep-alive's deadline (default lease_ttl/3; at most
     lease_ttl/2, so that a lost keep-alive is retried, on another etcd member, before the lease expires)."""
-    connect_timeout: float = 60.0
-    """Seconds a starting node waits for etcd to become reachable (an etcd still starting, a member
-    restarting) before it fails; wrong credentials and TLS errors fail at once."""
-    rpc_timeout: float = 5.0
-    """Deadline of each etcd request, and of each gRPC connection attempt; raise it for a slow or loaded
-    etcd far away."""
     settle: float = 1.0
     """Seconds without a new joiner before a round with at least min_nodes closes."""
     join_timeout: float = 600.0
@@ -75,14 +55,6 @@ class RendezvousConfig:
     identity_wait: float = 120.0
     """Seconds a node whose settings differ from a live run's waits for that run's nodes to leave (a Job
     deleted moments ago) before it is refused; then it takes the run over."""
-    user: str | None = None
-    """etcd user name for password authentication."""
-    password_env: str = "ELASTIC_TRAIN_ETCD_PASSWORD"
-    """Environment variable holding the etcd password (never pass a password on the command line)."""
-    password_file: str | None = None
-    """File holding the etcd password; used when the environment variable is unset."""
-    tls: TLSConfig | None = None
-    """TLS settings; plain text when absent."""
 
     def __post_init__(self) -> None:
         validate_run_id(self.run_id)
@@ -102,10 +74,6 @@ class RendezvousConfig:
             raise ValueError(f"identity_wait: {self.identity_wait} must be between 0 and 3600 seconds")
         if self.failure_budget < 0:
             raise ValueError(f"failure_budget: {self.failure_budget} must be >= 0")
-        if not 0 <= self.connect_timeout <= 3600:
-            raise ValueError(f"connect_timeout: {self.connect_timeout} must be between 0 and 3600 seconds")
-        if not 0.1 <= self.rpc_timeout <= 300:
-            raise ValueError(f"rpc_timeout: {self.rpc_timeout} must be between 0.1 and 300 seconds")
         if self.keepalive_interval is not None and not (
             0.05 <= self.keepalive_interval <= self.lease_ttl / 2
         ):
@@ -115,10 +83,8 @@ class RendezvousConfig:
                 "(it must be between 0.05 s and lease_ttl/2, so that a failed keep-alive is retried before "
                 "the lease expires)"
             )
-        try:
-            parse_endpoints(self.endpoint)
-        except ValueError as exc:
-            raise ValueError(f"endpoint: {exc}") from None
+        # Not super(): a slots dataclass is a new class, and the zero-argument form would name the old one.
+        EtcdConfig.__post_init__(self)
 
     @property
     def keepalive_every(self) -> float:

@@ -7,51 +7,26 @@ started with another checkpoint URL or node range is turned away instead of corr
 The identity is a flat mapping of dotted setting names to JSON values, in a fixed order (the order decides
 which difference a refusal names first), with a fingerprint over its canonical JSON.
 
-- ``elastic-train run``/``local`` nodes: :func:`job_settings` of the job config, passed from the launcher to
-  the rendezvous handler in :data:`ENV_IDENTITY`.
+- ``elastic-train run``/``local`` nodes: the job config's shared settings
+  (:func:`elastic_train.launch.identity.job_settings`), passed from the launcher to the rendezvous handler
+  in :data:`ENV_IDENTITY`.
 - plain ``torchrun --rdzv-backend=etcd3`` nodes: what torchrun knows (:func:`torchrun_settings`).
+
+The settings are plain values built by the caller; this module knows nothing of the job config.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from elastic_train.envvars import ENV_IDENTITY
 
-if TYPE_CHECKING:
-    from elastic_train.config import JobConfig
-
 #: Longest rendering of one value in a refusal line.
 MAX_VALUE_CHARS = 80
-
-
-def _canonical_url(url: str) -> str:
-    """A checkpoint URL as nodes must agree on it: local paths absolute, no trailing slash."""
-    if "://" not in url:
-        url = os.path.abspath(url)
-    return url.rstrip("/") or url
-
-
-def job_settings(cfg: JobConfig) -> dict[str, Any]:
-    """The settings of a job config that every node of the run must share, in comparison order."""
-    rdzv, train = cfg.rendezvous, cfg.train
-    return {
-        "checkpoint.url": _canonical_url(cfg.checkpoint.url),
-        "rendezvous.min_nodes": rdzv.min_nodes,
-        "rendezvous.max_nodes": rdzv.max_nodes,
-        "rendezvous.nproc_per_node": rdzv.nproc_per_node,
-        "rendezvous.failure_budget": rdzv.failure_budget,
-        "train.task": train.task,
-        "train.task_args": train.task_args,
-        "train.global_batch": train.global_batch,
-        "train.seed": train.seed,
-        "train.steps": train.steps,
-    }
 
 
 def torchrun_settings(min_nodes: int, max_nodes: int, nproc_per_node: int | None) -> dict[str, Any]:

@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from elastic_train.errors import ConfigError
-from elastic_train.etcd.client import read_password
-from elastic_train.rendezvous.config import RendezvousConfig, TLSConfig
+from elastic_train.etcd.config import TLSConfig
+from elastic_train.etcd.endpoints import format_endpoints, parse_endpoints
+from elastic_train.rendezvous.config import RendezvousConfig
 
 if TYPE_CHECKING:
     # Not imported at run time: importing torch's rendezvous package loads the torchrun.handlers entry
@@ -300,7 +301,7 @@ def torchrun_args(cfg: RendezvousConfig) -> list[str]:
     for value in rdzv_conf(cfg).values():
         if "," in value or "=" in value:
             raise ConfigError(f"rdzv-conf value {shlex.quote(value)} must not contain ',' or '='")
-    endpoint = ",".join(ep.strip() for ep in cfg.endpoint.split(","))
+    endpoint = format_endpoints(parse_endpoints(cfg.endpoint))
     return [
         f"--nnodes={cfg.min_nodes}:{cfg.max_nodes}",
         f"--nproc-per-node={cfg.nproc_per_node}",
@@ -320,6 +321,5 @@ __all__ = [
     "parse_conf",
     "parse_params",
     "rdzv_conf",
-    "read_password",
     "torchrun_args",
 ]

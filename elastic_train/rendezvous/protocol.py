@@ -28,13 +28,14 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from elastic_train.etcd.client import Etcd, cmp_mod, cmp_version, op_put
 from elastic_train.etcd.errors import EtcdError
 from elastic_train.log import get_logger
-from elastic_train.rendezvous.config import validate_run_id
+from elastic_train.rendezvous.config import RendezvousConfig, run_prefix
 from elastic_train.rendezvous.decide import (
     Joiner,
     assign_ranks,
@@ -54,7 +55,6 @@ from elastic_train.rendezvous.view import LeaseKeeper, RunView
 
 log = get_logger(__name__)
 
-ROOT = "/elastic_train/"
 #: Least seconds between two evaluations of the forming round by the node expected to close it (or while that
 #: is not known yet), and by every other node. A watch batch that brings no new ``round`` record within these
 #: intervals is folded into the next evaluation: each one costs O(N), and in a large job a batch arrives with
@@ -69,11 +69,6 @@ RUN_RECORD_TTL = 7 * 24 * 3600
 RUN_RECORD_KEYS = ("closed", "identity", "round", "failures", "config")
 #: Seconds an identity written by a node binds the run even before that node's lease shows up.
 IDENTITY_FRESH = 10.0
-
-
-def run_prefix(run_id: str) -> str:
-    """The etcd key prefix of a run (the run id is validated: it must not escape the prefix)."""
-    return f"{ROOT}{validate_run_id(run_id)}/"
 
 
 def run_view(etcd: Etcd, run_id: str) -> RunView:
@@ -135,6 +130,64 @@ class ProtocolSettings:
     """The settings every node of the run must share (``None``: not checked)."""
     identity_wait: float = 120.0
     """Seconds a node whose identity differs from a live run's waits for that run's nodes to go away."""
+
+    @classmethod
+    def from_config(cls, cfg: RendezvousConfig) -> ProtocolSettings:
+        """The protocol settings of a job's rendezvous config (the identity is left to the handler)."""
+        return cls(
+            run_id=cfg.run_id,
+            min_nodes=cfg.min_nodes,
+            max_nodes=cfg.max_nodes,
+            lease_ttl=cfg.lease_ttl,
+            settle=cfg.settle,
+            join_timeout=cfg.join_timeout,
+            failure_budget=cfg.failure_budget,
+            keepalive_interval=cfg.keepalive_interval,
+            identity_wait=cfg.identity_wait,
+        )
+
+
+@dataclass(slots=True)
+class JoinState:
+    """Where one :meth:`Participant.join` stands: the round it asks for, and when to look again."""
+
+    target: int
+    """The round this node asks to be in."""
+    reason: str
+    """Why it joins (:data:`elastic_train.rendezvous.decide.REASONS`), written in its join key."""
+    deadline: float
+    """Monotonic time the join gives up (``join_timeout``)."""
+    join_written: bool = False
+    """Whether this node's join key asks for :attr:`target` yet."""
+    close_due: float | None = None
+    """Monotonic time the forming round was first seen ready to close (others step in a lease TTL later)."""
+    next_eval: float = 0.0
+    """Earliest monotonic time of the next evaluation of the forming round."""
+
+    def missed(self, latest: int) -> None:
+        """Round ``latest`` closed without this node: ask for the next one, as excluded unless it was a
+        failure or a lost node that brought it here."""
+        self.target = latest + 1
+        self.reason = self.reason if self.reason in ("failure", "lost") else "excluded"
+        self.join_written = False
+        self.close_due = None
+        self.next_eval = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class CloseAttempt:
+    """What a decision to close the forming round was made on; the close transaction writes from it."""
+
+    previous: RoundRecord | None
+    """The last closed round (``None`` before the first)."""
+    previous_revision: int
+    """Its ``round`` key's mod revision (0 when absent): the transaction's fence."""
+    joins: dict[str, Joiner]
+    """The live nodes asking for :attr:`target`."""
+    live: set[str]
+    """Every node with a lease."""
+    target: int
+    """The round being closed."""
 
 
 class Participant:
@@ -464,6 +517,11 @@ class Participant:
     def join(self) -> RoundResult:
         """Block until a round that includes this node closes.
 
+        Each pass writes this node's join key when it does not ask for the current target yet, or looks at
+        the run: adopt a closed round that includes this node, aim at the next one after a round closed
+        without it, or evaluate the forming round and, when it is ready and this node is to close it, close
+        it with one transaction.
+
         Raises:
             RendezvousClosed: the run finished (``set_closed``); a late node should exit cleanly.
             FailureBudgetExhausted: the run stopped because its failure budget is spent.
@@ -471,7 +529,24 @@ class Participant:
             EtcdError: etcd failed for longer than the join allows.
         """
         self.start()
-        deadline = time.monotonic() + self.s.join_timeout
+        state = self._begin_join()
+        while True:
+            if not state.join_written:
+                state.join_written = self._etcd_step(
+                    state.deadline, self._put_join, state.target, state.reason
+                )
+                continue
+            with self.view.cond:
+                step = self._look(state)
+            if isinstance(step, RoundResult):
+                return step
+            if step is not None:
+                self._etcd_step(state.deadline, self._try_close, step)
+                with self.view.cond:  # let the watch deliver the outcome before deciding again
+                    self.view.cond.wait(0.2)
+
+    def _begin_join(self) -> JoinState:
+        """The first target round and why this node joins; refuses a taken-over or closed run."""
         with self.view.cond:
             self._check_identity_kept()
             rec, _ = self._round_record()
@@ -480,71 +555,80 @@ class Participant:
             )
             self._waiting_cause = None
             self._check_closed()
-            target = (rec.round if rec else 0) + 1
-        need_put = True
-        close_due: float | None = None
-        next_eval = 0.0
-        while True:
-            attempt_close = False
-            if need_put:
-                need_put = not self._etcd_step(lambda t=target, r=reason: self._put_join(t, r), deadline)
-                continue
-            with self.view.cond:
-                self._check_closed()
-                rec, rec_rev = self._round_record()
-                latest = rec.round if rec else 0
-                now = time.monotonic()
-                if now > deadline:
-                    raise RendezvousJoinTimeout(
-                        f"rendezvous of run {self.s.run_id!r} did not form within {self.s.join_timeout:.0f}s "
-                        f"(min_nodes={self.s.min_nodes})"
-                    )
-                if rec is not None and latest >= target:
-                    if self.node_id in rec.members:
-                        return self._adopt(rec)
-                    target = latest + 1
-                    reason = reason if reason in ("failure", "lost") else "excluded"
-                    close_due = None
-                    need_put = True
-                    next_eval = 0.0
-                    continue
-                if now < next_eval:
-                    self.view.cond.wait(next_eval - now)
-                    continue
-                live = self._live()
-                joins = {n: j for n, j in self._joins().items() if j.target == target and n in live}
-                decision = decide_close(
-                    joined=joins,
-                    live=live,
-                    min_nodes=self.s.min_nodes,
-                    max_nodes=self.s.max_nodes,
-                    settle=self.s.settle,
-                    quiet_for=now - self.view.last_change,
-                    has_previous_round=rec is not None,
-                )
-                order = assign_ranks(rec.members if rec else [], joins.values(), self.s.max_nodes)
-                closer = not order or order[0] == self.node_id
-                next_eval = now + (CLOSER_EVAL_INTERVAL if closer else FOLLOWER_EVAL_INTERVAL)
-                if decision.close:
-                    close_due = close_due or now
-                    # The prospective rank 0 closes; the others step in if it has not within a lease TTL.
-                    if closer or now - close_due >= self.s.lease_ttl:
-                        attempt_close = True
-                        next_eval = 0.0
-                    else:
-                        self.view.cond.wait(min(0.5, self.s.lease_ttl))
-                else:
-                    close_due = None
-                    self.view.cond.wait(max(0.01, min(decision.wait, deadline - now)))
-            if attempt_close:
-                self._etcd_step(lambda a=(rec, rec_rev, joins, live, target): self._try_close(*a), deadline)
-                with self.view.cond:  # let the watch deliver the outcome before deciding again
-                    self.view.cond.wait(0.2)
+        return JoinState(
+            target=(rec.round if rec else 0) + 1,
+            reason=reason,
+            deadline=time.monotonic() + self.s.join_timeout,
+        )
 
-    def _etcd_step(self, fn: Any, deadline: float) -> bool:
-        """Run one etcd write; on an etcd error log, pause briefly and report False (the caller retries)."""
+    def _look(self, state: JoinState) -> RoundResult | CloseAttempt | None:
+        """One look at the run (``view.cond`` held): this node's round if it closed, a close to attempt, or
+        ``None`` after waiting for the next change or evaluation time.
+
+        Raises:
+            RendezvousClosed, FailureBudgetExhausted, JobFailed: the run is closed.
+            RendezvousJoinTimeout: past the join's deadline.
+        """
+        self._check_closed()
+        rec, rec_rev = self._round_record()
+        now = time.monotonic()
+        if now > state.deadline:
+            raise RendezvousJoinTimeout(
+                f"rendezvous of run {self.s.run_id!r} did not form within {self.s.join_timeout:.0f}s "
+                f"(min_nodes={self.s.min_nodes})"
+            )
+        if rec is not None and rec.round >= state.target:
+            if self.node_id in rec.members:
+                return self._adopt(rec)
+            state.missed(rec.round)
+            return None
+        if now < state.next_eval:
+            self.view.cond.wait(state.next_eval - now)
+            return None
+        return self._evaluate(state, rec, rec_rev, now)
+
+    def _evaluate(
+        self, state: JoinState, rec: RoundRecord | None, rec_rev: int, now: float
+    ) -> CloseAttempt | None:
+        """Decide whether the forming round closes now and whether this node closes it (``view.cond`` held).
+
+        The prospective rank 0 closes; the others step in if it has not within a lease TTL. Without a close
+        to attempt, waits for the next change (or the settle window's end).
+        """
+        live = self._live()
+        joins = {n: j for n, j in self._joins().items() if j.target == state.target and n in live}
+        decision = decide_close(
+            joined=joins,
+            live=live,
+            min_nodes=self.s.min_nodes,
+            max_nodes=self.s.max_nodes,
+            settle=self.s.settle,
+            quiet_for=now - self.view.last_change,
+            has_previous_round=rec is not None,
+        )
+        order = assign_ranks(rec.members if rec else [], joins.values(), self.s.max_nodes)
+        closer = not order or order[0] == self.node_id
+        state.next_eval = now + (CLOSER_EVAL_INTERVAL if closer else FOLLOWER_EVAL_INTERVAL)
+        if not decision.close:
+            state.close_due = None
+            self.view.cond.wait(max(0.01, min(decision.wait, state.deadline - now)))
+            return None
+        state.close_due = state.close_due or now
+        if closer or now - state.close_due >= self.s.lease_ttl:
+            state.next_eval = 0.0
+            return CloseAttempt(rec, rec_rev, joins, live, state.target)
+        self.view.cond.wait(min(0.5, self.s.lease_ttl))
+        return None
+
+    def _etcd_step(self, deadline: float, fn: Callable[..., object], *args: Any) -> bool:
+        """Run one etcd write, ``fn(*args)``; on an etcd error log, pause briefly and report False (the
+        caller retries).
+
+        Raises:
+            EtcdError: etcd failed past ``deadline``.
+        """
         try:
-            fn()
+            fn(*args)
             return True
         except EtcdError as exc:
             if time.monotonic() > deadline:
@@ -568,12 +652,12 @@ class Participant:
         log.info("rendezvous_join", node=self.node_id, target_round=target, reason=reason)
         self.etcd.put(self.prefix + "join/" + self.node_id, self._join_value, self.lease.lease_id)
 
-    def _try_close(
-        self, rec: RoundRecord | None, rec_rev: int, joins: dict[str, Joiner], live: set[str], target: int
-    ) -> bool:
-        previous = rec.members if rec else []
-        members = assign_ranks(previous, joins.values(), self.s.max_nodes)
-        failure = is_failure_transition(previous, members, joins.values(), live)
+    def _try_close(self, attempt: CloseAttempt) -> bool:
+        """Close the round ``attempt`` was decided on: one transaction, fenced by the last round's revision
+        (and by the run not being closed); False when another node's transaction won."""
+        previous = attempt.previous.members if attempt.previous else []
+        members = assign_ranks(previous, attempt.joins.values(), self.s.max_nodes)
+        failure = is_failure_transition(previous, members, attempt.joins.values(), attempt.live)
         with self.view.cond:
             used = self._failures()
             nodes_kv = self.view.under("nodes/")
@@ -584,7 +668,10 @@ class Participant:
                 nodes[m] = {"addr": d.get("addr"), "store_port": d.get("store_port", 0)}
             except (KeyError, ValueError):
                 nodes[m] = {"addr": None, "store_port": 0}
-        compare = [cmp_mod(self.prefix + "round", rec_rev), cmp_version(self.prefix + "closed", 0)]
+        compare = [
+            cmp_mod(self.prefix + "round", attempt.previous_revision),
+            cmp_version(self.prefix + "closed", 0),
+        ]
         if failure and used + 1 > self.s.failure_budget:
             msg = (
                 f"failure budget exhausted for run {self.s.run_id!r}: {used + 1} failures, budget "
@@ -601,7 +688,7 @@ class Participant:
                 log.error("failure_budget_exhausted", run_id=self.s.run_id, failures=used + 1)
                 self._expire_record()
             return ok
-        record = RoundRecord(target, members, nodes, failure)
+        record = RoundRecord(attempt.target, members, nodes, failure)
         ops = [op_put(self.prefix + "round", record.encode())]
         if failure:
             ops.append(op_put(self.prefix + "failures", str(used + 1).encode()))
@@ -609,7 +696,7 @@ class Participant:
         if ok:
             log.info(
                 "rendezvous_round_closed",
-                round=target,
+                round=attempt.target,
                 world_size=len(members),
                 failure=failure,
                 by=self.node_id,

@@ -4,6 +4,10 @@ Each entry point is a zero-argument function returning the creator torch registe
 ``(RendezvousParameters) -> RendezvousHandler``. A creator that cannot build its handler (a bad rdzv-conf,
 etcd unreachable, TLS or authentication failure) prints one line, ``torchrun: error: ...``, and exits
 (status 2 for a configuration mistake, 1 otherwise) instead of a traceback through torchrun.
+
+This module is the top of the rendezvous package: nothing in elastic_train imports it (torch loads it through
+the entry points whenever its own rendezvous package is imported). The handler and the backend are imported
+when a creator runs, since both import torch's rendezvous package themselves.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ import functools
 import os
 import sys
 from collections.abc import Callable
-from typing import TYPE_CHECKING, NoReturn
+from typing import NoReturn
 
 from torch.distributed.elastic.rendezvous.api import (
     RendezvousConnectionError,
@@ -21,13 +25,9 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 
 from elastic_train.errors import ElasticTrainError
-from elastic_train.etcd.client import Etcd, connect_config
 from elastic_train.log import get_logger
-from elastic_train.rendezvous.config import RendezvousConfig
+from elastic_train.rendezvous.connect import open_etcd
 from elastic_train.rendezvous.params import DYNAMIC_KEYS, ETCD3, parse_params
-
-if TYPE_CHECKING:
-    from elastic_train.rendezvous.protocol import ProtocolSettings
 
 #: torch's DynamicRendezvousHandler shares a TCPStore across rounds unless this is "1" (see docs).
 ENV_DISABLE_SHARED_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
@@ -35,32 +35,6 @@ ENV_DISABLE_SHARED_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 Creator = Callable[[RendezvousParameters], RendezvousHandler]
 
 log = get_logger(__name__)
-
-
-def open_etcd(cfg: RendezvousConfig, timeout: float | None = None) -> Etcd:
-    """Connect to the job's etcd with its TLS/auth settings; the probe reads the run's own prefix.
-
-    Raises:
-        EtcdError: unreachable, TLS or authentication problem (one line).
-        ConfigError: a user without a password.
-    """
-    return Etcd(connect_config(cfg, timeout))
-
-
-def settings_from_config(cfg: RendezvousConfig) -> ProtocolSettings:
-    from elastic_train.rendezvous.protocol import ProtocolSettings
-
-    return ProtocolSettings(
-        run_id=cfg.run_id,
-        min_nodes=cfg.min_nodes,
-        max_nodes=cfg.max_nodes,
-        lease_ttl=cfg.lease_ttl,
-        settle=cfg.settle,
-        join_timeout=cfg.join_timeout,
-        failure_budget=cfg.failure_budget,
-        keepalive_interval=cfg.keepalive_interval,
-        identity_wait=cfg.identity_wait,
-    )
 
 
 def _exit_with_one_line(exc: BaseException, code: int) -> NoReturn:
@@ -92,13 +66,14 @@ def create_etcd3_handler(params: RendezvousParameters) -> RendezvousHandler:
         EtcdError: etcd unreachable, TLS or authentication failure.
     """
     from elastic_train.rendezvous.handler import STORE_TIMEOUT, Etcd3RendezvousHandler
+    from elastic_train.rendezvous.protocol import ProtocolSettings
 
     parsed = parse_params(params, backend=ETCD3)
     for key, why in parsed.ignored.items():
         log.warning("rdzv_conf_ignored", backend=ETCD3, key=key, reason=why)
     return Etcd3RendezvousHandler(
         open_etcd(parsed.config),
-        settings_from_config(parsed.config),
+        ProtocolSettings.from_config(parsed.config),
         params.local_addr,
         store_timeout=parsed.store.read_timeout or STORE_TIMEOUT,
     )
@@ -133,4 +108,4 @@ def etcd3_dynamic() -> Creator:
     return _one_line_errors(create_etcd3_dynamic_handler)
 
 
-__all__ = ["DYNAMIC_KEYS", "etcd3", "etcd3_dynamic", "open_etcd"]
+__all__ = ["DYNAMIC_KEYS", "etcd3", "etcd3_dynamic"]

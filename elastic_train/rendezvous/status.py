@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from elastic_train.etcd.client import Etcd
-from elastic_train.rendezvous.protocol import run_prefix
+from elastic_train.rendezvous.config import run_prefix
 
 
 @dataclass(slots=True)
@@ -78,17 +78,16 @@ def _int(value: Any, default: int = 0) -> int:
         return default
 
 
-def read_status(client: Any, run_id: str) -> JobStatus:
+def read_status(etcd: Etcd, run_id: str) -> JobStatus:
     """Read the run's keys once (one range request) and summarize them.
 
     Args:
-        client: an :class:`~elastic_train.etcd.client.Etcd` or a client from ``connect``.
+        etcd: a connected client.
         run_id: the job's run id (validated).
 
     Raises:
         EtcdError: etcd failed.
     """
-    etcd = client if isinstance(client, Etcd) else Etcd(client)
     prefix = run_prefix(run_id)
     kvs, _ = etcd.get_prefix(prefix)
     keys = {kv.key[len(prefix) :]: kv.value for kv in kvs}

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic_train.etcd.client import Etcd, connect
+from elastic_train.etcd.client import connect
 from elastic_train.etcd.server import EmbeddedEtcd, find_etcd_binary
 
 pytestmark = pytest.mark.timeout(300)
@@ -107,7 +107,7 @@ def test_wrong_password_changes_nothing_in_etcd(etcd_server: EmbeddedEtcd) -> No
     assert "authentication failed" in line and "wrong-pw" not in proc.stderr + proc.stdout
     no_password = cli(*args, env={"ELASTIC_TRAIN_ETCD_PASSWORD": ""})
     assert "no password" in one_line(no_password)
-    root = Etcd(connect(etcd_server.endpoint, user="root", password="rootpw"))
+    root = connect(etcd_server.endpoint, user="root", password="rootpw")
     try:
         keys, _ = root.get_prefix("/elastic_train/")
         assert keys == [], "a refused node wrote nothing"
@@ -141,7 +141,7 @@ def test_tls_with_the_wrong_ca_is_one_line(tmp_path: Path) -> None:
         base = ("run", "--endpoint", server.endpoint, "--run-id", "tls-job", "--dry-run")
         ok = cli(*base, "--set", f"rendezvous.tls.ca_file={ca}")
         assert ok.returncode == 0, ok.stderr
-        from elastic_train.rendezvous.config import TLSConfig
+        from elastic_train.etcd.config import TLSConfig
 
         connect(server.endpoint, tls=TLSConfig(ca_file=str(ca))).close()  # the right CA works
         proc = cli("run", "--endpoint", server.endpoint, "--run-id", "tls-job",

@@ -21,7 +21,7 @@ import pytest
 import structlog
 
 from elastic_train.config import load_job_config
-from elastic_train.etcd.client import Etcd, connect
+from elastic_train.etcd.client import connect
 from elastic_train.etcd.errors import EtcdError
 from elastic_train.etcd.server import EmbeddedEtcd, EtcdCluster
 from elastic_train.launch.faults import Fault
@@ -41,7 +41,7 @@ def join_round(endpoint: str, run_id: str, n: int = 2) -> list[int]:
     """``n`` participants (each its own client) join one round through ``endpoint``; their world sizes."""
     settings = ProtocolSettings(run_id=run_id, min_nodes=n, max_nodes=n, lease_ttl=3.0, settle=0.5)
     ps = [
-        Participant(Etcd(connect(endpoint, timeout=5.0)), settings, addr="127.0.0.1", node_id=f"n{i}")
+        Participant(connect(endpoint, timeout=5.0), settings, addr="127.0.0.1", node_id=f"n{i}")
         for i in range(n)
     ]
     sizes: list[int] = []
@@ -75,7 +75,7 @@ def test_rendezvous_through_a_slow_link(etcd_server: EmbeddedEtcd, delay_ms: int
     """Connection set-up, every RPC, leases and the watch work at up to 500 ms round trip."""
     with LatencyProxy("127.0.0.1", etcd_server.client_port, delay=delay_ms / 1000) as proxy:
         t0 = time.monotonic()
-        etcd = Etcd(connect(proxy.endpoint))
+        etcd = connect(proxy.endpoint)
         assert time.monotonic() - t0 >= 4 * delay_ms / 1000 * 0.9  # it did go through the delay
         etcd.put("/probe", b"1")
         etcd.close()
@@ -100,7 +100,7 @@ def test_small_job_through_a_slow_link(
 
 def test_keepalive_deadline_fits_the_lease(etcd_server: EmbeddedEtcd) -> None:
     """A keep-alive interval that leaves no retry inside the TTL is refused; the default fits."""
-    etcd = Etcd(connect(etcd_server.endpoint))
+    etcd = connect(etcd_server.endpoint)
     try:
         with pytest.raises(ValueError, match="does not fit lease TTL"):
             LeaseKeeper(etcd, 3.0, lambda _lease: None, interval=2.0)
@@ -120,7 +120,7 @@ def test_waits_for_an_etcd_that_starts_later() -> None:
     def client() -> None:
         t0 = time.monotonic()
         try:
-            result["etcd"] = Etcd(connect(f"127.0.0.1:{port}", connect_timeout=60))
+            result["etcd"] = connect(f"127.0.0.1:{port}", connect_timeout=60)
         except EtcdError as exc:
             result["error"] = exc
         result["seconds"] = time.monotonic() - t0
@@ -158,7 +158,7 @@ def test_an_unreachable_member_is_skipped(etcd_server: EmbeddedEtcd) -> None:
     for _ in range(6):  # the first member tried is random
         eps = [dead, etcd_server.endpoint]
         random.shuffle(eps)
-        etcd = Etcd(connect(",".join(eps), connect_timeout=0))
+        etcd = connect(",".join(eps), connect_timeout=0)
         assert etcd.member == etcd_server.endpoint
         etcd.put("/x", b"1")
         etcd.close()
@@ -166,8 +166,8 @@ def test_an_unreachable_member_is_skipped(etcd_server: EmbeddedEtcd) -> None:
 
 def test_credentials_and_tls_errors_are_not_retried(etcd_server: EmbeddedEtcd, tmp_path: Path) -> None:
     """A wrong password or a TLS client against a plain-text etcd fails at once, not after connect_timeout."""
+    from elastic_train.etcd.config import TLSConfig
     from elastic_train.etcd.server import find_etcd_binary
-    from elastic_train.rendezvous.config import TLSConfig
 
     ctl = find_etcd_binary("etcdctl")
     ep = etcd_server.endpoint
@@ -235,9 +235,9 @@ def test_rdzv_endpoint_without_a_port_is_2379(reaper: Any, tmp_path: Path) -> No
 @pytest.mark.slow
 def test_failover_and_lease_survive_a_leader_kill(etcd_cluster: EtcdCluster) -> None:
     """A client on the leader fails over when it dies; the lease kept alive meanwhile is never lost."""
-    etcd = Etcd(connect(etcd_cluster.endpoint))
+    etcd = connect(etcd_cluster.endpoint)
     leader = etcd_cluster.leader()
-    etcd.client._current_endpoint_label = etcd_cluster.members[leader].endpoint
+    etcd.use_member(etcd_cluster.members[leader].endpoint)
     lost: list[int] = []
     keeper = LeaseKeeper(etcd, 3.0, lambda lease: lost.append(lease) or etcd.put("/alive", b"1", lease))
     keeper.start()

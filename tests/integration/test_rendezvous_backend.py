@@ -26,7 +26,7 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 
 from elastic_train.errors import ConfigError
-from elastic_train.etcd.client import Etcd, connect
+from elastic_train.etcd.client import connect
 from elastic_train.etcd.server import EmbeddedEtcd
 from elastic_train.rendezvous import create_backend
 from elastic_train.rendezvous.backend import Etcd3RendezvousBackend, NodeLease
@@ -39,7 +39,7 @@ STATE = "/elastic_train/{}/dynamic/state"
 
 @pytest.fixture
 def backend(any_etcd):
-    etcd = Etcd(connect(any_etcd.endpoint))
+    etcd = connect(any_etcd.endpoint)
     yield Etcd3RendezvousBackend(etcd, "contract"), etcd
     etcd.close()
 
@@ -97,7 +97,7 @@ def test_corrupt_stored_state_raises_state_error(backend):
 
 
 def test_empty_run_id_is_refused_like_torchs_backends(etcd_server):
-    etcd = Etcd(connect(etcd_server.endpoint))
+    etcd = connect(etcd_server.endpoint)
     with pytest.raises(ValueError, match="run id"):
         Etcd3RendezvousBackend(etcd, "")
     etcd.close()
@@ -107,20 +107,20 @@ def test_empty_run_id_is_refused_like_torchs_backends(etcd_server):
 
 
 def test_state_ttl_defaults_to_torchs_two_hours(etcd_server):
-    etcd = Etcd(connect(etcd_server.endpoint))
+    etcd = connect(etcd_server.endpoint)
     assert Etcd3RendezvousBackend(etcd, "r").ttl == 7200
     assert Etcd3RendezvousBackend(etcd, "r", ttl=0).ttl == 7200  # as torch: <= 0 means the default
     b = Etcd3RendezvousBackend(etcd, "r", ttl=30)
     b.set_state(b"s")
     kv = etcd.get(STATE.format("r"))
     assert kv is not None and kv.lease != 0
-    ttl = etcd.client.get_lease_info(kv.lease).TTL  # remaining seconds, read with the raw client
+    ttl = etcd.raw.get_lease_info(kv.lease).TTL  # remaining seconds, read with the raw client
     assert 25 <= ttl <= 30
     etcd.close()
 
 
 def test_state_expires_after_the_last_write_and_the_run_id_is_reusable(etcd_server):
-    etcd = Etcd(connect(etcd_server.endpoint))
+    etcd = connect(etcd_server.endpoint)
     b = Etcd3RendezvousBackend(etcd, "ttl", ttl=3)
     _, token, _ = b.set_state(b"closed")
     time.sleep(2.0)
@@ -150,7 +150,7 @@ def test_state_expires_after_the_last_write_and_the_run_id_is_reusable(etcd_serv
     ],
 )
 def test_a_lease_lost_while_stopped_is_replaced(etcd_server, ttl, pause):
-    etcd = Etcd(connect(etcd_server.endpoint))
+    etcd = connect(etcd_server.endpoint)
     lease = NodeLease(etcd, ttl=ttl)
     b = Etcd3RendezvousBackend(etcd, "lost", lease=lease)
     b.set_state(b"one")
@@ -169,7 +169,7 @@ def test_store_keys_expire_with_the_state_and_a_new_state_clears_them(etcd_serve
     backend, store = create_backend(
         params(etcd_server.endpoint, "exp", state_ttl="3", keep_alive_interval="1")
     )
-    etcd = Etcd(connect(etcd_server.endpoint))
+    etcd = connect(etcd_server.endpoint)
     prefix = "/elastic_train/exp/dynamic/store/"
     backend.set_state(b"s")
     store.set("round0/key", "v")
@@ -333,7 +333,7 @@ def test_finished_run_id_is_closed_until_its_state_expires(etcd_server, reaper, 
         handler.next_rendezvous()
     assert time.monotonic() - finished < 10, "checked too late: the state may have expired meanwhile"
 
-    etcd = Etcd(connect(etcd_server.endpoint))
+    etcd = connect(etcd_server.endpoint)
     deadline = time.monotonic() + 30
     while etcd.get(STATE.format(run_id)) is not None and time.monotonic() < deadline:
         time.sleep(0.5)

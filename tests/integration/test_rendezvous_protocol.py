@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from elastic_train.etcd.client import Etcd, connect
+from elastic_train.etcd.client import connect
 from elastic_train.etcd.errors import EtcdError
 from elastic_train.etcd.server import find_etcd_binary
 from elastic_train.rendezvous.errors import FailureBudgetExhausted, RendezvousClosed
@@ -24,8 +24,7 @@ def settings(**kw) -> ProtocolSettings:
 
 def make(endpoint: str, n: int, **kw) -> list[Participant]:
     return [
-        Participant(Etcd(connect(endpoint)), settings(**kw), addr="127.0.0.1", node_id=f"n{i}")
-        for i in range(n)
+        Participant(connect(endpoint), settings(**kw), addr="127.0.0.1", node_id=f"n{i}") for i in range(n)
     ]
 
 
@@ -146,7 +145,7 @@ def test_unreachable_endpoint_fails_fast_with_one_line():
 
 
 def test_missing_ca_file_is_one_line(etcd_server, tmp_path):
-    from elastic_train.rendezvous.config import TLSConfig
+    from elastic_train.etcd.config import TLSConfig
 
     with pytest.raises(EtcdError, match="ca_file .* cannot be read"):
         connect(etcd_server.endpoint, tls=TLSConfig(ca_file=str(tmp_path / "nope.pem")))
@@ -176,7 +175,7 @@ def test_auth_wrong_password_and_user_limited_to_run_prefix(etcd_server):
 
     ps = [
         Participant(
-            Etcd(connect(ep, user="trainer", password="s3cret-pw", probe_key="/elastic_train/secure/config")),
+            connect(ep, user="trainer", password="s3cret-pw", probe_key="/elastic_train/secure/config"),
             settings(run_id="secure"),
             addr="127.0.0.1",
         )
@@ -193,7 +192,7 @@ def test_auth_wrong_password_and_user_limited_to_run_prefix(etcd_server):
 
 def test_participants_sharing_one_view_form_rounds_and_see_a_loss(etcd_server):
     """Co-hosted participants (the scale benchmark's set-up) read one watch; the view stays up on leave."""
-    etcd = Etcd(connect(etcd_server.endpoint))
+    etcd = connect(etcd_server.endpoint)
     view = run_view(etcd, "shared")
     view.start()
     ps = [

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic_train.etcd.client import Etcd, connect
+from elastic_train.etcd.client import connect
 from elastic_train.procs import signal_tree, tree
 from elastic_train.rendezvous.status import read_status
 
@@ -76,7 +76,7 @@ def test_start_kill_join_and_etcd_restart(etcd_server, reaper, tmp_path):
     job.start_agent()
     grown = job.wait_training(3, after_round=lost["round"])
 
-    etcd = Etcd(connect(etcd_server.endpoint))
+    etcd = connect(etcd_server.endpoint)
     st = read_status(etcd, "tr-kill")
     assert st.world_size == 3 and st.round == grown["round"] and st.failures_used >= 1
     etcd.close()

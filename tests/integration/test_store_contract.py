@@ -254,7 +254,7 @@ class EtcdStoreOnly:
 
 @pytest.fixture
 def etcd(etcd_endpoint: str) -> Iterator[Etcd]:
-    client = Etcd(connect(etcd_endpoint))
+    client = connect(etcd_endpoint)
     yield client
     client.close()
 

@@ -30,7 +30,7 @@ def test_validation_covers_the_minimum_and_newest_bundled_version() -> None:
 
 def test_base_renders() -> None:
     kinds = sorted(o["kind"] for o in k.render(k.K8S / "base"))
-    expected = ["ConfigMap", "ConfigMap", "Secret", "Service", "Service", "Service", "StatefulSet", "Job"]
+    expected = ["ConfigMap", "Secret", "Service", "Service", "Service", "StatefulSet", "Job"]  # job config
     expected += ["NetworkPolicy", "NetworkPolicy", "PersistentVolumeClaim"]
     assert kinds == sorted(expected)
 

@@ -175,7 +175,7 @@ def runs(tmp_path: Path, etcd_server: Any, reaper: Any) -> Runs:
 
 @pytest.fixture
 def etcd(etcd_server: Any) -> Any:
-    client = Etcd(connect(etcd_server.endpoint))
+    client = connect(etcd_server.endpoint)
     yield client
     client.close()
 

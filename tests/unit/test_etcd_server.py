@@ -7,30 +7,27 @@ import subprocess
 import sys
 import time
 
-import etcd3
 import psutil
 import pytest
 
-from elastic_train.etcd.client import Etcd, connect, grpc_options, parse_endpoints
+from elastic_train.etcd.client import connect, grpc_options
+from elastic_train.etcd.endpoints import format_endpoints, parse_endpoints
 from elastic_train.etcd.errors import EtcdError
 from elastic_train.etcd.server import EmbeddedEtcd, EtcdCluster, find_etcd_binary
 
 
 def test_put_get_lease_round_trip(any_etcd: EmbeddedEtcd) -> None:
     assert any_etcd.host == "127.0.0.1"
-    client = etcd3.client(any_etcd.host, any_etcd.client_port, timeout=5)
-    try:
-        client.put("/t/plain", "v1")
-        assert client.get("/t/plain")[0] == b"v1"
-        lease = client.lease(1)
-        client.put("/t/leased", "alive", lease=lease)
-        assert client.get("/t/leased")[0] == b"alive"
+    with connect(any_etcd.endpoint) as etcd:
+        etcd.put("/t/plain", b"v1")
+        assert etcd.get("/t/plain").value == b"v1"  # type: ignore[union-attr]
+        lease = etcd.lease_grant(1)
+        etcd.put("/t/leased", b"alive", lease)
+        assert etcd.get("/t/leased").value == b"alive"  # type: ignore[union-attr]
         deadline = time.monotonic() + 10
-        while client.get("/t/leased")[0] is not None and time.monotonic() < deadline:
+        while etcd.get("/t/leased") is not None and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert client.get("/t/leased")[0] is None, "lease expiry must delete the key"
-    finally:
-        client.close()
+        assert etcd.get("/t/leased") is None, "lease expiry must delete the key"
 
 
 def test_stop_removes_process_and_data(etcd_server: EmbeddedEtcd) -> None:
@@ -44,15 +41,11 @@ def test_stop_removes_process_and_data(etcd_server: EmbeddedEtcd) -> None:
 
 
 def test_restart_keeps_data(etcd_server: EmbeddedEtcd) -> None:
-    client = etcd3.client(etcd_server.host, etcd_server.client_port, timeout=5)
-    client.put("/t/durable", "yes")
-    client.close()
+    with connect(etcd_server.endpoint) as etcd:
+        etcd.put("/t/durable", b"yes")
     etcd_server.restart(down_for=0.2)
-    client = etcd3.client(etcd_server.host, etcd_server.client_port, timeout=5)
-    try:
-        assert client.get("/t/durable")[0] == b"yes"
-    finally:
-        client.close()
+    with connect(etcd_server.endpoint) as etcd:
+        assert etcd.get("/t/durable").value == b"yes"  # type: ignore[union-attr]
 
 
 def test_missing_binary_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -73,11 +66,9 @@ def test_cli_serves_real_etcd() -> None:
         line = proc.stdout.readline()
         assert "serving on 127.0.0.1:" in line, line
         endpoint = line.split("serving on ")[1].split()[0]
-        host, port = endpoint.rsplit(":", 1)
-        client = etcd3.client(host, int(port), timeout=5)
-        client.put("/cli", "ok")
-        assert client.get("/cli")[0] == b"ok"
-        client.close()
+        with connect(endpoint) as etcd:
+            etcd.put("/cli", b"ok")
+            assert etcd.get("/cli").value == b"ok"  # type: ignore[union-attr]
         proc.send_signal(2)
         assert proc.wait(timeout=20) == 0
     finally:
@@ -100,10 +91,10 @@ def test_cli_serves_a_three_member_cluster() -> None:
         endpoint = line.split("serving on ")[1].split()[0]
         pids = [int(p) for p in line.split("(pid ")[1].split(")")[0].split(", ")]
         assert len(endpoint.split(",")) == 3 and len(pids) == 3
-        etcd = Etcd(connect(endpoint))
+        etcd = connect(endpoint)
         etcd.put("/cli3", b"ok")
         for ep in endpoint.split(","):  # every member serves the same data
-            one = Etcd(connect(ep))
+            one = connect(ep)
             assert one.get("/cli3").value == b"ok"  # type: ignore[union-attr]
             one.close()
         etcd.close()
@@ -120,14 +111,14 @@ def test_cluster_elects_a_new_leader_and_a_killed_member_rejoins(etcd_cluster: E
     assert len(etcd_cluster.endpoint.split(",")) == 3 and etcd_cluster.healthy()
     leader = etcd_cluster.leader()
     assert etcd_cluster.members[leader].is_leader()
-    etcd = Etcd(connect(etcd_cluster.endpoint))
+    etcd = connect(etcd_cluster.endpoint)
     etcd.put("/before", b"1")
     etcd_cluster.kill(leader)
     new = etcd_cluster.leader(timeout=30)
     assert new != leader
     etcd.put("/during", b"2")  # fails over if it was on the killed member
     etcd_cluster.start_member(leader)
-    only = Etcd(connect(etcd_cluster.members[leader].endpoint))
+    only = connect(etcd_cluster.members[leader].endpoint, connect_timeout=10)  # gRPC may still back off
     deadline = time.monotonic() + 30
     while only.get("/during") is None and time.monotonic() < deadline:  # it catches up from its peers
         time.sleep(0.2)
@@ -170,13 +161,16 @@ def test_cluster_rejects_a_bad_size() -> None:
 )
 def test_parse_endpoints_defaults_the_port_to_2379(text: str, pairs: list[tuple[str, int]]) -> None:
     assert parse_endpoints(text) == pairs
+    assert parse_endpoints(format_endpoints(pairs)) == pairs  # the canonical form reads back the same
 
 
 @pytest.mark.parametrize("text", ["", "a:", "a:x", "a:0", "a:70000", "::1", "a,,b", "[::1", "a b:1"])
 def test_parse_endpoints_rejects_bad_entries_in_one_line(text: str) -> None:
-    with pytest.raises(EtcdError) as info:
+    with pytest.raises(ValueError) as info:
         parse_endpoints(text)
     assert "\n" not in str(info.value)
+    with pytest.raises(EtcdError, match="etcd endpoint"):  # the client says the same, as its own error
+        connect(text)
 
 
 def test_rendezvous_config_checks_timeouts_against_each_other() -> None:

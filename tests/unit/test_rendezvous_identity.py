@@ -7,7 +7,8 @@ import json
 import pytest
 
 from elastic_train.config import load_job_config
-from elastic_train.rendezvous.identity import JobIdentity, job_settings, torchrun_settings
+from elastic_train.launch.identity import job_settings
+from elastic_train.rendezvous.identity import JobIdentity, torchrun_settings
 
 
 def identity(**overrides: object) -> JobIdentity:

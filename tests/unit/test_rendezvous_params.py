@@ -6,14 +6,9 @@ import pytest
 from torch.distributed.elastic.rendezvous.api import RendezvousParameters
 
 from elastic_train.errors import ConfigError
-from elastic_train.rendezvous.config import RendezvousConfig, TLSConfig
-from elastic_train.rendezvous.params import (
-    config_from_params,
-    parse_params,
-    rdzv_conf,
-    read_password,
-    torchrun_args,
-)
+from elastic_train.etcd.config import TLSConfig
+from elastic_train.rendezvous.config import RendezvousConfig
+from elastic_train.rendezvous.params import config_from_params, parse_params, rdzv_conf, torchrun_args
 
 
 def params(**conf) -> RendezvousParameters:
@@ -151,13 +146,13 @@ def test_password_from_env_then_file(tmp_path, monkeypatch):
     f.write_text("from-file\n")
     cfg = RendezvousConfig(user="u", password_env="MY_PW", password_file=str(f))
     monkeypatch.delenv("MY_PW", raising=False)
-    assert read_password(cfg) == "from-file"
+    assert cfg.read_password() == "from-file"
     monkeypatch.setenv("MY_PW", "from-env")
-    assert read_password(cfg) == "from-env"
-    assert read_password(RendezvousConfig()) is None
+    assert cfg.read_password() == "from-env"
+    assert RendezvousConfig().read_password() is None
 
 
 def test_user_without_password_is_a_config_error(monkeypatch):
     monkeypatch.delenv("NOPE_PW", raising=False)
     with pytest.raises(ConfigError, match=r"\$NOPE_PW"):
-        read_password(RendezvousConfig(user="u", password_env="NOPE_PW"))
+        RendezvousConfig(user="u", password_env="NOPE_PW").read_password()
