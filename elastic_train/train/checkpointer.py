@@ -179,9 +179,8 @@ class Checkpointer:
         Raises:
             StateMismatch: the state does not fit the objects.
         """
-        if isinstance(
-            self.manager, Fenced
-        ):  # no snapshot copy may be reading what load_state_dict overwrites
+        # no snapshot copy may be reading what load_state_dict overwrites
+        if isinstance(self.manager, Fenced):
             self.manager.fence()
         self.state.load_state_dict(state)
         self._restored = True

@@ -129,9 +129,7 @@ class Trainer:
             run_id="",
             restart_count=0,
         )
-        self.ckpt = Checkpointer(
-            self.train_state, manager=checkpointer, world=group_world, events=events, hooks=()
-        )
+        self.ckpt = Checkpointer(self.train_state, manager=checkpointer, world=group_world, events=events)
         self.ckpt.skip_restore()  # restore() is the worker's call; tests and benchmarks start fresh
         self.ddp: torch.nn.Module | None = None
         self._carrier: LossCarrier | None = None
