@@ -32,7 +32,6 @@ from elastic_train.launch.run import worker_overrides_argv
 from elastic_train.launch.summary import Summary, render_table, world_size_timeline
 from elastic_train.log import get_logger
 from elastic_train.procs import signal_tree, terminate_tree, tree
-from elastic_train.train.jsonl import JsonLinesTail
 
 log = get_logger(__name__)
 
@@ -123,7 +122,7 @@ class LocalJob:
         self._last_scan = 0.0
         self._last_status = 0.0
         self._status_client: Any = None
-        #: Nodes started by collision faults (same run id, other settings), with their fault's record.
+        #: Nodes started by collision faults (same run id, other settings), with their fault.
         self.intruders: list[tuple[FaultRecord, Node]] = []
         #: What happened to each planned fault, in plan order.
         self.records = [FaultRecord(fault=f) for f in opts.faults]
@@ -452,6 +451,8 @@ class LocalJob:
 
     def run(self) -> Summary:
         """Run the job to the end (or the timeout) and return its summary; always cleans up."""
+        from elastic_train.train.jsonl import JsonLinesTail
+
         summary = Summary(run_id=self.run_id, steps=self.cfg.train.steps, faults=self.records)
         tail = JsonLinesTail(self.events_path)
         try:
