@@ -67,6 +67,8 @@ def _free_port() -> int:
 
 
 class _NoCheckpoint:
+    last_committed = None
+
     def restore(self, model: Any = None) -> None:
         return None
 

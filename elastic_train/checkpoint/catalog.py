@@ -139,9 +139,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     print(f"bytes       {m['bytes']} in {len(m['files'])} file(s)")
     for f in m["files"]:
         where = f"  at {f['offset']:>12}" if "offset" in f else ""
-        print(
-            f"  {f['name']}{where}  {f['size']:>12}  {durable.file_hash(f)} {f['sha256']}  (rank {f['rank']})"
-        )
+        print(f"  {f['name']}{where}  {f['size']:>12}  {f['hash']} {f['sha256']}  (rank {f['rank']})")
     groups: dict[str, list[int]] = {}
     for t in m["tensors"]:
         top = t["path"].strip("/").split("/", 1)[0] or "/"

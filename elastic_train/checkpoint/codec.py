@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -240,10 +239,6 @@ def unflatten(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
         return v
 
     return dec(skeleton)
-
-
-def skeleton_json(skeleton: Any) -> str:
-    return json.dumps(skeleton, separators=(",", ":"), allow_nan=True)
 
 
 def model_fingerprint(state: Any) -> list[list[Any]] | None:

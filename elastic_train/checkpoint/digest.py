@@ -6,8 +6,6 @@ format therefore records a **sha256 tree** of each file (:data:`TREE`): the file
 pieces of :data:`PIECE_BYTES` (the last may be shorter), each piece is hashed with sha256 independently (in
 a thread pool; hashlib drops the interpreter lock), and the file's digest is the sha256 of the concatenated
 32-byte piece digests. Any changed, missing or reordered byte changes it, as with a plain sha256.
-
-Manifests of format 1 hold a plain sha256 (:data:`PLAIN`); :func:`digest` computes either.
 """
 
 from __future__ import annotations
@@ -18,8 +16,7 @@ import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
-#: Algorithm names as written in a manifest's ``files[].hash`` (absent: :data:`PLAIN`).
-PLAIN = "sha256"
+#: The algorithm's name, as a manifest's ``files[].hash`` says it.
 TREE = "sha256-tree-8MiB"
 PIECE_BYTES = 8 << 20
 
@@ -95,8 +92,7 @@ def _sha256(parts: Sequence[memoryview]) -> bytes:
 class Pending:
     """A digest being computed in the background; :meth:`hexdigest` waits for it."""
 
-    def __init__(self, algorithm: str, futures: list[Future[bytes]], gate: _Gate) -> None:
-        self.algorithm = algorithm
+    def __init__(self, futures: list[Future[bytes]], gate: _Gate) -> None:
         self._futures = futures
         self._gate = gate
 
@@ -106,8 +102,6 @@ class Pending:
 
     def hexdigest(self) -> str:
         parts = [f.result() for f in self._futures]
-        if self.algorithm == PLAIN:
-            return parts[0].hex()
         return hashlib.sha256(b"".join(parts)).hexdigest()
 
     def wait(self) -> None:
@@ -120,26 +114,19 @@ def _gated(gate: _Gate, parts: Sequence[memoryview]) -> bytes:
         return _sha256(parts)
 
 
-def start(views: Sequence[memoryview], algorithm: str = TREE, *, concurrency: int | None = None) -> Pending:
-    """Start hashing ``views`` (in order, as one byte stream) in the background.
+def start(views: Sequence[memoryview], *, concurrency: int | None = None) -> Pending:
+    """Start hashing ``views`` (in order, as one byte stream) in the background (:data:`TREE`).
 
     Args:
         views: the bytes; the caller keeps them unchanged until :meth:`Pending.hexdigest` returns.
-        algorithm: :data:`TREE` or :data:`PLAIN`.
         concurrency: pieces hashed at once until :meth:`Pending.widen` (default: one per core). A writer
             that copies the same bytes into the page cache meanwhile passes one less than the cores.
-
-    Raises:
-        ValueError: an unknown algorithm name.
     """
-    if algorithm not in (PLAIN, TREE):
-        raise ValueError(f"unknown checksum algorithm {algorithm!r} (known: {PLAIN}, {TREE})")
     pool = _executor()
     gate = _Gate(concurrency or workers())
-    groups = [list(views)] if algorithm == PLAIN else pieces(views)
-    return Pending(algorithm, [pool.submit(_gated, gate, g) for g in groups], gate)
+    return Pending([pool.submit(_gated, gate, g) for g in pieces(views)], gate)
 
 
-def digest(views: Sequence[memoryview], algorithm: str = TREE) -> str:
-    """The hex digest of ``views`` (in order, as one byte stream) with ``algorithm``."""
-    return start(views, algorithm).hexdigest()
+def digest(views: Sequence[memoryview]) -> str:
+    """The :data:`TREE` hex digest of ``views`` (in order, as one byte stream)."""
+    return start(views).hexdigest()

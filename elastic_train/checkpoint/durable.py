@@ -3,12 +3,11 @@
 A checkpoint is the flat buffer of the state (:mod:`elastic_train.checkpoint.codec`: every tensor at a
 64-byte aligned offset) cut into one contiguous byte range per rank (:func:`policy.share_ranges`); each
 rank writes its range as one share file, and the manifest lists the files with their ``offset`` in the
-buffer. Loading at any world size reads every file back to its offset. (Formats 1 and 2 stored each
-share as a concatenation of whole tensors, placed by ``file``/``file_offset``; they are still read.)
+buffer. Loading at any world size reads every file back to its offset.
 
 A step directory is a checkpoint only when its manifest parses, names a format this version reads, and every
 file it lists exists with the listed size; loading additionally recomputes each file's checksum (a sha256
-tree, :mod:`elastic_train.checkpoint.digest`; format 1 manifests hold a plain sha256). Share files carry
+tree, :mod:`elastic_train.checkpoint.digest`). Share files carry
 a random token in their name, so a new attempt never overwrites bytes an older valid manifest still lists,
 and files no manifest lists are leftovers, removed after the next commit.
 
@@ -40,10 +39,9 @@ from elastic_train.log import get_logger
 
 log = get_logger(__name__)
 
+#: The manifest format written and read: byte ranges of the flat buffer per file (``offset``), each with a
+#: sha256 tree (``hash``). No release wrote another, so a manifest of any other format is not a checkpoint.
 FORMAT = 3
-#: Manifest formats this version reads: 1 (whole tensors per file, plain sha256), 2 (whole tensors per file,
-#: sha256 tree, ``hash``) and 3 (byte ranges of the flat buffer per file, ``offset``).
-READABLE_FORMATS = (1, 2, 3)
 KIND = "elastic_train.checkpoint"
 MANIFEST = "manifest.json"
 LATEST = "latest"
@@ -228,9 +226,8 @@ def check_manifest(m: Any, step: int | None = None) -> str | None:
     """Why ``m`` is not a usable manifest (None when it is): see :mod:`elastic_train.checkpoint.schema`."""
     if not isinstance(m, dict) or m.get("kind") != KIND:
         return "not an elastic_train manifest"
-    if type(m.get("format")) is not int or m["format"] not in READABLE_FORMATS:
-        readable = ", ".join(map(str, READABLE_FORMATS))
-        return f"unsupported format {m.get('format')!r} (this version reads {readable})"
+    if type(m.get("format")) is not int or m["format"] != FORMAT:
+        return f"unsupported format {m.get('format')!r} (this version reads {FORMAT})"
     for key in ("step", "world_size", "files", "tensors", "skeleton"):
         if key not in m:
             return f"manifest lacks {key!r}"
@@ -318,29 +315,17 @@ def load(storage: Storage, entry: Entry) -> tuple[torch.Tensor, list[TensorSpec]
     nbytes = int(m.get("layout_bytes") or 0) or max((s.offset + s.nbytes for s in specs), default=0)
     buf = torch.empty(nbytes, dtype=torch.uint8)
     arr = buf.numpy()
-    if int(m["format"]) >= 3:
-        placements = [[_view(arr, int(f["offset"]), int(f["size"]))] for f in m["files"]]
-    else:  # whole tensors per file, in ``file_offset`` order
-        per_file: list[list[tuple[int, int]]] = [[] for _ in m["files"]]
-        for i, t in enumerate(m["tensors"]):
-            per_file[int(t["file"])].append((int(t["file_offset"]), i))
-        placements = [[_view(arr, specs[i].offset, specs[i].nbytes) for _, i in sorted(p)] for p in per_file]
-    for f, outs in zip(m["files"], placements, strict=True):
+    for f in m["files"]:
         path = storage.join(entry.path, f["name"])
-        outs = [o for o in outs if o.nbytes]
+        outs = [_view(arr, int(f["offset"]), int(f["size"]))] if f["size"] else []
         try:
             storage.read_into(path, outs)
-            sha = digest.digest(outs, file_hash(f))
+            sha = digest.digest(outs)
         except (StorageError, ValueError) as exc:
             raise CheckpointCorrupt(f"{entry.path}: {exc}") from exc
         if sha != f["sha256"]:
             raise CheckpointCorrupt(f"{entry.path}: checksum mismatch in {f['name']}")
     return buf, specs
-
-
-def file_hash(f: Mapping[str, Any]) -> str:
-    """The checksum algorithm of a manifest's file entry (format 1 entries name none: plain sha256)."""
-    return str(f.get("hash") or digest.PLAIN)
 
 
 def verify(storage: Storage, path: str) -> list[str]:
@@ -358,13 +343,13 @@ def verify(storage: Storage, path: str) -> list[str]:
         out = memoryview(bytearray(size))
         try:
             storage.read_into(storage.join(path, f["name"]), [out])
-            sha = digest.digest([out], file_hash(f))
+            sha = digest.digest([out])
         except (StorageError, ValueError) as exc:
             problems.append(str(exc))
             continue
         if sha != f["sha256"]:
             problems.append(
-                f"{f['name']}: checksum mismatch ({file_hash(f)}: stored {f['sha256'][:12]}…, "
+                f"{f['name']}: checksum mismatch ({f['hash']}: stored {f['sha256'][:12]}…, "
                 f"actual {sha[:12]}…)"
             )
     return problems

@@ -48,7 +48,14 @@ from elastic_train.checkpoint.errors import (
     WriteFailed,
 )
 from elastic_train.checkpoint.memory import MemorySnapshot, snapshot_files, sweep_stale
-from elastic_train.checkpoint.policy import SHARE_ALIGN, durable_due, restore_plan, share_ranges, step_dir
+from elastic_train.checkpoint.policy import (
+    SHARE_ALIGN,
+    Candidate,
+    durable_due,
+    restore_plan,
+    share_ranges,
+    step_dir,
+)
 from elastic_train.checkpoint.preflight import check_resume_source
 from elastic_train.checkpoint.storage import open_storage
 from elastic_train.log import get_logger
@@ -76,6 +83,23 @@ class Committed:
     path: str
     bytes: int
     seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class RestoreDecision:
+    """What rank 0 found to restore, broadcast so that every rank acts on the same."""
+
+    chosen: Candidate | None = None
+    """Where the state comes from and its step; None when there is none anywhere (or on an error)."""
+    error: str | None = None
+    """Why nothing can be restored: every rank raises it."""
+    setup_error: bool = False
+    """The error is a :class:`CheckpointSetupError` (the same at every attempt, not worth a restart)."""
+
+    def check(self) -> None:
+        """Raise the decided error, if any (the same type and line on every rank)."""
+        if self.error is not None:
+            raise (CheckpointSetupError if self.setup_error else CheckpointError)(self.error)
 
 
 #: Bytes per broadcast of a restored state, and broadcasts in flight at once.
@@ -204,22 +228,22 @@ class CheckpointManager:
         if not self.coordinated:
             mem_steps = [None] * self.rank + mem_steps
         loaded: tuple[Any, list[TensorSpec], torch.Tensor] | None = None
-        decision: list[Any] = [None, -1, None, None]  # source, step, holder, error
+        decision = RestoreDecision()
         if self.rank == 0 or not self.coordinated:
             try:
                 decision, loaded = self._decide(mem_steps)
             except CheckpointError as exc:  # every rank raises it, of the same kind
-                decision = [None, -1, None, (str(exc), isinstance(exc, CheckpointSetupError))]
+                decision = RestoreDecision(error=str(exc), setup_error=isinstance(exc, CheckpointSetupError))
         if self.coordinated:
-            dist.broadcast_object_list(decision, src=self._global(0), group=self._ctl)
-        source, step, holder, error = decision
-        if error:
-            message, setup = error
-            raise (CheckpointSetupError if setup else CheckpointError)(message)
-        if source is None:
+            box = [decision]
+            dist.broadcast_object_list(box, src=self._global(0), group=self._ctl)
+            decision = box[0]
+        decision.check()
+        if decision.chosen is None:
             log.info("restore_nothing_found", run=self.run_path)
             return None
-        src_rank = holder if source == "memory" else 0
+        source, step, holder = decision.chosen.source, decision.chosen.step, decision.chosen.holder
+        src_rank = 0 if holder is None else holder  # only a memory snapshot has a holder
         copier: threading.Thread | None = None
         if self.rank == src_rank:
             if source == "memory":
@@ -264,7 +288,7 @@ class CheckpointManager:
             step=step, state=state, source=source, holder_rank=holder if source == "memory" else None
         )
 
-    def _decide(self, mem_steps: list[int | None]) -> tuple[list[Any], Any]:
+    def _decide(self, mem_steps: list[int | None]) -> tuple[RestoreDecision, Any]:
         entries = durable.list_entries(self.storage, self.run_path)
         for e in entries:
             if not e.valid:
@@ -272,7 +296,7 @@ class CheckpointManager:
         by_step = {e.step: e for e in entries if e.valid}
         for cand in restore_plan(mem_steps, sorted(by_step)):
             if cand.source == "memory":
-                return ["memory", cand.step, cand.holder, None], None
+                return RestoreDecision(cand), None
             try:
                 entry, _ = by_step[cand.step], None
                 buf, specs = durable.load(self.storage, entry)
@@ -280,7 +304,7 @@ class CheckpointManager:
                 log.warning("checkpoint_skipped", path=by_step[cand.step].path, reason=str(exc))
                 continue
             assert entry.manifest is not None
-            return ["durable", cand.step, None, None], (entry.manifest["skeleton"], specs, buf)
+            return RestoreDecision(cand), (entry.manifest["skeleton"], specs, buf)
         if self.cfg.resume_from:
             check_resume_source(self.cfg.resume_from, self.cfg.storage_options)  # one precise line
             store = open_storage(self.cfg.resume_from, self.cfg.storage_options)
@@ -292,8 +316,9 @@ class CheckpointManager:
             except CheckpointNotFound as exc:  # the same at every attempt: not worth a restart
                 raise CheckpointSetupError(f"resume_from {self.cfg.resume_from}: {exc}") from exc
             assert entry.manifest is not None
-            return ["resume_from", entry.step, None, None], (entry.manifest["skeleton"], specs, buf)
-        return [None, -1, None, None], None
+            decision = RestoreDecision(Candidate("resume_from", entry.step))
+            return decision, (entry.manifest["skeleton"], specs, buf)
+        return RestoreDecision(), None
 
     def _global(self, group_rank: int) -> int:
         return dist.get_global_rank(self._ctl, group_rank)

@@ -24,7 +24,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError, model_validator
 from pydantic import field_validator as _field_validator
 
-from elastic_train.checkpoint.codec import ALIGN, DTYPE_SIZES, MARKERS, NUMPY_DTYPES, TensorSpec
+from elastic_train.checkpoint.codec import DTYPE_SIZES, MARKERS, NUMPY_DTYPES, TensorSpec
 
 #: Deepest nesting of a skeleton (real states nest a handful of levels; this keeps every walk bounded).
 MAX_DEPTH = 100
@@ -36,7 +36,7 @@ Count = Annotated[StrictInt, Field(ge=0)]
 
 
 class TensorModel(BaseModel):
-    """One entry of ``tensors``: its place in the flat layout (formats 1 and 2: also in its file)."""
+    """One entry of ``tensors``: its place in the flat layout."""
 
     model_config = ConfigDict(extra="ignore", frozen=True)
 
@@ -45,10 +45,6 @@ class TensorModel(BaseModel):
     shape: list[Count] = Field(max_length=64)
     offset: Count
     nbytes: Count
-    file: Count | None = None
-    """Formats 1 and 2: index of the file holding the tensor."""
-    file_offset: Count | None = None
-    """Formats 1 and 2: where in that file."""
 
     @_field_validator("dtype")
     @classmethod
@@ -82,10 +78,11 @@ class FileModel(BaseModel):
     name: StrictStr
     size: Count
     sha256: StrictStr
-    hash: StrictStr | None = None
+    hash: StrictStr
+    """The checksum algorithm (:data:`elastic_train.checkpoint.digest.TREE`)."""
     rank: Count | None = None
     offset: Count | None = None
-    """Format 3: where the file's bytes start in the flat layout."""
+    """Where the file's bytes start in the flat layout."""
 
     @_field_validator("name")
     @classmethod
@@ -103,10 +100,10 @@ class FileModel(BaseModel):
 
     @_field_validator("hash")
     @classmethod
-    def _algorithm(cls, v: str | None) -> str | None:
+    def _algorithm(cls, v: str) -> str:
         from elastic_train.checkpoint import digest
 
-        if v is not None and v not in (digest.PLAIN, digest.TREE):
+        if v != digest.TREE:
             raise ValueError(f"unknown checksum {v!r}")
         return v
 
@@ -130,15 +127,12 @@ class ManifestModel(BaseModel):
         names = [f.name for f in self.files]
         if len(set(names)) != len(names):
             raise ValueError("a file is listed twice")
-        if self.format >= 3:
-            self._tiling()
-        else:
-            self._whole_tensors()
+        self._tiling()
         check_skeleton(self.skeleton, [t.dtype for t in self.tensors])
         return self
 
     def _tiling(self) -> None:
-        """Format 3: the files cover the flat layout exactly, and every tensor lies inside it."""
+        """The files cover the flat layout exactly, and every tensor lies inside it."""
         if self.layout_bytes is None:
             raise ValueError("layout_bytes is missing")
         pos = 0
@@ -153,29 +147,6 @@ class ManifestModel(BaseModel):
         for t in self.tensors:
             if t.offset + t.nbytes > self.layout_bytes:
                 raise ValueError(f"tensor {t.path!r} lies beyond the end of the state")
-
-    def _whole_tensors(self) -> None:
-        """Formats 1 and 2: every tensor is in a listed file, inside it, and inside the layout."""
-        per_file: list[list[TensorModel]] = [[] for _ in self.files]
-        for t in self.tensors:
-            if t.file is None or t.file_offset is None:
-                raise ValueError(f"tensor {t.path!r} names no file")
-            if t.file >= len(self.files):
-                raise ValueError(f"tensor {t.path!r} is in file {t.file} of {len(self.files)}")
-            per_file[t.file].append(t)
-        # The loader reads each file front to back into its tensors: they must pack it exactly.
-        for f, tensors in zip(self.files, per_file, strict=True):
-            pos = 0
-            for t in sorted(tensors, key=lambda t: t.file_offset or 0):
-                if t.file_offset != pos:
-                    raise ValueError(f"{f.name}: tensors leave a gap or overlap at byte {pos}")
-                pos += t.nbytes
-            if pos != f.size:
-                raise ValueError(f"{f.name} holds {f.size} bytes, its tensors {pos}")
-        end = max((t.offset + t.nbytes for t in self.tensors), default=0)
-        layout = self.layout_bytes or end
-        if end > layout or layout > sum(f.size for f in self.files) + ALIGN * len(self.tensors):
-            raise ValueError(f"layout of {layout} bytes does not fit the tensors and files")
 
     def specs(self) -> list[TensorSpec]:
         return [t.spec() for t in self.tensors]

@@ -12,7 +12,7 @@ import errno
 import os
 import stat
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 from elastic_train.checkpoint import digest
@@ -434,8 +434,3 @@ def open_storage(url: str, options: dict[str, Any] | None = None, *, direct_io: 
     except Exception as exc:
         raise StorageError(f"{url}: cannot open storage: {exc}".splitlines()[0]) from exc
     return FsspecStorage(url, fs, fs._strip_protocol(url))
-
-
-def chunks_of(views: Iterable[memoryview]) -> list[memoryview]:
-    """Non-empty views only (writers skip zero-length tensors)."""
-    return [v for v in views if v.nbytes]

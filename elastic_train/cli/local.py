@@ -8,8 +8,8 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
-from elastic_train.cli.options import add_job_options, collect_overrides
 from elastic_train.config import load_job_config
+from elastic_train.config.options import add_job_options, collect_overrides, dest
 from elastic_train.errors import ConfigError
 from elastic_train.launch.faults import KINDS, Fault, parse_fault, validate_plan
 
@@ -24,13 +24,7 @@ EPILOG = """examples:
 """
 
 #: Options that configure the built-in worker only; a script given with --entry takes its own arguments.
-WORKER_ONLY = {
-    "checkpoint": "--checkpoint",
-    "checkpoint_every": "--checkpoint-every",
-    "resume_from": "--resume-from",
-    "task": "--task",
-    "seed": "--seed",
-}
+WORKER_ONLY = ("--checkpoint", "--checkpoint-every", "--resume-from", "--task", "--seed")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -67,7 +61,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         choices=(1, 3, 5),
         help="members of the job's etcd (3 or 5 for --kill-etcd-leader and --etcd-quorum-loss)",
     )
-    add_job_options(p, endpoint=False)
+    add_job_options(p, without=["--endpoint"])
     p.add_argument(
         "--entry",
         nargs=argparse.REMAINDER,
@@ -94,8 +88,8 @@ def run(args: argparse.Namespace) -> int:
     if entry == []:
         raise ConfigError("--entry: needs a script (or -m MODULE) to run")
     if entry:
-        for dest, option in WORKER_ONLY.items():
-            if getattr(args, dest, None) is not None:
+        for option in WORKER_ONLY:
+            if getattr(args, dest(option), None) is not None:
                 raise ConfigError(f"{option}: not used with --entry (pass your script its own arguments)")
     overrides = collect_overrides(args)
     base = load_job_config(args.config, overrides)

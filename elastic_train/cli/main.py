@@ -10,18 +10,11 @@ from collections.abc import Sequence
 
 import elastic_train
 import elastic_train.cli as cli_pkg
+from elastic_train.config.options import OneLineParser
 from elastic_train.errors import ElasticTrainError
 from elastic_train.log import LoggingConfig, configure_logging
 
 PROG = "elastic-train"
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """argparse that exits with code 2 and one line on a usage error (no usage dump)."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        sys.stderr.write(f"{self.prog}: error: {message}\n")
-        raise SystemExit(2)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -7,8 +7,14 @@ import os
 import shlex
 import sys
 
-from elastic_train.cli.options import add_job_options, collect_overrides
+from elastic_train.cli.options import node_overrides
 from elastic_train.config import load_job_config
+from elastic_train.config.options import add_job_options, collect_overrides
+
+#: How workers start: ``forkserver`` (forked from a per-node process with torch imported) or ``exec``.
+WORKER_STARTS = ("forkserver", "exec")
+#: Environment variable holding the default of ``--worker-start``.
+ENV_WORKER_START = "ELASTIC_TRAIN_WORKER_START"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -26,8 +32,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_job_options(p)
     p.add_argument(
         "--worker-start",
-        choices=["forkserver", "exec"],
-        default=os.environ.get("ELASTIC_TRAIN_WORKER_START", "forkserver"),
+        choices=WORKER_STARTS,
+        default=os.environ.get(ENV_WORKER_START, WORKER_STARTS[0]),
         help="forkserver: fork workers from a per-node process that already imported torch (fast restarts); "
         "exec: a fresh interpreter per worker (default: forkserver)",
     )
@@ -45,7 +51,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from elastic_train.launch import run as launch_run
 
-    overrides = collect_overrides(args)
+    overrides = collect_overrides(args, node_overrides(args.nodes))
     cfg = load_job_config(args.config, overrides)
     local_addr = args.local_addr or launch_run.default_local_addr(cfg.rendezvous)
     argv = launch_run.torchrun_argv(

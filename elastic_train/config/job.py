@@ -1,7 +1,8 @@
 """The whole job configuration (job.yaml) and how it is loaded.
 
 Precedence, lowest first: dataclass defaults, the YAML file, environment variables named in
-:data:`ENV_OVERRIDES`, command-line options. Every layer is validated by the same strict loader.
+:data:`ENV_OVERRIDES`, command-line options (the dedicated ones, then ``--set``: see
+:mod:`elastic_train.config.options`). Every layer is validated by the same strict loader.
 """
 
 from __future__ import annotations

@@ -29,15 +29,15 @@ KINDS: dict[str, bool] = {
 }
 #: Kinds that need a multi-member etcd (``--etcd-members 3``).
 CLUSTER_KINDS = ("kill-etcd-leader", "etcd-quorum-loss")
-#: Kinds that start an intruding node (see :data:`KINDS`); their outcome is in ``Fault.extra``.
+#: Kinds that start an intruding node (see :data:`KINDS`); their outcome is in ``FaultRecord.extra``.
 COLLISION_KINDS = ("collide-checkpoint", "collide-nodes")
 
 _SPEC = re.compile(r"^(?P<node>\d+)?@step=(?P<step>\d+)$")
 
 
-@dataclass(kw_only=True, slots=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Fault:
-    """One planned fault and what was observed about it."""
+    """One planned fault: what to break, where and when (what then happened is a :class:`FaultRecord`)."""
 
     kind: str
     """One of :data:`KINDS`."""
@@ -45,6 +45,19 @@ class Fault:
     """Fire once this many optimizer steps have completed."""
     node: int | None = None
     """Node index (launch order) for node faults."""
+
+    @property
+    def label(self) -> str:
+        node = "" if self.node is None else str(self.node)
+        return f"{self.kind} {node}@step={self.step}"
+
+
+@dataclass(kw_only=True, slots=True)
+class FaultRecord:
+    """What was observed about one planned fault during a run."""
+
+    fault: Fault
+    """The plan."""
     fired_at: float | None = None
     """Unix time the fault was injected."""
     fired_step: int | None = None
@@ -65,9 +78,12 @@ class Fault:
     """Kind-specific facts (PIDs signalled, new node index …)."""
 
     @property
+    def kind(self) -> str:
+        return self.fault.kind
+
+    @property
     def label(self) -> str:
-        node = "" if self.node is None else str(self.node)
-        return f"{self.kind} {node}@step={self.step}"
+        return self.fault.label
 
     @property
     def steps_redone(self) -> int | None:
@@ -80,9 +96,9 @@ class Fault:
             return None if t is None or self.fired_at is None else round(t - self.fired_at, 3)
 
         return {
-            "kind": self.kind,
-            "node": self.node,
-            "step": self.step,
+            "kind": self.fault.kind,
+            "node": self.fault.node,
+            "step": self.fault.step,
             "fired_step": self.fired_step,
             "fired_round": self.fired_round,
             "detected_s": rel(self.detected_at),
@@ -136,6 +152,6 @@ def validate_plan(faults: list[Fault], initial_nodes: int, steps: int, etcd_memb
             )
 
 
-def due(faults: list[Fault], completed_step: int) -> list[Fault]:
+def due(records: list[FaultRecord], completed_step: int) -> list[FaultRecord]:
     """Faults not yet fired whose step has been reached, in plan order."""
-    return [f for f in faults if f.fired_at is None and completed_step >= f.step]
+    return [r for r in records if r.fired_at is None and completed_step >= r.fault.step]

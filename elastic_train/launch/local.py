@@ -27,8 +27,7 @@ from elastic_train.config import JobConfig
 from elastic_train.envvars import ENV_AUDIT_DIR, ENV_EVENTS, ENV_NODE_ID
 from elastic_train.etcd.errors import EtcdError
 from elastic_train.etcd.server import EmbeddedEtcd, EtcdCluster
-from elastic_train.launch.events import EventTail
-from elastic_train.launch.faults import CLUSTER_KINDS, COLLISION_KINDS, Fault
+from elastic_train.launch.faults import CLUSTER_KINDS, COLLISION_KINDS, KINDS, Fault, FaultRecord, due
 from elastic_train.launch.run import worker_overrides_argv
 from elastic_train.launch.summary import Summary, render_table, world_size_timeline
 from elastic_train.log import get_logger
@@ -66,7 +65,7 @@ class LocalOptions:
     """Give up (and fail) after this many seconds."""
     out: TextIO = sys.stdout
     """Where live lines go."""
-    actions: dict[str, Callable[[Fault, Node | None], None]] = field(default_factory=dict)
+    actions: dict[str, Action] = field(default_factory=dict)
     """Extra fault kinds (name → action), e.g. storage faults in the chaos suite."""
     etcd_members: int = 1
     """Members of the job's etcd: 1, or 3/5 for a cluster (the nodes get the endpoint list)."""
@@ -84,6 +83,20 @@ class Node:
     stopped: bool = False
     killed: bool = False
     started_at: float = 0.0
+
+
+Action = Callable[[FaultRecord, Node | None], None]
+"""Injects a fault (the node it names, if any) and records kind-specific facts in ``record.extra``."""
+
+
+def _on_node(action: Callable[[FaultRecord, Node], None]) -> Action:
+    """An action of a kind that names a node (:data:`~elastic_train.launch.faults.KINDS`)."""
+
+    def act(record: FaultRecord, node: Node | None) -> None:
+        assert node is not None, f"{record.label}: names no node"
+        action(record, node)
+
+    return act
 
 
 class LocalJob:
@@ -113,7 +126,24 @@ class LocalJob:
         self._last_status = 0.0
         self._status_client: Etcd | None = None
         #: Nodes started by collision faults (same run id, other settings), with their fault.
-        self.intruders: list[tuple[Fault, Node]] = []
+        self.intruders: list[tuple[FaultRecord, Node]] = []
+        #: What happened to each planned fault, in plan order.
+        self.records = [FaultRecord(fault=f) for f in opts.faults]
+        #: How each kind of fault is injected (``opts.actions`` add kinds or replace built-in ones).
+        self.actions: dict[str, Action] = {
+            "kill-node": _on_node(self._kill_node),
+            "kill-worker": _on_node(self._kill_worker),
+            "hang-node": _on_node(self._hang_node),
+            "resume-node": _on_node(self._resume_node),
+            "add-node": self._add_node,
+            "restart-etcd": self._restart_etcd,
+            "kill-etcd-leader": self._kill_etcd_leader,
+            "etcd-quorum-loss": self._etcd_quorum_loss,
+            "collide-checkpoint": self._collide_checkpoint,
+            "collide-nodes": self._collide_nodes,
+            **opts.actions,
+        }
+        assert set(KINDS) <= set(self.actions), f"no action for {set(KINDS) - set(self.actions)}"
 
     # -- actions ------------------------------------------------------------------------------------------
 
@@ -173,44 +203,44 @@ class LocalJob:
         for p in tree(pid):
             self.known_procs.setdefault(p.pid, p)
 
-    def fire(self, fault: Fault) -> None:
-        """Inject ``fault`` now and record when and where in the run it happened."""
-        fault.fired_at = time.time()
-        fault.fired_step = self.completed_step
-        fault.fired_round = self.current_round
+    def fire(self, record: FaultRecord) -> None:
+        """Inject ``record``'s fault now and record when and where in the run it happened."""
+        fault = record.fault
+        record.fired_at = time.time()
+        record.fired_step = self.completed_step
+        record.fired_round = self.current_round
         node = self.nodes[fault.node] if fault.node is not None else None
         if node is not None:
             self._remember(node.proc.pid)
-        action = self.opts.actions.get(fault.kind) or getattr(self, "_" + fault.kind.replace("-", "_"))
-        action(fault, node)
+        self.actions[fault.kind](record, node)
         self._print(
             f"!! {fault.label}: injected after step {self.completed_step} (round {self.current_round})"
         )
 
-    def _kill_node(self, fault: Fault, node: Node) -> None:
-        fault.extra["pids"] = signal_tree(node.proc.pid, signal.SIGKILL)
+    def _kill_node(self, record: FaultRecord, node: Node) -> None:
+        record.extra["pids"] = signal_tree(node.proc.pid, signal.SIGKILL)
         node.killed = True
 
-    def _kill_worker(self, fault: Fault, node: Node) -> None:
+    def _kill_worker(self, record: FaultRecord, node: Node) -> None:
         workers = [p for p in tree(node.proc.pid)[1:] if _is_worker(p)]
         if workers:
             workers[0].kill()
-            fault.extra["pids"] = [workers[0].pid]
+            record.extra["pids"] = [workers[0].pid]
 
-    def _hang_node(self, fault: Fault, node: Node) -> None:
-        fault.extra["pids"] = signal_tree(node.proc.pid, signal.SIGSTOP)
+    def _hang_node(self, record: FaultRecord, node: Node) -> None:
+        record.extra["pids"] = signal_tree(node.proc.pid, signal.SIGSTOP)
         node.stopped = True
 
-    def _resume_node(self, fault: Fault, node: Node) -> None:
-        fault.extra["pids"] = signal_tree(node.proc.pid, signal.SIGCONT)
+    def _resume_node(self, record: FaultRecord, node: Node) -> None:
+        record.extra["pids"] = signal_tree(node.proc.pid, signal.SIGCONT)
         node.stopped = False
 
-    def _add_node(self, fault: Fault, _node: None) -> None:
-        fault.extra["new_node"] = self.start_node().index
+    def _add_node(self, record: FaultRecord, _node: Node | None) -> None:
+        record.extra["new_node"] = self.start_node().index
 
-    def _cluster(self, fault: Fault) -> EtcdCluster:
+    def _cluster(self, record: FaultRecord) -> EtcdCluster:
         if not isinstance(self.etcd, EtcdCluster):
-            raise RuntimeError(f"{fault.kind} needs a multi-member etcd (etcd_members >= 3)")
+            raise RuntimeError(f"{record.kind} needs a multi-member etcd (etcd_members >= 3)")
         return self.etcd
 
     @staticmethod
@@ -223,19 +253,19 @@ class LocalJob:
             else:
                 cluster.resume(i)
 
-    def _kill_etcd_leader(self, fault: Fault, _node: None) -> None:
-        cluster = self._cluster(fault)
+    def _kill_etcd_leader(self, record: FaultRecord, _node: Node | None) -> None:
+        cluster = self._cluster(record)
         self._cluster_whole(cluster)
         leader = cluster.leader(timeout=30.0)
         t = time.monotonic()
         cluster.kill(leader)
-        fault.extra["member"] = leader
+        record.extra["member"] = leader
 
         def elected() -> None:  # off the loop: an election takes a second or two
             with contextlib.suppress(EtcdError):
                 new = cluster.leader(timeout=30.0)
-                fault.detected_at = time.time()
-                fault.extra.update(new_leader=new, election_s=round(time.monotonic() - t, 3))
+                record.detected_at = time.time()
+                record.extra.update(new_leader=new, election_s=round(time.monotonic() - t, 3))
 
         threading.Thread(target=elected, name="etcd-election", daemon=True).start()
 
@@ -246,8 +276,8 @@ class LocalJob:
 
         self._after(LEADER_DOWN_SECONDS, restart)
 
-    def _etcd_quorum_loss(self, fault: Fault, _node: None) -> None:
-        cluster = self._cluster(fault)
+    def _etcd_quorum_loss(self, record: FaultRecord, _node: Node | None) -> None:
+        cluster = self._cluster(record)
         self._cluster_whole(cluster)
         leader = cluster.leader(timeout=30.0)
         # The two followers: the leader, cut off from them, steps down and no member can serve until they
@@ -255,12 +285,12 @@ class LocalJob:
         stopped = [i for i in range(len(cluster.members)) if i != leader][:2]
         for i in stopped:
             cluster.pause(i)
-        fault.extra.update(members=stopped, seconds=QUORUM_LOSS_SECONDS)
+        record.extra.update(members=stopped, seconds=QUORUM_LOSS_SECONDS)
 
         def resume() -> None:
             for i in stopped:
                 cluster.resume(i)
-            fault.detected_at = time.time()
+            record.detected_at = time.time()
 
         self._after(QUORUM_LOSS_SECONDS, resume)
 
@@ -275,28 +305,28 @@ class LocalJob:
         for action in due_now:
             action()
 
-    def _collide_checkpoint(self, fault: Fault, _node: None) -> None:
+    def _collide_checkpoint(self, record: FaultRecord, _node: Node | None) -> None:
         url = os.path.abspath(os.path.join(self.opts.workdir, "collision-checkpoints"))
-        self._intrude(fault, {"checkpoint.url": url})
+        self._intrude(record, {"checkpoint.url": url})
 
-    def _collide_nodes(self, fault: Fault, _node: None) -> None:
+    def _collide_nodes(self, record: FaultRecord, _node: Node | None) -> None:
         rdzv = self.cfg.rendezvous
         self._intrude(
-            fault, {"rendezvous.min_nodes": rdzv.min_nodes, "rendezvous.max_nodes": rdzv.max_nodes + 1}
+            record, {"rendezvous.min_nodes": rdzv.min_nodes, "rendezvous.max_nodes": rdzv.max_nodes + 1}
         )
 
-    def _intrude(self, fault: Fault, extra: dict[str, Any]) -> None:
+    def _intrude(self, record: FaultRecord, extra: dict[str, Any]) -> None:
         """Start a node with the job's run id and ``extra`` settings; :meth:`_settle_intruders` records how
         it was turned away."""
         node = self._spawn(len(self.intruders), f"intruder-{len(self.intruders)}", extra)
-        self.intruders.append((fault, node))
-        fault.extra["settings"] = {k: v for k, v in extra.items()}
+        self.intruders.append((record, node))
+        record.extra["settings"] = {k: v for k, v in extra.items()}
 
     def _settle_intruders(self, wait: float) -> None:
         """Record each intruder's exit code and last line once it exited (waiting up to ``wait`` seconds)."""
         deadline = time.monotonic() + wait
-        for fault, node in self.intruders:
-            if "exit_code" in fault.extra:
+        for record, node in self.intruders:
+            if "exit_code" in record.extra:
                 continue
             code = node.proc.poll()
             while code is None and time.monotonic() < deadline:
@@ -304,19 +334,19 @@ class LocalJob:
                 code = node.proc.poll()
             if code is None:
                 continue
-            fault.extra["exit_code"] = code
-            fault.extra["seconds"] = round(time.time() - node.started_at, 2)
-            fault.extra["line"] = _last_plain_line(node.log_path)
+            record.extra["exit_code"] = code
+            record.extra["seconds"] = round(time.time() - node.started_at, 2)
+            record.extra["line"] = _last_plain_line(node.log_path)
             self._print(
-                f"   {fault.label}: exit {code} after {fault.extra['seconds']}s: {fault.extra['line']}"
+                f"   {record.label}: exit {code} after {record.extra['seconds']}s: {record.extra['line']}"
             )
 
-    def _restart_etcd(self, fault: Fault, _node: None) -> None:
+    def _restart_etcd(self, record: FaultRecord, _node: Node | None) -> None:
         assert isinstance(self.etcd, EmbeddedEtcd), "restart-etcd restarts a single-member etcd"
         t = time.monotonic()
         self.etcd.restart(down_for=1.0)
-        fault.extra["down_s"] = round(time.monotonic() - t, 3)
-        fault.detected_at = time.time()
+        record.extra["down_s"] = round(time.monotonic() - t, 3)
+        record.detected_at = time.time()
 
     # -- observation --------------------------------------------------------------------------------------
 
@@ -324,7 +354,7 @@ class LocalJob:
         kind = e.get("event")
         rnd = e.get("round")
         if kind in ("started", "resumed") and rnd is not None:
-            for f in self.opts.faults:
+            for f in self.records:
                 if f.fired_at is None or f.fired_round is None or rnd <= f.fired_round:
                     continue
                 if kind == "resumed" and f.resumed_from is None:
@@ -345,7 +375,7 @@ class LocalJob:
             step = int(e["step"])
             self.completed_step = max(self.completed_step, step)
             self.current_round, self.world_size = rnd, e.get("world_size")
-            for f in self.opts.faults:
+            for f in self.records:
                 if (
                     f.fired_at is not None
                     and f.resumed_at is None
@@ -373,7 +403,7 @@ class LocalJob:
     def watch_rendezvous(self) -> None:
         """Mark faults detected once etcd shows the rendezvous reacting (new round, joiner, lost member)."""
         pending = [
-            f for f in self.opts.faults
+            f for f in self.records
             if f.fired_at is not None and f.detected_at is None and f.fired_round is not None
             and f.kind not in CLUSTER_KINDS  # they record their own end; etcd may not answer meanwhile
             and f.kind not in COLLISION_KINDS
@@ -381,7 +411,7 @@ class LocalJob:
         now = time.monotonic()
         if not pending or now - self._last_status < STATUS_INTERVAL or self.etcd is None:
             return
-        if any(f.kind in CLUSTER_KINDS and f.fired_at and f.detected_at is None for f in self.opts.faults):
+        if any(f.kind in CLUSTER_KINDS and f.fired_at and f.detected_at is None for f in self.records):
             return  # etcd is being broken on purpose: asking it now would stall this loop
         self._last_status = now
         from elastic_train.etcd.client import connect
@@ -424,8 +454,10 @@ class LocalJob:
 
     def run(self) -> Summary:
         """Run the job to the end (or the timeout) and return its summary; always cleans up."""
-        summary = Summary(run_id=self.run_id, steps=self.cfg.train.steps, faults=self.opts.faults)
-        tail = EventTail(self.events_path)
+        from elastic_train.train.jsonl import JsonLinesTail
+
+        summary = Summary(run_id=self.run_id, steps=self.cfg.train.steps, faults=self.records)
+        tail = JsonLinesTail(self.events_path)
         try:
             data_dir = os.path.join(self.opts.workdir, "etcd")
             if self.opts.etcd_members > 1:
@@ -444,16 +476,11 @@ class LocalJob:
             while True:
                 for e in tail.poll():
                     self.on_event(e)
-                for f in self.opts.faults:
-                    # a fault due after the job finished tests nothing (and would hit its final checkpoint
-                    # or its exit barrier): it stays unfired
-                    if (
-                        f.fired_at is None
-                        and self.completed_step >= f.step
-                        and self.step_events
-                        and self.done_event is None
-                    ):
-                        self.fire(f)
+                # a fault due after the job finished tests nothing (and would hit its final checkpoint or its
+                # exit barrier): it stays unfired
+                if self.step_events and self.done_event is None:
+                    for record in due(self.records, self.completed_step):
+                        self.fire(record)
                 self._run_due()
                 self.watch_rendezvous()
                 now = time.monotonic()

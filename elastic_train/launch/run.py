@@ -32,10 +32,6 @@ log = get_logger(__name__)
 AGENT_MAX_RESTARTS = 1_000_000
 #: Seconds between the agent's health checks of its workers (torchrun's default, stated explicitly).
 MONITOR_INTERVAL = 0.1
-#: How workers start: ``forkserver`` (forked from a per-node process with torch imported) or ``exec``.
-WORKER_START = ("forkserver", "exec")
-#: Environment override of the worker start method.
-ENV_WORKER_START = "ELASTIC_TRAIN_WORKER_START"
 #: Loopback interface name for gloo when the job runs on loopback addresses.
 LOOPBACK_IFNAME = "lo"
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from elastic_train.launch.faults import Fault
+from elastic_train.launch.faults import FaultRecord
 
 
 @dataclass(kw_only=True, slots=True)
@@ -24,7 +24,8 @@ class Summary:
     final_loss: float | None = None
     world_size_timeline: list[dict[str, Any]] = field(default_factory=list)
     """[{"time_s", "step", "world_size", "round"}] at every change of world size or round."""
-    faults: list[Fault] = field(default_factory=list)
+    faults: list[FaultRecord] = field(default_factory=list)
+    """What happened to each planned fault."""
     exactly_once: dict[str, Any] | None = None
     """Audit verdict ({"ok", "checked_steps", "problems"}), None when not audited."""
     node_exit_codes: dict[str, int | None] = field(default_factory=dict)

@@ -24,6 +24,8 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
+from elastic_train.train.jsonl import JsonLinesWriter, read_json_lines
+
 AUDIT_GLOB = "rank-*-round-*.jsonl"
 #: Written by rank 0 next to the audit files: ``{"dataset_len", "global_batch", "seed"}``.
 META_FILE = "meta.json"
@@ -40,13 +42,12 @@ class AuditWriter:
     def __init__(self, directory: str, *, rank: int, world_size: int, round: int) -> None:
         os.makedirs(directory, exist_ok=True)
         self.path = audit_file(directory, rank, round)
-        self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._out = JsonLinesWriter(self.path)
         self.rank = rank
         self.world_size = world_size
         self.round = round
 
     def write(self, *, epoch: int, step: int, indices: list[int]) -> None:
-        assert self._fd is not None, "audit writer is closed"
         line = {
             "epoch": epoch,
             "step": step,
@@ -55,12 +56,10 @@ class AuditWriter:
             "round": self.round,
             "indices": indices,
         }
-        os.write(self._fd, (json.dumps(line, separators=(",", ":")) + "\n").encode())
+        self._out.append(line)
 
     def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+        self._out.close()
 
 
 def write_meta(directory: str, *, dataset_len: int, global_batch: int, seed: int) -> None:
@@ -83,18 +82,12 @@ def read_meta(directory: str) -> dict[str, Any] | None:
 
 
 def read_audit(directory: str) -> list[dict[str, Any]]:
-    """Every complete line of every audit file in ``directory`` (torn last lines of crashed ranks skipped)."""
-    lines: list[dict[str, Any]] = []
-    for path in sorted(glob.glob(os.path.join(directory, AUDIT_GLOB))):
-        with open(path, encoding="utf-8") as f:
-            for text in f:
-                if not text.endswith("\n"):
-                    break
-                try:
-                    lines.append(json.loads(text))
-                except json.JSONDecodeError:
-                    continue
-    return lines
+    """Every complete line of every audit file in ``directory`` (a crashed rank's torn last line left out)."""
+    return [
+        line
+        for path in sorted(glob.glob(os.path.join(directory, AUDIT_GLOB)))
+        for line in read_json_lines(path)
+    ]
 
 
 def expected_steps(steps: int, global_batch: int, dataset_len: int) -> list[tuple[int, int]]:

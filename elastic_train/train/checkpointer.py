@@ -4,10 +4,9 @@ checkpoint manager's two tiers, with the progress events ``elastic-train local``
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -26,19 +25,40 @@ if TYPE_CHECKING:
 log = get_logger(__name__)
 
 StepHook = Callable[[int], None]
-"""Called with the step number at :meth:`Checkpointer.commit`, before the state is saved (test faults)."""
+"""Called with the step number at :meth:`Checkpointer.commit`, before the state is saved."""
 
 
 class Manager(Protocol):
-    """What :class:`Checkpointer` needs from :class:`elastic_train.checkpoint.CheckpointManager`."""
+    """What :class:`Checkpointer` and the built-in loop need from
+    :class:`elastic_train.checkpoint.CheckpointManager`."""
 
-    def restore(self, model: Mapping[str, Any] | None = None) -> Any: ...
+    last_committed: Committed | None
+    """The newest durable checkpoint committed so far (None before the first)."""
 
-    def save(self, step: int, state: Callable[[], Mapping[str, Any]]) -> None: ...
+    def restore(self, model: Mapping[str, Any] | None = None) -> Any:
+        """Collective: the newest valid state anywhere (``.step``, ``.state``, ``.source``) or ``None``."""
+        ...
+
+    def save(self, step: int, state: Callable[[], Mapping[str, Any]]) -> None:
+        """Snapshot and/or checkpoint ``state()`` when due at ``step`` (it is built only then)."""
+        ...
 
     def finalize(self, step: int, state: Mapping[str, Any]) -> Any: ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class Fenced(Protocol):
+    """A manager whose snapshots may copy an optimizer's parameters and state until its next step."""
+
+    def attach(self, optimizer: torch.optim.Optimizer) -> Any:
+        """Let snapshots copy ``optimizer``'s tensors while its next step computes (a pre-hook fences)."""
+        ...
+
+    def fence(self) -> None:
+        """Wait until the last snapshot no longer reads the parameters and optimizer state."""
+        ...
 
 
 class Checkpointer:
@@ -61,8 +81,8 @@ class Checkpointer:
         world: the group the state is trained in (default: :func:`current_world`).
         manager: an existing checkpoint manager to use instead of creating one (the built-in worker's).
         events: progress events (default: rank 0 writes to ``$ELASTIC_TRAIN_EVENTS``).
-        hooks: called with the step number at each commit before the save (default: the test-only fault
-            hooks of ``$ELASTIC_TRAIN_TEST_FAULT`` / ``$ELASTIC_TRAIN_TEST_STEP_DELAY``).
+        hooks: called with the step number at each commit before the save (progress probes, fault
+            injection in tests).
 
     Raises:
         StorageError: the URL's filesystem cannot be opened.
@@ -81,7 +101,7 @@ class Checkpointer:
         world: World | None = None,
         manager: Manager | None = None,
         events: EventWriter | None = None,
-        hooks: Sequence[StepHook] | None = None,
+        hooks: Sequence[StepHook] = (),
     ) -> None:
         if not isinstance(state, TrainState):
             raise NotStateful(f"state: a {type(state).__name__} is not an elastic_train TrainState")
@@ -110,7 +130,7 @@ class Checkpointer:
         elif url is not None or every_steps is not None or resume_from is not None or config is not None:
             raise ValueError("Checkpointer: give either a manager or checkpoint settings, not both")
         self.manager: Manager = manager
-        self.hooks = list(_env_hooks(self.world) if hooks is None else hooks)
+        self.hooks = list(hooks)
         #: Where the restored state came from (``memory``, ``durable``, ``resume_from``), None when fresh.
         self.source: str | None = None
         self._restored = False
@@ -118,9 +138,8 @@ class Checkpointer:
         self._last_commit = time.perf_counter()
         # With a manager that can copy the optimizer's tensors while the next step computes (its step
         # pre-hook fences the copy), let it: the snapshot then costs the loop less.
-        attach = getattr(manager, "attach", None)
-        if attach is not None and isinstance(state.optimizer, torch.optim.Optimizer):
-            attach(state.optimizer)
+        if isinstance(manager, Fenced) and isinstance(state.optimizer, torch.optim.Optimizer):
+            manager.attach(state.optimizer)
 
     @property
     def step(self) -> int:
@@ -160,9 +179,9 @@ class Checkpointer:
         Raises:
             StateMismatch: the state does not fit the objects.
         """
-        fence = getattr(self.manager, "fence", None)
-        if fence is not None:  # no snapshot copy may be reading what load_state_dict overwrites
-            fence()
+        # no snapshot copy may be reading what load_state_dict overwrites
+        if isinstance(self.manager, Fenced):
+            self.manager.fence()
         self.state.load_state_dict(state)
         self._restored = True
 
@@ -233,7 +252,7 @@ class Checkpointer:
 
     def _report_commit(self) -> None:
         """Emit a ``checkpoint`` event for a durable checkpoint committed since the last call."""
-        committed = getattr(self.manager, "last_committed", None)
+        committed = self.manager.last_committed
         if committed is not None and committed is not self._reported:
             self._reported = committed
             self.events.emit("checkpoint", committed.step, seconds=committed.seconds, bytes=committed.bytes)
@@ -270,14 +289,3 @@ class Checkpointer:
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
         if kind is not None:
             self.close()
-
-
-def _env_hooks(w: World) -> list[StepHook]:
-    """The test-only fault and delay hooks the environment asks for (none in normal runs)."""
-    from elastic_train.worker.faults import ENV_FAULT, ENV_STEP_DELAY, delay_hook, fault_hook
-
-    hooks = (
-        fault_hook(os.environ.get(ENV_FAULT), rank=w.rank, restart_count=w.restart_count),
-        delay_hook(os.environ.get(ENV_STEP_DELAY)),
-    )
-    return [h for h in hooks if h is not None]

@@ -3,18 +3,18 @@
 If the environment variable :data:`ENV_EVENTS` names a file, rank 0 appends
 ``{"event", "time", "round", "world_size", "step", ...}`` lines to it: ``started``, ``resumed`` (with
 ``source`` and ``from_step``), ``step`` (``loss``, ``samples_per_s``, ``epoch``), ``checkpoint`` (``seconds``,
-``bytes``) and ``done``. Each line is one ``write`` on an ``O_APPEND`` descriptor, so lines from successive
-worker generations never interleave and a reader never sees half a line except after a crash mid-write.
+``bytes``) and ``done``, through :class:`~elastic_train.train.jsonl.JsonLinesWriter` (lines of successive
+worker generations never interleave).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from typing import Any
 
 from elastic_train.envvars import ENV_EVENTS
+from elastic_train.train.jsonl import JsonLinesWriter, read_json_lines
 
 EVENTS = ("started", "resumed", "step", "checkpoint", "done")
 
@@ -29,7 +29,7 @@ class EventWriter:
     """
 
     def __init__(self, path: str | None, *, round: int, world_size: int) -> None:
-        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644) if path else None
+        self._out = JsonLinesWriter(path) if path else None
         self.round = round
         self.world_size = world_size
 
@@ -41,12 +41,12 @@ class EventWriter:
 
     @property
     def enabled(self) -> bool:
-        return self._fd is not None
+        return self._out is not None
 
     def emit(self, event: str, step: int, **fields: Any) -> None:
         """Append one event line (``time``, ``round``, ``world_size`` and ``step`` are added)."""
         assert event in EVENTS, event
-        if self._fd is None:
+        if self._out is None:
             return
         record = {
             "event": event,
@@ -56,23 +56,14 @@ class EventWriter:
             "step": step,
             **fields,
         }
-        os.write(self._fd, (json.dumps(record, separators=(",", ":")) + "\n").encode())
+        self._out.append(record)
 
     def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+        if self._out is not None:
+            self._out.close()
+            self._out = None
 
 
 def read_events(path: str) -> list[dict[str, Any]]:
-    """All complete event lines of ``path`` in order (a torn last line from a crash is skipped)."""
-    events = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            if not line.endswith("\n"):
-                break
-            try:
-                events.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return events
+    """All complete event lines of ``path`` in order (a torn last line from a crash is left out)."""
+    return read_json_lines(path)

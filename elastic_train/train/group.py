@@ -18,8 +18,8 @@ import torch.distributed as dist
 from elastic_train.errors import ElasticTrainError
 from elastic_train.log import bind_context, configure_logging
 from elastic_train.net import free_port
+from elastic_train.train.env import WorkerEnv
 from elastic_train.train.errors import TrainingError
-from elastic_train.worker.env import WorkerEnv
 
 #: Run id of the checkpoints when torchrun gives none (``TORCHELASTIC_RUN_ID`` unset: a plain process).
 DEFAULT_RUN_ID = "default"

@@ -16,47 +16,27 @@ import contextlib
 import gc
 import inspect
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from elastic_train import elastic
 from elastic_train.log import get_logger
 from elastic_train.train.api import Task
 from elastic_train.train.batching import loss_scale, micro_batches
+from elastic_train.train.checkpointer import Checkpointer, Manager
 from elastic_train.train.config import TrainConfig
 from elastic_train.train.errors import TrainingError
 from elastic_train.train.events import EventWriter
+from elastic_train.train.group import World
 from elastic_train.train.lossreduce import LossCarrier
 from elastic_train.train.sampler import ElasticBatchSampler
+from elastic_train.train.state import TrainState
 
 log = get_logger(__name__)
-
-StepHook = Callable[[int], None]
-"""Called with the step number just before the optimizer step (used for test-only fault injection)."""
-
-
-class Checkpointer(Protocol):
-    """What the loop needs from :class:`elastic_train.checkpoint.CheckpointManager`."""
-
-    def restore(self, model: Mapping[str, Any] | None = None) -> Any:
-        """Collective: the newest valid state anywhere (``.step``, ``.state``, ``.source``) or ``None``."""
-        ...
-
-    def save(self, step: int, state: Callable[[], Mapping[str, Any]]) -> None:
-        """Snapshot and/or checkpoint ``state()`` when due at ``step`` (it is built only then)."""
-        ...
-
-    def finalize(self, step: int, state: Mapping[str, Any]) -> Any: ...
-
-    # Optional: ``attach(optimizer)`` (snapshots may copy the optimizer's parameters and state until its
-    # next step) and ``fence()`` (wait for such a copy), as CheckpointManager has them.
-
-    def close(self) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,7 +81,6 @@ class Trainer:
         checkpointer: where state is restored from and saved to after every optimizer step.
         events: progress events (a writer that does nothing on ranks other than 0).
         audit_dir: where the sampler appends this rank's per-step audit lines, or ``None``.
-        hooks: called with the step number before each optimizer step.
     """
 
     def __init__(
@@ -113,10 +92,9 @@ class Trainer:
         world_size: int,
         round: int,
         device: torch.device,
-        checkpointer: Checkpointer,
+        checkpointer: Manager,
         events: EventWriter,
         audit_dir: str | None = None,
-        hooks: Sequence[StepHook] = (),
     ) -> None:
         self.cfg = cfg
         self.task = task
@@ -126,7 +104,6 @@ class Trainer:
         self.device = device
         self.checkpointer = checkpointer
         self.events = events
-        self.hooks = list(hooks)
         self.model = task.model.to(device)
         self.sampler = ElasticBatchSampler(
             len(task.dataset),
@@ -138,10 +115,10 @@ class Trainer:
             audit_dir=audit_dir,
             pad_empty=False,  # make_batch takes an empty share
         )
-        self.train_state = elastic.TrainState(
+        self.train_state = TrainState(
             model=self.model, optimizer=task.optimizer, scheduler=task.scheduler, sampler=self.sampler
         )
-        group_world = elastic.World(
+        group_world = World(
             rank=rank,
             world_size=world_size,
             local_rank=0,
@@ -152,9 +129,7 @@ class Trainer:
             run_id="",
             restart_count=0,
         )
-        self.ckpt = elastic.Checkpointer(
-            self.train_state, manager=checkpointer, world=group_world, events=events, hooks=()
-        )
+        self.ckpt = Checkpointer(self.train_state, manager=checkpointer, world=group_world, events=events)
         self.ckpt.skip_restore()  # restore() is the worker's call; tests and benchmarks start fresh
         self.ddp: torch.nn.Module | None = None
         self._carrier: LossCarrier | None = None
@@ -258,8 +233,6 @@ class Trainer:
         work = None
         if self.world_size > 1 and carried is None:
             work = dist.all_reduce(loss_sum, async_op=True)
-        for hook in self.hooks:
-            hook(step)
         self.task.optimizer.step()
         self.task.optimizer.zero_grad(set_to_none=True)
         if self.task.scheduler is not None:

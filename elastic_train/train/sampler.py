@@ -28,6 +28,7 @@ import torch
 
 from elastic_train.envvars import ENV_AUDIT_DIR
 from elastic_train.train.batching import share_weight
+from elastic_train.train.env import WorkerEnv
 
 
 @dataclass(frozen=True, slots=True)
@@ -298,6 +299,4 @@ def _default_world() -> tuple[int, int]:
 
 def _round() -> int:
     """This worker group's rendezvous round (audit lines of a redone step must sort after the first try)."""
-    from elastic_train.worker.env import WorkerEnv
-
     return WorkerEnv.from_environ(os.environ).round

@@ -14,42 +14,26 @@ import os
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from elastic_train.cli.main import OneLineParser
-from elastic_train.config import load_job_config, parse_override
+from elastic_train.config import load_job_config
+from elastic_train.config.options import OneLineParser, add_job_options, collect_overrides
 from elastic_train.errors import ElasticTrainError, is_non_retryable
 from elastic_train.log import bind_context, configure_logging
 
 PROG = "elastic_train.worker"
 
 
+#: The dedicated options of the worker (see :mod:`elastic_train.config.options`); ``--set`` sets any key.
+OPTIONS = ("--checkpoint", "--checkpoint-every", "--resume-from", "--audit", "--steps")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog=f"python -m {PROG}", description="One elastic training worker (run by torchrun).")
     p.add_argument("--config", help="job.yaml (default: built-in defaults)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
-    p.add_argument("--checkpoint", metavar="URL", help="checkpoint root (checkpoint.url)")
-    p.add_argument("--checkpoint-every", type=int, metavar="N", help="durable checkpoint every N steps")
-    p.add_argument("--resume-from", metavar="URL", help="start from this checkpoint (checkpoint.resume_from)")
-    p.add_argument("--audit", metavar="DIR", help="append per-step sample audit lines here (train.audit_dir)")
-    p.add_argument("--steps", type=int, metavar="N", help="optimizer steps in total (train.steps)")
+    add_job_options(p, OPTIONS)
     return p
-
-
-def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    """Dotted-key overrides: every ``--set`` first, then the dedicated options (which win)."""
-    overrides: dict[str, Any] = dict(parse_override(text) for text in args.set)
-    dedicated = {
-        "train.steps": args.steps,
-        "train.audit_dir": args.audit,
-        "checkpoint.url": args.checkpoint,
-        "checkpoint.every_steps": args.checkpoint_every,
-        "checkpoint.resume_from": args.resume_from,
-    }
-    overrides.update({k: v for k, v in dedicated.items() if v is not None})
-    return overrides
 
 
 #: Where torchrun's agent reads a failed worker's error (set by the agent for every worker).
@@ -80,9 +64,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.perf_counter()
     args = build_parser().parse_args(argv)
     try:
-        from elastic_train.worker.env import WorkerEnv
+        from elastic_train.train.env import WorkerEnv
 
-        cfg = load_job_config(args.config, overrides_from_args(args))
+        cfg = load_job_config(args.config, collect_overrides(args))
         env = WorkerEnv.from_environ(os.environ)
     except ElasticTrainError as exc:
         _report_failure(exc, os.environ.get("RANK", "0"))

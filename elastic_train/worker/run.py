@@ -6,12 +6,11 @@ restore) because it is most of a recovery on small jobs.
 
 from __future__ import annotations
 
-import os
 import time
 
 from elastic_train.config import JobConfig
 from elastic_train.log import get_logger
-from elastic_train.worker.env import WorkerEnv
+from elastic_train.train.env import WorkerEnv
 
 log = get_logger(__name__)
 
@@ -35,7 +34,6 @@ def run_worker(cfg: JobConfig, env: WorkerEnv, *, started: float) -> int:
     from elastic_train.train.api import load_task
     from elastic_train.train.events import EventWriter
     from elastic_train.train.loop import Trainer
-    from elastic_train.worker.faults import ENV_FAULT, ENV_STEP_DELAY, delay_hook, fault_hook
 
     timings["import_s"] = time.perf_counter() - t
     if env.local_rank == 0 and env.restart_count == 0:  # fail at start, not at the first save
@@ -60,14 +58,6 @@ def run_worker(cfg: JobConfig, env: WorkerEnv, *, started: float) -> int:
         device=device,
     )
     events = EventWriter.from_env(rank=env.rank, round=env.round, world_size=env.world_size)
-    hooks = [
-        hook
-        for hook in (
-            fault_hook(os.environ.get(ENV_FAULT), rank=env.rank, restart_count=env.restart_count),
-            delay_hook(os.environ.get(ENV_STEP_DELAY)),
-        )
-        if hook is not None
-    ]
     trainer = Trainer(
         cfg.train,
         task,
@@ -78,7 +68,6 @@ def run_worker(cfg: JobConfig, env: WorkerEnv, *, started: float) -> int:
         checkpointer=manager,
         events=events,
         audit_dir=cfg.train.audit_dir,
-        hooks=hooks,
     )
     try:
         t = time.perf_counter()

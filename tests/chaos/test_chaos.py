@@ -28,10 +28,10 @@ from elastic_train.checkpoint.codec import tensor_at, unflatten
 from elastic_train.checkpoint.memory import snapshot_files
 from elastic_train.checkpoint.storage import open_storage
 from elastic_train.config import load_job_config
-from elastic_train.launch.events import read_all
-from elastic_train.launch.faults import COLLISION_KINDS, Fault
+from elastic_train.launch.faults import COLLISION_KINDS, Fault, FaultRecord
 from elastic_train.launch.local import LocalJob, LocalOptions, Node
 from elastic_train.train.audit import check_exactly_once
+from elastic_train.train.events import read_events
 from tests.chaos.chaos_task import ENV_FLAG
 from tests.chaos.plan import PlanSpec, etcd_members, make_plan
 
@@ -108,7 +108,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tenso
     return final_weights(str(tmp / "ckpt"), "chaos-reference")
 
 
-def corrupt_newest(ckpt_root: str, run_id: str, fault: Fault) -> None:
+def corrupt_newest(ckpt_root: str, run_id: str, fault: FaultRecord) -> None:
     """Flip one byte in the middle of a share file of the newest committed checkpoint."""
     storage = open_storage(ckpt_root)
     entries = [e for e in durable.list_entries(storage, storage.join(storage.root, run_id)) if e.valid]
@@ -138,15 +138,15 @@ def test_chaos_invariants(
     flag = tmp_path / "storage-outage"
     job_ref: dict[str, LocalJob] = {}
 
-    def kill_during_checkpoint(fault: Fault, node: Node | None) -> None:
-        job_ref["job"]._kill_node(fault, node)  # type: ignore[arg-type]
+    def kill_during_checkpoint(fault: FaultRecord, node: Node | None) -> None:
+        job_ref["job"].actions["kill-node"](fault, node)
 
-    def storage_outage(fault: Fault, _node: Node | None) -> None:
+    def storage_outage(fault: FaultRecord, _node: Node | None) -> None:
         flag.touch()
         threading.Timer(OUTAGE_SECONDS, lambda: flag.unlink(missing_ok=True)).start()
         fault.extra["seconds"] = OUTAGE_SECONDS
 
-    def corrupt(fault: Fault, _node: Node | None) -> None:
+    def corrupt(fault: FaultRecord, _node: Node | None) -> None:
         corrupt_newest(ckpt_url, run_id, fault)
 
     actions = {
@@ -175,8 +175,11 @@ def test_chaos_invariants(
     inv["exactly_once"] = audit.ok and summary.completed_steps == SPEC.steps
     detail["audit"] = audit.problems[:5]
 
-    corrupted = {int(f.extra["step"]) for f in plan if f.kind == "corrupt-checkpoint" and "step" in f.extra}
-    events = read_all(os.path.join(job.opts.workdir, "events.jsonl"))
+    records = summary.faults
+    corrupted = {
+        int(f.extra["step"]) for f in records if f.kind == "corrupt-checkpoint" and "step" in f.extra
+    }
+    events = read_events(os.path.join(job.opts.workdir, "events.jsonl"))
     durable_resumes = [e for e in events if e.get("event") == "resumed" and e.get("source") == "durable"]
     inv["no_corrupt_resume"] = all(e.get("from_step") not in corrupted for e in durable_resumes)
 
@@ -206,7 +209,7 @@ def test_chaos_invariants(
     inv["weights_equal"] = rel <= 1e-5
     detail["max_rel_diff"] = rel
 
-    intruders = [f for f in plan if f.kind in COLLISION_KINDS]
+    intruders = [f for f in records if f.kind in COLLISION_KINDS]
     refused = [
         f.extra.get("exit_code") == 2
         and str(f.extra.get("line", "")).startswith(f"elastic-train: error: run {run_id} ")
@@ -224,7 +227,7 @@ def test_chaos_invariants(
         {
             "seed": chaos_seed,
             "etcd_members": etcd_members(chaos_seed),
-            "faults": [f.to_json() for f in plan],
+            "faults": [f.to_json() for f in records],
             "wall_s": summary.wall_s,
             "invariants": inv,
         }

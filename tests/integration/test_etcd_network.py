@@ -302,6 +302,7 @@ def test_training_goes_on_through_etcd_leader_or_quorum_loss(
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     fault = Fault(kind=kind, step=15)
     job, summary = run_local(tmp_path, f"cluster-{kind}", [fault])
+    fault = summary.faults[0]  # what happened to the planned fault
     assert summary.succeeded and summary.completed_steps == 60, job.opts.out.getvalue()[-2000:]
     audit = check_exactly_once(str(tmp_path / "audit"), steps=60)
     assert audit.ok, audit.problems[:5]

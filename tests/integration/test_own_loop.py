@@ -29,6 +29,8 @@ pytest.importorskip("elastic_train.rendezvous.registry")
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "own_loop.py"
+#: The same script with every step slowed down by a hook (so that faults land while it trains).
+SLOW_SCRIPT = ROOT / "tests" / "integration" / "slow_own_loop.py"
 EPOCHS = 6
 STEPS = EPOCHS * 15  # 240 samples, 16 per step
 ARGS = ["--float64", "--epochs", str(EPOCHS), "--workers", "1", "--checkpoint-every", "10"]
@@ -36,7 +38,7 @@ ARGS = ["--float64", "--epochs", str(EPOCHS), "--workers", "1", "--checkpoint-ev
 
 def env(**extra: str) -> dict[str, str]:
     base = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    for key in ("ELASTIC_TRAIN_TEST_FAULT", "ELASTIC_TRAIN_EVENTS", "ELASTIC_TRAIN_AUDIT_DIR", "RANK"):
+    for key in ("ELASTIC_TRAIN_EVENTS", "ELASTIC_TRAIN_AUDIT_DIR", "RANK"):
         base.pop(key, None)
     return {**base, **extra}
 
@@ -84,12 +86,9 @@ def test_local_entry_kill_and_join(tmp_path: Path, reference: dict[str, torch.Te
         "--nodes", "3", "--min-nodes", "2", "--max-nodes", "3",
         "--kill-node", "1@step=15", "--add-node", "@step=40", "--workdir", str(tmp_path / "work"),
         "--audit", str(tmp_path / "audit"), "--summary", str(summary_path), "--timeout", "400",
-        "--entry", str(SCRIPT), *ARGS, "--checkpoint", str(tmp_path / "ck"),
+        "--entry", str(SLOW_SCRIPT), "0.3", *ARGS, "--checkpoint", str(tmp_path / "ck"),
     ]  # fmt: skip
-    proc = subprocess.run(
-        cmd, cwd=tmp_path, env=env(ELASTIC_TRAIN_TEST_STEP_DELAY="0.3"), capture_output=True, text=True,
-        timeout=500,
-    )  # fmt: skip
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=500)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-2000:]}"
     summary = json.loads(summary_path.read_text())
     assert summary["succeeded"] and summary["completed_steps"] == STEPS
@@ -118,13 +117,12 @@ class Agents:
             sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", "--nproc-per-node=1",
             "--rdzv-backend=etcd3", f"--rdzv-endpoint={self.endpoint}", f"--rdzv-id={self.run_id}",
             "--rdzv-conf=lease_ttl=2,settle=1", "--max-restarts=100", "--monitor-interval=0.1",
-            "--local-addr=127.0.0.1", str(SCRIPT), *ARGS, "--checkpoint", str(self.tmp / "ck"),
+            "--local-addr=127.0.0.1", str(SLOW_SCRIPT), "0.2", *ARGS, "--checkpoint", str(self.tmp / "ck"),
         ]  # fmt: skip
         log = open(self.tmp / f"agent{len(self.procs)}.log", "ab")  # noqa: SIM115 - lives with the process
         variables = env(
             ELASTIC_TRAIN_EVENTS=str(self.events),
             ELASTIC_TRAIN_AUDIT_DIR=str(self.tmp / "audit"),
-            ELASTIC_TRAIN_TEST_STEP_DELAY="0.2",
         )
         proc = self.reaper.popen(cmd, cwd=self.tmp, stdout=log, stderr=subprocess.STDOUT, env=variables)
         self.procs.append(proc)

@@ -34,8 +34,8 @@ rendezvous:
   lease_ttl: 2.0
   settle: 1.0
 train:
-  task: regression
-  task_args: {{n_samples: 96}}
+  task: tests.fault_task:build
+  task_args: {{n_samples: 96, step_delay: 0.15}}
   steps: {steps}
   global_batch: 10
   micro_batch: 4
@@ -51,7 +51,9 @@ logging:
 
 def env(**extra: str) -> dict[str, str]:
     base = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "MASTER_ADDR": "127.0.0.1", "OMP_NUM_THREADS": "1"}
-    base.pop("ELASTIC_TRAIN_TEST_FAULT", None)
+    base["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])
+    )  # fault_task
     return {**base, **extra}
 
 
@@ -87,7 +89,7 @@ class ElasticJob:
             cwd=self.tmp,
             stdout=log,
             stderr=subprocess.STDOUT,
-            env=env(ELASTIC_TRAIN_EVENTS=str(self.events), ELASTIC_TRAIN_TEST_STEP_DELAY="0.15"),
+            env=env(ELASTIC_TRAIN_EVENTS=str(self.events)),
         )
         self.agents.append(proc)
         return proc
@@ -109,7 +111,17 @@ def test_kill_and_join_keep_weights_and_exactly_once(tmp_path: Path, etcd_server
     ref.mkdir()
     job = ElasticJob(tmp_path, etcd_server.endpoint, reaper)
     proc = subprocess.run(
-        [sys.executable, "-m", "elastic_train.worker", "--config", str(job.config), "--checkpoint", str(ref)],
+        [
+            sys.executable,
+            "-m",
+            "elastic_train.worker",
+            "--config",
+            str(job.config),
+            "--checkpoint",
+            str(ref),
+            "--set",
+            "train.task_args.step_delay=0",  # the reference need not be slow
+        ],
         cwd=ROOT,
         env=env(),
         capture_output=True,

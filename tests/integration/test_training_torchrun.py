@@ -40,12 +40,14 @@ logging:
 
 def loopback_env(**extra: str) -> dict[str, str]:
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "MASTER_ADDR": "127.0.0.1", "OMP_NUM_THREADS": "1"}
-    env.pop("ELASTIC_TRAIN_TEST_FAULT", None)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     env.update(extra)
     return env
 
 
-def torchrun(reaper: Any, tmp: Path, name: str, nproc: int, *, max_restarts: int = 0, **env: str) -> Path:
+def torchrun(
+    reaper: Any, tmp: Path, name: str, nproc: int, *, max_restarts: int = 0, worker_args: tuple[str, ...] = ()
+) -> Path:
     """Run the regression job with ``nproc`` workers under a standalone torchrun; returns its work dir."""
     work = tmp / name
     work.mkdir()
@@ -65,6 +67,7 @@ def torchrun(reaper: Any, tmp: Path, name: str, nproc: int, *, max_restarts: int
         str(work / "ck"),
         "--audit",
         str(work / "audit"),
+        *worker_args,
     ]
     with open(work / "log.txt", "wb") as log:
         proc = reaper.popen(
@@ -72,7 +75,7 @@ def torchrun(reaper: Any, tmp: Path, name: str, nproc: int, *, max_restarts: int
             cwd=work,
             stdout=log,
             stderr=subprocess.STDOUT,
-            env=loopback_env(ELASTIC_TRAIN_EVENTS=str(work / "events.jsonl"), **env),
+            env=loopback_env(ELASTIC_TRAIN_EVENTS=str(work / "events.jsonl")),
         )
         try:
             code = proc.wait(timeout=180)
@@ -149,8 +152,9 @@ def test_events_of_a_fault_free_run(runs: dict[str, Path]) -> None:
 def test_worker_crashes_at_fixed_world_size_are_bit_identical(
     runs: dict[str, Path], tmp_path: Path, reaper: Any
 ) -> None:
-    # rank 1 dies before the optimizer step of step 7; after the restart rank 0 dies at step 15
-    work = torchrun(reaper, tmp_path, "faults", 2, max_restarts=3, ELASTIC_TRAIN_TEST_FAULT="1@7,0@15:1")
+    # rank 1 dies before the optimizer step of step 7; after the restart rank 0 dies at step 15 (fault_task)
+    crashes = ("--set", "train.task=tests.fault_task:build", "--set", "train.task_args.faults='1@7,0@15:1'")
+    work = torchrun(reaper, tmp_path, "faults", 2, max_restarts=3, worker_args=crashes)
     reference = final_weights(runs["2"])
     weights = final_weights(work)
     for key, value in reference.items():

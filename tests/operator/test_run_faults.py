@@ -47,7 +47,7 @@ checkpoint:
 
 def base_env(**extra: str) -> dict[str, str]:
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    env.pop("ELASTIC_TRAIN_TEST_FAULT", None)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))  # fault_task
     env.pop("ELASTIC_TRAIN_JOB_IDENTITY", None)
     return {**env, **extra}
 
@@ -110,14 +110,19 @@ class Runs:
         extra: tuple[str, ...] = (),
     ) -> subprocess.Popen:
         self.n += 1
+        # a delay slows every step (tests/fault_task.py); it is part of the job's settings, like the task
+        slow = (
+            ("--task", "tests.fault_task:build", "--set", f"train.task_args.step_delay={delay}")
+            if delay
+            else ()
+        )
         cmd = [
             sys.executable, "-m", "elastic_train", "--log-level", log_level, "--log-format", "json",
             "run", str(self.config(steps)), "--endpoint", self.endpoint, "--run-id", run_id,
-            "--checkpoint", str(ckpt), "--nodes", nodes, "--local-addr", "127.0.0.1", *extra,
+            "--checkpoint", str(ckpt), "--nodes", nodes, "--local-addr", "127.0.0.1", *slow, *extra,
         ]  # fmt: skip
-        env = base_env(ELASTIC_TRAIN_TEST_STEP_DELAY=str(delay)) if delay else base_env()
         return self.reaper.popen(
-            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=self.tmp
+            cmd, env=base_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=self.tmp
         )
 
     def status(self, run_id: str) -> subprocess.CompletedProcess:
@@ -195,7 +200,9 @@ def test_a_node_with_other_settings_waits_then_is_refused_and_the_job_never_noti
     job = runs.start("job-42", a, steps=300, delay=0.1)
     wait_for(lambda: training(etcd, "job-42", a, at_least_step=5), 120, "the job to train and checkpoint")
     t = time.monotonic()
-    intruder = runs.start("job-42", b if "ckpt" in other else a, nodes=other.get("nodes", "1:1"), steps=300)
+    intruder = runs.start(
+        "job-42", b if "ckpt" in other else a, nodes=other.get("nodes", "1:1"), steps=300, delay=0.1
+    )
     _, err = intruder.communicate(timeout=120)
     waited = time.monotonic() - t
     assert intruder.returncode == 2, err
@@ -270,7 +277,7 @@ def test_after_all_members_are_gone_a_new_node_range_takes_the_run_over(
     old.wait(timeout=30)
     wait_for(lambda: read_status(etcd, "resize-1").state == "stopped", 30, "the run to show no live node")
     assert "start it again to resume" in runs.status("resize-1").stdout
-    new = runs.start("resize-1", ckpt, steps=60, nodes="1:2", log_level="info")
+    new = runs.start("resize-1", ckpt, steps=60, nodes="1:2", delay=0.15, log_level="info")
     _, err = new.communicate(timeout=300)
     assert new.returncode == 0, err[-3000:]
     assert "Traceback" not in err

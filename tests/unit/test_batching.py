@@ -53,6 +53,8 @@ def test_weighted_rank_gradients_average_to_the_mean_loss_gradient(world: int, m
 
 
 class NullCheckpointer:
+    last_committed = None
+
     def restore(self, model: object = None) -> None:
         return None
 

@@ -1,4 +1,4 @@
-"""The sha256 tree of share files, format 3 manifests, and checkpoints of formats 1 and 2 still loading."""
+"""The sha256 tree of share files, format 3 manifests, and manifests of any other format refused."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from elastic_train.checkpoint import CheckpointConfig, CheckpointCorrupt, CheckpointManager, digest, durable
-from elastic_train.checkpoint.codec import copy_into, flatten, tensor_at, unflatten
+from elastic_train.checkpoint.codec import copy_into, flatten
 from elastic_train.checkpoint.storage import open_storage
 
 
@@ -31,7 +31,6 @@ def test_tree_digest_matches_its_definition_however_the_bytes_are_split(size):
     cuts = sorted({0, size, size // 3, size // 2, max(0, size - 7)})
     views = [memoryview(data)[a:b] for a, b in itertools.pairwise(cuts)]
     assert digest.digest(views) == whole
-    assert digest.digest([memoryview(data)], digest.PLAIN) == hashlib.sha256(data).hexdigest()
     if size:
         flipped = bytearray(data)
         flipped[size // 2] ^= 1
@@ -44,13 +43,12 @@ def test_pieces_cut_at_piece_boundaries_without_copies():
     assert [sum(p.nbytes for p in piece) for piece in got] == [4, 4, 2]
     got[0][0][0] = 7
     assert data[0] == 7
-    with pytest.raises(ValueError, match="unknown checksum"):
-        digest.start([memoryview(data)], "md5")
 
 
 def write_legacy(storage, run: str, step: int, state: dict, fmt: int) -> str:
-    """A checkpoint as versions writing format 1 or 2 left it: two share files of whole tensors, packed
-    without padding and placed by ``file``/``file_offset``; a plain sha256 (1) or a sha256 tree (2)."""
+    """A checkpoint in the formats 1 or 2 that development versions wrote (no release did): two share files
+    of whole tensors, packed without padding and placed by ``file``/``file_offset``; a plain sha256 (1) or
+    a sha256 tree (2)."""
     flat = flatten(state)
     buf = torch.zeros(flat.nbytes, dtype=torch.uint8)
     copy_into(flat, buf)
@@ -90,28 +88,30 @@ def write_legacy(storage, run: str, step: int, state: dict, fmt: int) -> str:
     return path
 
 
-@pytest.mark.parametrize("fmt", [1, 2])
-def test_manifests_of_formats_1_and_2_still_load_and_verify(tmp_path, fmt):
+@pytest.mark.parametrize("fmt", [1, 2, 4])
+def test_a_manifest_of_another_format_is_not_a_checkpoint(tmp_path, fmt, capsys):
     storage = open_storage(str(tmp_path))
-    state = {
-        "w": torch.arange(1000, dtype=torch.float32),
-        "b": torch.ones(3),
-        "s": torch.tensor(7),
-        "step": 3,
-    }
+    state = {"w": torch.arange(1000, dtype=torch.float32), "b": torch.ones(3), "step": 3}
     path = write_legacy(storage, str(tmp_path), 3, state, fmt)
+    problem = f"unsupported format {fmt} (this version reads 3)"
     (entry,) = durable.list_entries(storage, str(tmp_path))
-    assert entry.valid and durable.verify(storage, path) == []
-    buf, specs = durable.load(storage, entry)
-    got = unflatten(entry.manifest["skeleton"], [tensor_at(buf, s) for s in specs])
-    assert all(torch.equal(got[k], state[k]) for k in ("w", "b", "s")) and got["step"] == 3
-    m = json.loads(Path(path, durable.MANIFEST).read_text())
-    m["files"][1]["sha256"] = "0" * 64
-    Path(path, durable.MANIFEST).write_text(json.dumps(m))
-    algorithm = digest.PLAIN if fmt == 1 else digest.TREE
-    assert any(f"checksum mismatch ({algorithm}:" in p for p in durable.verify(storage, path))
-    with pytest.raises(CheckpointCorrupt, match="checksum mismatch"):
-        durable.load(storage, durable.list_entries(storage, str(tmp_path))[0])
+    assert entry.problem == problem
+    assert durable.verify(storage, path) == [problem]
+    with pytest.raises(CheckpointCorrupt, match=f"unsupported format {fmt} "):
+        durable.load(storage, entry)
+    # restore passes it over (nothing else here: a fresh start), `ckpt verify` says why in one line
+    mgr = CheckpointManager(
+        CheckpointConfig(url=str(tmp_path.parent), memory=False), tmp_path.name, rank=0, world_size=1,
+        local_rank=0,
+    )  # fmt: skip
+    assert mgr.restore() is None
+    mgr.close()
+    from elastic_train.cli.main import main
+
+    capsys.readouterr()
+    assert main(["ckpt", "verify", str(tmp_path)]) == 1
+    verdicts = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("FAIL", "ok"))]
+    assert verdicts == [f"FAIL {path}: {problem}"]
 
 
 def test_format_3_files_must_tile_the_state(tmp_path):

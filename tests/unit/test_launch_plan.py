@@ -1,4 +1,4 @@
-"""Pure parts of the launchers: fault plans, option mapping, summaries, event tailing."""
+"""Pure parts of the launchers: fault plans, option mapping, summaries."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from elastic_train.cli.options import add_job_options, collect_overrides, parse_nodes
+from elastic_train.cli.options import node_overrides, parse_nodes
+from elastic_train.config.options import add_job_options, collect_overrides
 from elastic_train.errors import ConfigError
-from elastic_train.launch.events import EventTail
-from elastic_train.launch.faults import Fault, due, parse_fault, validate_plan
+from elastic_train.launch.faults import Fault, FaultRecord, due, parse_fault, validate_plan
 from elastic_train.launch.run import endpoint_is_loopback, worker_overrides_argv
 from elastic_train.launch.summary import Summary, render_table, world_size_timeline
 
@@ -47,7 +47,8 @@ def test_validate_plan_counts_added_nodes() -> None:
 
 
 def test_due_and_steps_redone() -> None:
-    a, b = Fault(kind="kill-node", node=0, step=3), Fault(kind="add-node", step=8)
+    plan = [Fault(kind="kill-node", node=0, step=3), Fault(kind="add-node", step=8)]
+    a, b = (FaultRecord(fault=f) for f in plan)
     assert due([a, b], 2) == []
     assert due([a, b], 5) == [a]
     a.fired_at, a.fired_step, a.resumed_from = 10.0, 5, 4
@@ -55,6 +56,28 @@ def test_due_and_steps_redone() -> None:
     assert a.steps_redone == 1
     a.resumed_at = 12.5
     assert a.to_json()["resumed_s"] == 2.5
+    assert (a.kind, a.label) == ("kill-node", "kill-node 0@step=3")
+    assert plan[0] == Fault(kind="kill-node", node=0, step=3)  # the plan is not what happened
+    with pytest.raises(AttributeError):
+        plan[0].step = 4  # type: ignore[misc]
+
+
+def test_every_fault_kind_has_an_action(tmp_path: Path) -> None:
+    from elastic_train.config import load_job_config
+    from elastic_train.launch.faults import KINDS
+    from elastic_train.launch.local import LocalJob, LocalOptions
+
+    def probe(record: FaultRecord, node: object) -> None:
+        record.extra["probe"] = node
+
+    opts = LocalOptions(
+        config_path=None, overrides={}, nodes=1, workdir=str(tmp_path), actions={"probe": probe}
+    )
+    job = LocalJob(load_job_config(None, environ={}), opts)
+    assert set(job.actions) == {*KINDS, "probe"}
+    record = FaultRecord(fault=Fault(kind="probe", step=1))
+    job.fire(record)
+    assert record.extra == {"probe": None} and record.fired_at is not None and record.fired_step == 0
 
 
 def test_options_map_to_config_keys() -> None:
@@ -75,7 +98,7 @@ def test_options_map_to_config_keys() -> None:
             "x.y=z",
         ]
     )
-    assert collect_overrides(args) == {
+    assert collect_overrides(args, node_overrides(args.nodes)) == {
         "checkpoint.url": "s3://b/r",
         "train.steps": 7,
         "rendezvous.min_nodes": 2,
@@ -85,7 +108,28 @@ def test_options_map_to_config_keys() -> None:
     }
 
 
+def test_set_wins_over_dedicated_options_and_derived_keys() -> None:
+    p = argparse.ArgumentParser()
+    add_job_options(p)
+    args = p.parse_args(["--set", "train.steps=5", "--steps", "7", "--set", "rendezvous.max_nodes=6"])
+    overrides = collect_overrides(args, node_overrides("2:4"))
+    assert overrides["train.steps"] == 5
+    assert (overrides["rendezvous.min_nodes"], overrides["rendezvous.max_nodes"]) == (2, 6)
+    # the last --set of a key wins over an earlier one
+    args = p.parse_args(["--set", "train.seed=1", "--set", "train.seed=2", "--seed", "9"])
+    assert collect_overrides(args)["train.seed"] == 2
+
+
+def test_without_leaves_an_option_out() -> None:
+    p = argparse.ArgumentParser()
+    add_job_options(p, without=["--endpoint"])
+    with pytest.raises(SystemExit):
+        p.parse_args(["--endpoint", "h:1"])
+    assert collect_overrides(p.parse_args(["--run-id", "r"])) == {"rendezvous.run_id": "r"}
+
+
 def test_parse_nodes() -> None:
+    assert node_overrides(None) == {}
     assert parse_nodes("3") == (3, 3)
     assert parse_nodes("2:4") == (2, 4)
     for bad in ("4:2", "0", "a:b"):
@@ -116,24 +160,18 @@ def test_world_size_timeline_and_table() -> None:
     ]
     tl = world_size_timeline(events, t0=0.0)
     assert [(p["step"], p["world_size"]) for p in tl] == [(1, 3), (2, 2)]
-    f = Fault(kind="kill-node", node=1, step=2, fired_at=2.5, fired_step=2, detected_at=3.0, resumed_at=5.0)
+    f = FaultRecord(
+        fault=Fault(kind="kill-node", node=1, step=2),
+        fired_at=2.5,
+        fired_step=2,
+        detected_at=3.0,
+        resumed_at=5.0,
+    )
     f.resumed_from, f.resumed_world_size, f.source = 2, 2, "memory"
     s = Summary(run_id="r", steps=3, completed_steps=3, succeeded=True, faults=[f], world_size_timeline=tl)
     table = render_table(s)
     assert "kill-node 1@step=2" in table and "2.50s" in table and "memory" in table
     assert json.loads(json.dumps(s.to_json()))["faults"][0]["steps_redone"] == 0
-
-
-def test_event_tail_reads_only_complete_lines(tmp_path: Path) -> None:
-    path = tmp_path / "events.jsonl"
-    tail = EventTail(str(path))
-    assert tail.poll() == []
-    with open(path, "ab") as f:
-        f.write(b'{"event": "step", "step": 1}\n{"event": "st')
-    assert tail.poll() == [{"event": "step", "step": 1}]
-    with open(path, "ab") as f:
-        f.write(b'ep", "step": 2}\nnot json\n')
-    assert tail.poll() == [{"event": "step", "step": 2}]
 
 
 def test_etcd_cluster_faults_need_a_cluster() -> None:

@@ -1,4 +1,4 @@
-"""Worker entry: torchrun env parsing, option overrides, fault plans, one-line errors, cheap import."""
+"""Worker entry: torchrun env parsing, option overrides, one-line errors, cheap import."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
+from elastic_train.config.options import collect_overrides
 from elastic_train.elastic import resolve_backend
 from elastic_train.envvars import ENV_ROUND
 from elastic_train.errors import ConfigError
-from elastic_train.worker.env import WorkerEnv
-from elastic_train.worker.faults import FAULT_EXIT_CODE, PlannedFault, fault_hook, parse_faults
-from elastic_train.worker.main import build_parser, overrides_from_args
+from elastic_train.train.env import WorkerEnv
+from elastic_train.worker.main import build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -69,7 +69,7 @@ def test_env_errors(environ: dict[str, str], message: str) -> None:
         WorkerEnv.from_environ(environ)
 
 
-def test_dedicated_options_override_set() -> None:
+def test_set_wins_over_the_dedicated_options_as_in_the_cli() -> None:
     args = build_parser().parse_args(
         [
             "--set",
@@ -84,30 +84,17 @@ def test_dedicated_options_override_set() -> None:
             "2",
         ]
     )
-    assert overrides_from_args(args) == {
-        "train.steps": 7,
+    assert collect_overrides(args) == {
+        "train.steps": 5,
         "train.seed": 3,
         "train.audit_dir": "/a",
         "checkpoint.every_steps": 2,
     }
 
 
-def test_fault_plans() -> None:
-    assert parse_faults("1@7, 0@12:1") == [PlannedFault(1, 7, 0), PlannedFault(0, 12, 1)]
-    with pytest.raises(ConfigError, match="RANK@STEP"):
-        parse_faults("1-7")
-    assert fault_hook("1@7", rank=0, restart_count=0) is None
-    assert fault_hook("1@7", rank=1, restart_count=1) is None
-    hook = fault_hook("1@7", rank=1, restart_count=0)
-    assert hook is not None
-    hook(6)  # not the planned step: returns
-
-
-def test_fault_hook_exits_abruptly() -> None:
-    code = "from elastic_train.worker.faults import fault_hook; fault_hook('0@3', rank=0, restart_count=0)(3)"
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert proc.returncode == FAULT_EXIT_CODE
-    assert "planned fault: rank 0 exits at step 3" in proc.stderr
+def test_worker_takes_only_its_dedicated_options() -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--endpoint", "127.0.0.1:2379"])
 
 
 def test_backend_choice() -> None:
