@@ -29,13 +29,13 @@ from typing import Any
 
 import torch
 
-import elastic_train
 from elastic_train.checkpoint import digest, schema
 from elastic_train.checkpoint.codec import TensorSpec, fingerprint_from_specs
 from elastic_train.checkpoint.errors import CheckpointCorrupt, CheckpointNotFound, StorageError
 from elastic_train.checkpoint.policy import parse_step_dir, retention, step_dir
 from elastic_train.checkpoint.storage import Storage
 from elastic_train.log import get_logger
+from elastic_train.version import __version__
 
 log = get_logger(__name__)
 
@@ -174,7 +174,7 @@ def build_manifest(
         "time": time.time(),
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "versions": {
-            "elastic_train": elastic_train.__version__,
+            "elastic_train": __version__,
             "torch": torch.__version__,
             "python": platform.python_version(),
         },

@@ -427,7 +427,11 @@ def open_storage(url: str, options: dict[str, Any] | None = None, *, direct_io: 
         fs = fsspec.filesystem(protocol, **opts)
     except ImportError as exc:
         extra = EXTRAS.get(protocol or "")
-        hint = f"pip install 'elastic-train[{extra}]'" if extra else "install its fsspec implementation"
+        hint = (
+            f"install elastic-train's [{extra}] extra (pip install -e '.[{extra}]' in the checkout)"
+            if extra
+            else "install its fsspec implementation"
+        )
         raise StorageError(f"{url}: the {protocol}:// filesystem is not installed ({hint})") from exc
     except ValueError as exc:
         raise StorageError(f"{url}: unknown storage protocol {protocol!r}") from exc

@@ -8,11 +8,11 @@ import pkgutil
 import sys
 from collections.abc import Sequence
 
-import elastic_train
 import elastic_train.cli as cli_pkg
 from elastic_train.config.options import OneLineParser
 from elastic_train.errors import ElasticTrainError
 from elastic_train.log import LoggingConfig, configure_logging
+from elastic_train.version import __version__
 
 PROG = "elastic-train"
 
@@ -22,7 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog=PROG,
         description="Fault-tolerant elastic training for PyTorch on an etcd v3 rendezvous.",
     )
-    parser.add_argument("--version", action="version", version=f"%(prog)s {elastic_train.__version__}")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     parser.add_argument("--log-format", default="auto", choices=["auto", "json", "console"])
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineParser)

