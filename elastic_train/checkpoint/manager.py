@@ -102,7 +102,7 @@ class RestoreDecision:
             raise (CheckpointSetupError if self.setup_error else CheckpointError)(self.error)
 
 
-#: Bytes per broadcast of a restored state, and broadcasts in flight at once.
+#: Bytes per broadcast (or chain hop) of a restored state, and sends in flight at once.
 BROADCAST_BUCKET = 8 << 20
 BROADCAST_WINDOW = 4
 #: Attempts for the final checkpoint (whatever ``on_error`` says): it is the job's result.
@@ -337,8 +337,16 @@ class CheckpointManager:
         skeleton, spec_json, nbytes = meta[0]
         if self.rank != src:
             buf = torch.empty(nbytes, dtype=torch.uint8)
-        # In buckets with a few in flight: the sends of one overlap the receive-side copies of the next,
-        # and no rank needs a second buffer of the whole state.
+        if self.world_size > 2:
+            self._chain(buf, src)
+        else:
+            self._broadcast_buckets(buf, src)
+        return skeleton, [TensorSpec.from_json(s) for s in spec_json], buf
+
+    def _broadcast_buckets(self, buf: torch.Tensor, src: int) -> None:
+        """One receiver: a broadcast per bucket, a few in flight (the sends of one overlap the receive-side
+        copies of the next, and no rank needs a second buffer of the whole state)."""
+        nbytes = int(buf.numel())
         pending: collections.deque[Any] = collections.deque()
         for start in range(0, nbytes, BROADCAST_BUCKET):
             bucket = buf[start : start + BROADCAST_BUCKET]
@@ -347,7 +355,31 @@ class CheckpointManager:
                 pending.popleft().wait()
         while pending:
             pending.popleft().wait()
-        return skeleton, [TensorSpec.from_json(s) for s in spec_json], buf
+
+    def _chain(self, buf: torch.Tensor, src: int) -> None:
+        """Two or more receivers: a pipelined chain ``src → src+1 → … → src-1`` in buckets.
+
+        gloo's broadcast sends the whole state from the source to each receiver in turn, so a join at world 3
+        moved twice the state through the holder's link (restore 2.4x state/bandwidth). Along a chain every
+        rank receives bucket k from its predecessor and forwards it while bucket k+1 arrives: the state
+        crosses each link once and the time is about one state's transfer plus one bucket per hop.
+        """
+        nbytes, world = int(buf.numel()), self.world_size
+        order = [(src + i) % world for i in range(world)]
+        pos = order.index(self.rank)
+        prev = self._global(order[pos - 1]) if pos > 0 else None
+        nxt = self._global(order[pos + 1]) if pos + 1 < world else None
+        sends: collections.deque[Any] = collections.deque()
+        for tag, start in enumerate(range(0, nbytes, BROADCAST_BUCKET)):
+            bucket = buf[start : start + BROADCAST_BUCKET]
+            if prev is not None:
+                dist.recv(bucket, src=prev, group=self._ctl, tag=tag)
+            if nxt is not None:
+                sends.append(dist.isend(bucket, dst=nxt, group=self._ctl, tag=tag))
+                if len(sends) >= BROADCAST_WINDOW:
+                    sends.popleft().wait()
+        while sends:
+            sends.popleft().wait()
 
     # -- save --------------------------------------------------------------------------------------------
     def save(self, step: int, state: Mapping[str, Any] | Callable[[], Mapping[str, Any]]) -> None:
