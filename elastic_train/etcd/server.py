@@ -71,6 +71,15 @@ def etcd_version(binary: str) -> str:
     return "unknown"
 
 
+#: Starts on newly picked ports when the picked ones were taken meanwhile (another process bound them).
+PORT_ATTEMPTS = 4
+
+
+def port_taken(exc: EtcdError) -> bool:
+    """Whether etcd failed to start because a port it was to listen on is in use."""
+    return "address already in use" in str(exc)
+
+
 class EmbeddedEtcd:
     """A single-member etcd on loopback, owned by this process.
 
@@ -109,6 +118,10 @@ class EmbeddedEtcd:
     ) -> None:
         self.host = host
         self.binary = binary or find_etcd_binary()
+        # Ports picked here may be taken by another process before etcd binds them: the first start then
+        # moves to other free ports (a restart keeps its ports: clients know the endpoint by then).
+        self._ports_movable = not client_port and not peer_port and initial_cluster is None
+        self._started = False
         self.client_port = client_port or free_port(host)
         self.peer_port = peer_port or free_port(host)
         self.name = name
@@ -177,6 +190,25 @@ class EmbeddedEtcd:
             EtcdError: it exited or did not become healthy within ``timeout`` seconds.
         """
         assert self.proc is None or self.proc.poll() is not None, "etcd already running"
+        attempts = PORT_ATTEMPTS if wait and self._ports_movable and not self._started else 1
+        for attempt in range(1, attempts + 1):
+            self._spawn()
+            if not wait:
+                return self
+            try:
+                self.wait_healthy(timeout)
+            except EtcdError as exc:
+                if attempt == attempts or not port_taken(exc):
+                    raise
+                log.debug("etcd_port_taken", endpoint=self.endpoint, attempt=attempt)
+                shutil.rmtree(os.path.join(self.data_dir, "data"), ignore_errors=True)
+                self.client_port, self.peer_port = free_port(self.host), free_port(self.host)
+                continue
+            self._started = True
+            break
+        return self
+
+    def _spawn(self) -> None:
         env = dict(os.environ)
         env.pop("ETCD_UNSUPPORTED_ARCH", None)
         with open(self._log_path, "ab") as logf:
@@ -189,9 +221,6 @@ class EmbeddedEtcd:
                 preexec_fn=die_with_parent,
                 env=env,
             )
-        if wait:
-            self.wait_healthy(timeout)
-        return self
 
     def wait_healthy(self, timeout: float = 30.0) -> None:
         """Wait until the started server answers its health check.
@@ -330,7 +359,14 @@ class EtcdCluster:
             raise EtcdError(f"{len(ports)} client ports given for {members} members")
         self._own_dir = data_dir is None
         self.data_dir = data_dir or tempfile.mkdtemp(prefix="elastic-train-etcd-cluster-")
-        binary = binary or find_etcd_binary()
+        self._host, self._binary, self._extra_args = host, binary or find_etcd_binary(), extra_args
+        self._ports_movable = not any(ports)
+        self._build(ports)
+
+    def _build(self, ports: list[int]) -> None:
+        """The members on ``ports`` (0: a free one) and fresh peer ports, not started."""
+        host, binary, extra_args, members = self._host, self._binary, self._extra_args, len(ports)
+        ports = [p or free_port(host) for p in ports]
         peer_ports = [free_port(host) for _ in range(members)]
         initial = ",".join(f"m{i}=http://{host}:{p}" for i, p in enumerate(peer_ports))
         self.members = [
@@ -370,15 +406,25 @@ class EtcdCluster:
         Raises:
             EtcdError: a member exited or the cluster did not become healthy within ``timeout`` seconds.
         """
-        try:
-            for m in self.members:
-                m.start(wait=False)
-            deadline = time.monotonic() + timeout
-            for m in self.members:
-                m.wait_healthy(max(1.0, deadline - time.monotonic()))
-        except EtcdError:
-            self.stop()
-            raise
+        attempts = PORT_ATTEMPTS if self._ports_movable else 1
+        for attempt in range(1, attempts + 1):
+            try:
+                for m in self.members:
+                    m.start(wait=False)
+                deadline = time.monotonic() + timeout
+                for m in self.members:
+                    m.wait_healthy(max(1.0, deadline - time.monotonic()))
+                return self
+            except EtcdError as exc:
+                for m in self.members:
+                    m.stop()
+                if attempt == attempts or not port_taken(exc):
+                    self.stop()
+                    raise
+                log.debug("etcd_cluster_port_taken", endpoint=self.endpoint, attempt=attempt)
+                for m in self.members:
+                    shutil.rmtree(m.data_dir, ignore_errors=True)
+                self._build([0] * len(self.members))
         return self
 
     def leader(self, timeout: float = 30.0) -> int:

@@ -75,7 +75,9 @@ def test_bad_checkpoint_url_fails_before_anything_starts(tmp_path: Path) -> None
 
 
 def test_unreachable_etcd_is_one_line_and_fast() -> None:
-    proc = cli("run", "--endpoint", "127.0.0.1:1", "--run-id", "job-1")
+    proc = cli(
+        "run", "--endpoint", "127.0.0.1:1", "--run-id", "job-1", "--set", "rendezvous.connect_timeout=2"
+    )
     line = one_line(proc)
     assert "127.0.0.1:1" in line and "etcd" in line
 

@@ -233,7 +233,7 @@ def test_unreachable_etcd_is_a_connection_error(etcd_server):
     port = etcd_server.endpoint.rsplit(":", 1)[1]
     etcd_server.stop()
     with pytest.raises(RendezvousConnectionError, match=f"127.0.0.1:{port}"):
-        create_backend(params(etcd_server.endpoint))
+        create_backend(params(etcd_server.endpoint, connect_timeout="2"))
 
 
 def test_etcd_failure_mid_run_is_dist_network_error_and_connection_error(etcd_server):
@@ -274,7 +274,7 @@ def test_tls_under_torchs_etcd_v2_key_names(tls_etcd):
     store.set("over", "tls")
     assert store.get("over") == b"tls"
     with pytest.raises(RendezvousConnectionError, match="TLS|handshake|certificate|reach"):
-        create_backend(params(server.endpoint))  # plain text against a TLS server
+        create_backend(params(server.endpoint, connect_timeout="2"))  # plain text against a TLS server
 
 
 # -- under torchrun ----------------------------------------------------------------------------------------

@@ -203,7 +203,7 @@ def test_missing_s3_extra_names_it(monkeypatch):
         raise ImportError("No module named 's3fs'")
 
     monkeypatch.setattr(fsspec, "filesystem", boom)
-    with pytest.raises(StorageError, match=r"elastic-train\[s3\]"):
+    with pytest.raises(StorageError, match=r"elastic-train's \[s3\] extra"):
         open_storage("s3://bucket/x")
 
 

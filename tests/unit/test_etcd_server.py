@@ -3,6 +3,7 @@ stopped by PID; the endpoint parser and the connection settings."""
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 import time
@@ -197,3 +198,38 @@ def test_grpc_connect_deadline_is_apart_from_the_reconnect_backoff() -> None:
     opts = dict(grpc_options())
     assert opts["grpc.min_reconnect_backoff_ms"] >= 2000
     assert opts["grpc.initial_reconnect_backoff_ms"] <= 200 and opts["grpc.max_reconnect_backoff_ms"] <= 2000
+
+
+def _occupy(port: int) -> socket.socket:
+    """Listen on ``port`` of loopback (as another process that took it between pick and bind)."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.bind(("127.0.0.1", port))
+    s.listen()
+    return s
+
+
+def test_a_picked_port_taken_before_etcd_binds_it_moves_the_server_to_other_ports() -> None:
+    server = EmbeddedEtcd()
+    taken = server.client_port
+    with _occupy(taken), server:
+        assert server.client_port != taken
+        with connect(server.endpoint) as etcd:
+            etcd.raw.put("k", "v")
+
+
+def test_a_picked_peer_port_taken_moves_the_whole_cluster_to_other_ports() -> None:
+    cluster = EtcdCluster(3)
+    taken = cluster.members[1].peer_port
+    with _occupy(taken), cluster:
+        assert taken not in [m.peer_port for m in cluster.members]
+        assert cluster.healthy()
+
+
+def test_a_given_port_in_use_is_an_error_not_a_move() -> None:
+    server = EmbeddedEtcd()
+    with _occupy(server.client_port) as s:
+        fixed = EmbeddedEtcd(client_port=s.getsockname()[1])
+        with pytest.raises(EtcdError, match="address already in use"):
+            fixed.start(timeout=20)
+        fixed.stop()
+    server.stop()
