@@ -6,50 +6,16 @@ password, TLS with the wrong CA, a checkpoint of a different model and ``--resum
 
 from __future__ import annotations
 
-import hashlib
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from elastic_train.etcd.client import connect
 from elastic_train.etcd.server import EmbeddedEtcd, find_etcd_binary
+from tests.helpers import cli, make_ca, make_server_cert, needs_openssl, one_line, tree_digest
 
 pytestmark = pytest.mark.timeout(300)
-
-QUIET = {"ELASTIC_TRAIN_LOG_LEVEL": "error", "GLOO_SOCKET_IFNAME": "lo"}
-
-
-def cli(
-    *args: str, env: dict[str, str] | None = None, module: str = "elastic_train"
-) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", module, *args],
-        env=dict(os.environ, **QUIET, **(env or {})),
-        capture_output=True,
-        text=True,
-        timeout=240,
-        stdin=subprocess.DEVNULL,
-    )
-
-
-def one_line(proc: subprocess.CompletedProcess) -> str:
-    """The single line the failing command printed (and nothing else: no traceback, no log noise)."""
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert proc.returncode != 0, proc
-    assert "Traceback" not in proc.stderr, proc.stderr
-    assert len(lines) == 1, proc.stderr
-    return lines[0]
-
-
-def tree_digest(root: Path) -> dict[str, str]:
-    return {
-        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(root.rglob("*"))
-        if p.is_file()
-    }
 
 
 @pytest.mark.parametrize(
@@ -117,28 +83,11 @@ def test_wrong_password_changes_nothing_in_etcd(etcd_server: EmbeddedEtcd) -> No
         root.close()
 
 
-def _openssl(*args: str) -> None:
-    subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=60)
-
-
-def make_ca(d: Path, name: str) -> tuple[Path, Path]:
-    key, cert = d / f"{name}.key", d / f"{name}.pem"
-    _openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-             "-keyout", str(key), "-out", str(cert), "-days", "2", "-subj", f"/CN={name}")  # fmt: skip
-    return key, cert
-
-
-@pytest.mark.skipif(not any(os.access(os.path.join(p, "openssl"), os.X_OK) for p in os.get_exec_path()),
-                    reason="openssl is needed to make test certificates")  # fmt: skip
+@needs_openssl
 def test_tls_with_the_wrong_ca_is_one_line(tmp_path: Path) -> None:
     ca_key, ca = make_ca(tmp_path, "ca")
     _, other_ca = make_ca(tmp_path, "other-ca")
-    key, csr, cert, ext = (tmp_path / n for n in ("server.key", "server.csr", "server.pem", "san.ext"))
-    ext.write_text("subjectAltName=IP:127.0.0.1\n")
-    _openssl("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-             "-keyout", str(key), "-out", str(csr), "-subj", "/CN=127.0.0.1")  # fmt: skip
-    _openssl("x509", "-req", "-in", str(csr), "-CA", str(ca), "-CAkey", str(ca_key), "-CAcreateserial",
-             "-out", str(cert), "-days", "2", "-extfile", str(ext))  # fmt: skip
+    cert, key = make_server_cert(tmp_path, ca_key, ca)
     with EmbeddedEtcd(tls=(str(cert), str(key), str(ca))) as server:
         base = ("run", "--endpoint", server.endpoint, "--run-id", "tls-job", "--dry-run")
         ok = cli(*base, "--set", f"rendezvous.tls.ca_file={ca}")

@@ -31,6 +31,7 @@ from elastic_train.etcd.server import EmbeddedEtcd
 from elastic_train.rendezvous import create_backend
 from elastic_train.rendezvous.backend import Etcd3RendezvousBackend, NodeLease
 from elastic_train.rendezvous.registry import create_etcd3_dynamic_handler
+from tests.helpers import make_ca, make_server_cert, needs_openssl
 
 ROOT = str(Path(__file__).resolve().parents[2])
 WORKER = str(Path(__file__).with_name("rdzv_worker.py"))
@@ -246,28 +247,16 @@ def test_etcd_failure_mid_run_is_dist_network_error_and_connection_error(etcd_se
         backend.get_state()
 
 
-def _openssl(*args: str) -> None:
-    subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=60)
-
-
 @pytest.fixture
 def tls_etcd(tmp_path: Path):
     """An etcd serving TLS with a certificate for 127.0.0.1 signed by a CA of the test's own."""
-    ca_key, ca = tmp_path / "ca.key", tmp_path / "ca.pem"
-    _openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-             "-keyout", str(ca_key), "-out", str(ca), "-days", "2", "-subj", "/CN=test-ca")  # fmt: skip
-    key, csr, cert, ext = (tmp_path / n for n in ("server.key", "server.csr", "server.pem", "san.ext"))
-    ext.write_text("subjectAltName=IP:127.0.0.1\n")
-    _openssl("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-             "-keyout", str(key), "-out", str(csr), "-subj", "/CN=127.0.0.1")  # fmt: skip
-    _openssl("x509", "-req", "-in", str(csr), "-CA", str(ca), "-CAkey", str(ca_key), "-CAcreateserial",
-             "-out", str(cert), "-days", "2", "-extfile", str(ext))  # fmt: skip
+    ca_key, ca = make_ca(tmp_path, "test-ca")
+    cert, key = make_server_cert(tmp_path, ca_key, ca)
     with EmbeddedEtcd(tls=(str(cert), str(key), str(ca))) as server:
         yield server, ca
 
 
-@pytest.mark.skipif(not any(os.access(os.path.join(p, "openssl"), os.X_OK) for p in os.get_exec_path()),
-                    reason="openssl is needed to make test certificates")  # fmt: skip
+@needs_openssl
 def test_tls_under_torchs_etcd_v2_key_names(tls_etcd):
     server, ca = tls_etcd
     _, store = create_backend(params(server.endpoint, protocol="https", ca_cert=str(ca)))

@@ -8,7 +8,6 @@ read or written, and no committed checkpoint made invalid.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import pty
@@ -26,41 +25,12 @@ import torch
 
 from elastic_train.checkpoint import CheckpointConfig, CheckpointManager, durable
 from elastic_train.checkpoint.storage import open_storage
+from tests.helpers import QUIET, cli, one_line, tree_digest
 
 pytestmark = pytest.mark.timeout(300)
 
-QUIET = {"ELASTIC_TRAIN_LOG_LEVEL": "error", "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
 TASK = ["--set", "train.task=regression", "--set", "train.task_args={hidden: 16}"]
 STEPS = ("step-00000002", "step-00000004", "step-00000006")
-
-
-def cli(*args: str, module: str = "elastic_train", cwd: Path | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", module, *args],
-        env=dict(os.environ, **QUIET),
-        capture_output=True,
-        text=True,
-        timeout=240,
-        stdin=subprocess.DEVNULL,
-        cwd=cwd,
-    )
-
-
-def one_line(proc: subprocess.CompletedProcess) -> str:
-    """The single line the failing command printed on stderr (no traceback, no log noise)."""
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert proc.returncode != 0, proc
-    assert "Traceback" not in proc.stderr + proc.stdout, proc.stderr
-    assert len(lines) == 1, proc.stderr
-    return lines[0]
-
-
-def tree_digest(root: Path) -> dict[str, str]:
-    return {
-        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(root.rglob("*"))
-        if p.is_file()
-    }
 
 
 def all_valid(run: Path, steps: tuple[str, ...]) -> None:

@@ -1,0 +1,76 @@
+"""Helpers several test files share: the CLI as a user runs it, its one-line errors, digests, certificates."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+#: Environment of a CLI run: only errors logged, gloo on loopback, one thread per process.
+QUIET = {"ELASTIC_TRAIN_LOG_LEVEL": "error", "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+
+
+def cli(
+    *args: str, env: dict[str, str] | None = None, module: str = "elastic_train", cwd: Path | None = None
+) -> subprocess.CompletedProcess:
+    """``python -m MODULE ARGS`` in a subprocess, as a user runs it (text output captured, no stdin)."""
+    return subprocess.run(
+        [sys.executable, "-m", module, *args],
+        env=dict(os.environ, **QUIET, **(env or {})),
+        capture_output=True,
+        text=True,
+        timeout=240,
+        stdin=subprocess.DEVNULL,
+        cwd=cwd,
+    )
+
+
+def one_line(proc: subprocess.CompletedProcess) -> str:
+    """The single line a failing command printed on stderr (and nothing else: no traceback, no log noise)."""
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode != 0, proc
+    assert "Traceback" not in proc.stderr + proc.stdout, proc.stderr
+    assert len(lines) == 1, proc.stderr
+    return lines[0]
+
+
+def tree_digest(root: Path) -> dict[str, str]:
+    """sha256 of every file under ``root`` by relative path (to show that nothing changed)."""
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
+
+
+needs_openssl = pytest.mark.skipif(
+    not any(os.access(os.path.join(p, "openssl"), os.X_OK) for p in os.get_exec_path()),
+    reason="openssl is needed to make test certificates",
+)
+
+
+def openssl(*args: str) -> None:
+    subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=60)
+
+
+def make_ca(d: Path, name: str) -> tuple[Path, Path]:
+    """A self-signed CA: (key, certificate)."""
+    key, cert = d / f"{name}.key", d / f"{name}.pem"
+    openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+            "-keyout", str(key), "-out", str(cert), "-days", "2", "-subj", f"/CN={name}")  # fmt: skip
+    return key, cert
+
+
+def make_server_cert(d: Path, ca_key: Path, ca: Path) -> tuple[Path, Path]:
+    """A certificate for 127.0.0.1 signed by ``ca``: (certificate, key)."""
+    key, csr, cert, ext = (d / n for n in ("server.key", "server.csr", "server.pem", "san.ext"))
+    ext.write_text("subjectAltName=IP:127.0.0.1\n")
+    openssl("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+            "-keyout", str(key), "-out", str(csr), "-subj", "/CN=127.0.0.1")  # fmt: skip
+    openssl("x509", "-req", "-in", str(csr), "-CA", str(ca), "-CAkey", str(ca_key), "-CAcreateserial",
+            "-out", str(cert), "-days", "2", "-extfile", str(ext))  # fmt: skip
+    return cert, key
