@@ -13,7 +13,6 @@ needs processes and is exercised by ``benchmarks/rendezvous.py --quick``.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import signal
@@ -32,6 +31,7 @@ import psutil
 from elastic_train import procs
 from elastic_train.etcd.server import EmbeddedEtcd
 from elastic_train.net import free_port
+from elastic_train.train.jsonl import parse_json_lines
 
 #: The worker every agent runs.
 WORKER = str(Path(__file__).with_name("bench_worker.py"))
@@ -163,25 +163,9 @@ class ProgressReader:
                 continue
             end = data.rfind(b"\n") + 1
             self._offsets[path] = offset + end
-            new.extend(parse_lines(data[:end]))
+            new.extend(parse_json_lines(data[:end].splitlines()))
         self.records.extend(new)
         return new
-
-
-def parse_lines(data: bytes) -> list[dict[str, Any]]:
-    """JSON objects from newline-separated bytes; blank or malformed lines are skipped."""
-    out = []
-    for line in data.splitlines():
-        line = line.strip()
-        if not line:
-            continue
-        try:
-            obj = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(obj, dict):
-            out.append(obj)
-    return out
 
 
 def first_step_at(records: Iterable[Mapping[str, Any]], world_size: int, after: float) -> float | None:

@@ -6,7 +6,9 @@ import hashlib
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -74,3 +76,17 @@ def make_server_cert(d: Path, ca_key: Path, ca: Path) -> tuple[Path, Path]:
     openssl("x509", "-req", "-in", str(csr), "-CA", str(ca), "-CAkey", str(ca_key), "-CAcreateserial",
             "-out", str(cert), "-days", "2", "-extfile", str(ext))  # fmt: skip
     return cert, key
+
+
+def wait_for_step(events: Path, world: int, min_step: int, timeout: float, logs: Path) -> dict[str, Any]:
+    """The newest ``step`` event in the events file at world size ``world`` and step >= ``min_step``."""
+    from elastic_train.train.events import read_events
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if events.exists():
+            for e in reversed(read_events(str(events))):
+                if e["event"] == "step" and e["world_size"] == world and e["step"] >= min_step:
+                    return e
+        time.sleep(0.2)
+    raise AssertionError(f"no step >= {min_step} at world {world}; logs in {logs}")

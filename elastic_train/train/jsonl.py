@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 
@@ -50,17 +50,23 @@ class JsonLinesTail:
         self._offset += len(chunk)
         lines = (self._partial + chunk).split(b"\n")
         self._partial = lines.pop()  # b"" after a newline, else the torn (or unfinished) last line
-        records = []
-        for line in lines:
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(record, dict):
-                records.append(record)
-        return records
+        return parse_json_lines(lines)
+
+
+def parse_json_lines(lines: Iterable[bytes | str]) -> list[dict[str, Any]]:
+    """The JSON objects among complete ``lines``, in order; blank lines, malformed ones and JSON values that
+    are not objects (a log line of another format, say) are skipped."""
+    records = []
+    for line in lines:
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict):
+            records.append(record)
+    return records
 
 
 def read_json_lines(path: str) -> list[dict[str, Any]]:

@@ -13,16 +13,16 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from elastic_train.procs import kill_tree, tree
+from elastic_train.procs import kill_tree
 from elastic_train.train.audit import check_exactly_once
 from elastic_train.train.events import read_events
+from tests.helpers import wait_for_step
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("elastic_train.rendezvous.registry")
@@ -130,20 +130,11 @@ class Agents:
 
     def kill(self, proc: subprocess.Popen[bytes]) -> None:
         """kill -9 of a node: the agent and its workers (in their own sessions)."""
-        for p in tree(proc.pid):
-            p.kill()
         kill_tree(proc.pid)
         proc.wait(timeout=30)
 
     def wait_step(self, world: int, min_step: int, timeout: float = 240.0) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.events.exists():
-                for e in reversed(read_events(str(self.events))):
-                    if e["event"] == "step" and e["world_size"] == world and e["step"] >= min_step:
-                        return e
-            time.sleep(0.2)
-        raise AssertionError(f"no step >= {min_step} at world {world}; logs in {self.tmp}")
+        return wait_for_step(self.events, world, min_step, timeout, self.tmp)
 
 
 def test_plain_torchrun_agents_kill_and_join(

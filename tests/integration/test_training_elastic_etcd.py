@@ -7,7 +7,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -15,9 +14,10 @@ import pytest
 import torch
 
 from elastic_train.config import load_job_config
-from elastic_train.procs import kill_tree, tree
+from elastic_train.procs import kill_tree
 from elastic_train.train.audit import check_exactly_once
 from elastic_train.train.events import read_events
+from tests.helpers import wait_for_step
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("elastic_train.rendezvous.registry")
@@ -95,14 +95,7 @@ class ElasticJob:
         return proc
 
     def wait_step(self, world: int, min_step: int, timeout: float = 120.0) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.events.exists():
-                for e in reversed(read_events(str(self.events))):
-                    if e["event"] == "step" and e["world_size"] == world and e["step"] >= min_step:
-                        return e
-            time.sleep(0.2)
-        raise AssertionError(f"no step >= {min_step} at world {world}; logs in {self.tmp}")
+        return wait_for_step(self.events, world, min_step, timeout, self.tmp)
 
 
 def test_kill_and_join_keep_weights_and_exactly_once(tmp_path: Path, etcd_server: Any, reaper: Any) -> None:
@@ -132,10 +125,7 @@ def test_kill_and_join_keep_weights_and_exactly_once(tmp_path: Path, etcd_server
     for _ in range(3):
         job.start_agent()
     job.wait_step(3, 5)
-    victim = tree(job.agents[2].pid)  # snapshot: the workers live in their own session
-    for p in victim:
-        p.kill()
-    kill_tree(job.agents[2].pid)
+    kill_tree(job.agents[2].pid)  # the agent and its workers (in their own session)
     shrunk = job.wait_step(2, 1)
     job.start_agent()
     job.wait_step(3, shrunk["step"] + 1)

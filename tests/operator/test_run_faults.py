@@ -20,6 +20,7 @@ import pytest
 from elastic_train.etcd.client import Etcd, connect
 from elastic_train.procs import signal_tree
 from elastic_train.rendezvous.status import read_status
+from elastic_train.train.jsonl import parse_json_lines
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
@@ -75,15 +76,7 @@ def one_line(stderr: str) -> str:
 
 
 def log_events(stderr: str) -> list[dict[str, Any]]:
-    out = []
-    for line in stderr.splitlines():
-        try:
-            d = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(d, dict):
-            out.append(d)
-    return out
+    return parse_json_lines(stderr.splitlines())
 
 
 class Runs:

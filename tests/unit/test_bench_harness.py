@@ -24,11 +24,6 @@ def timeout(cap: float = 90.0) -> dict:
     return {"status": "timeout", "seconds": None, "cap": cap}
 
 
-def test_parse_lines_skips_blank_and_malformed() -> None:
-    data = b'{"a": 1}\n\nnot json\n[1, 2]\n{"b": 2}\n'
-    assert harness.parse_lines(data) == [{"a": 1}, {"b": 2}]
-
-
 def test_progress_reader_reads_only_complete_lines_incrementally(tmp_path: Path) -> None:
     reader = harness.ProgressReader(str(tmp_path))
     f = tmp_path / "node0-pid1.jsonl"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from elastic_train.train.jsonl import JsonLinesTail, JsonLinesWriter, read_json_lines
+from elastic_train.train.jsonl import JsonLinesTail, JsonLinesWriter, parse_json_lines, read_json_lines
 
 
 def test_tail_reads_only_complete_lines(tmp_path: Path) -> None:
@@ -38,3 +38,12 @@ def test_writers_append_whole_lines(tmp_path: Path) -> None:
     second.close()  # idempotent
     records = read_json_lines(path)
     assert [(r["w"], r["i"]) for r in records] == [(w, i) for i in range(3) for w in (1, 2)]
+
+
+def test_parse_skips_blank_and_malformed_lines_and_non_objects() -> None:
+    data = b'{"a": 1}\n\nnot json\n[1, 2]\n{"b": 2}\n'
+    assert parse_json_lines(data.splitlines()) == [{"a": 1}, {"b": 2}]
+    assert parse_json_lines(['{"a": 1}', "2026-12-01 [info] plain log line", '{"b": 2}']) == [
+        {"a": 1},
+        {"b": 2},
+    ]
