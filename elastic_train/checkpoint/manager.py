@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from elastic_train.agentlink import CURRENT, STALE, AgentLink
 from elastic_train.checkpoint import durable
 from elastic_train.checkpoint.codec import (
     Flat,
@@ -114,6 +115,10 @@ def retry_delay(attempt: int) -> float:
     return float(min(10.0, 0.5 * 2 ** (attempt - 1)))
 
 
+#: A durable write's outcome when the publish gate kept it from being published (not an error).
+_UNPUBLISHED = "(not published: the publish gate said no)"
+
+
 @dataclass(slots=True)
 class _Job:
     step: int
@@ -149,6 +154,9 @@ class CheckpointManager:
         local_rank: rank on this node (names the shared-memory snapshot).
         group: process group of all workers (None: no coordination; rank 0 writes everything).
         device: the training device (restored tensors are returned on the CPU either way).
+        link: the worker's link to its agent (default: from the environment): every :meth:`save` counts a
+            step there, durable checkpoints go to round-stamped directories and are published only after
+            the agent confirms the round is still current (docs/checkpoints.md, "Stale writers").
 
     Raises:
         StorageError: the URL's filesystem cannot be opened (e.g. ``s3://`` without ``elastic-train[s3]``).
@@ -164,8 +172,12 @@ class CheckpointManager:
         local_rank: int,
         group: Any = None,
         device: torch.device | None = None,
+        link: AgentLink | None = None,
     ) -> None:
         self.cfg = cfg
+        self.link = link if link is not None else AgentLink.from_env()
+        #: The step this world started from (what :meth:`restore` found; 0 when fresh).
+        self.base = 0
         self.run_id = run_id
         self.rank = rank
         self.world_size = world_size
@@ -242,6 +254,7 @@ class CheckpointManager:
         if decision.chosen is None:
             log.info("restore_nothing_found", run=self.run_path)
             return None
+        self.base = decision.chosen.step
         source, step, holder = decision.chosen.source, decision.chosen.step, decision.chosen.holder
         src_rank = 0 if holder is None else holder  # only a memory snapshot has a holder
         copier: threading.Thread | None = None
@@ -393,6 +406,7 @@ class CheckpointManager:
             CheckpointError: the state holds something that cannot be checkpointed.
         """
         self._check_open()
+        self.link.beat()
         self._raise_pending()
         mem_due = self.memory is not None and step % self.cfg.memory_every_steps == 0
         dur_due = self._durable_due(step)
@@ -527,6 +541,8 @@ class CheckpointManager:
             error = None
             for attempt in range(1, attempts + 1):
                 error = self._write_once(job, source)
+                if error == _UNPUBLISHED:  # the gate said no (logged by rank 0): nothing to retry
+                    return
                 if error is None:  # the outcome is broadcast: every rank records the same step
                     self._durable_ok_step = job.step
                     return
@@ -552,7 +568,7 @@ class CheckpointManager:
         if not self.coordinated and self.rank != 0:
             return None
         start, end = share_ranges(job.flat.nbytes, world)[me]
-        path = self.storage.join(self.run_path, step_dir(job.step))
+        path = self.storage.join(self.run_path, step_dir(job.step, self.link.round))
         record, error = None, None
         if end > start:
             try:
@@ -570,7 +586,8 @@ class CheckpointManager:
                 errors.append("ranks hold states of different layouts (is the state replicated?)")
             if not errors:
                 try:
-                    self._commit(job, [r for r, _, _ in gathered if r is not None])
+                    if not self._commit(job, [r for r, _, _ in gathered if r is not None]):
+                        outcome[0] = _UNPUBLISHED
                 except Exception as exc:
                     errors.append(f"commit: {exc}")
             if errors:
@@ -579,7 +596,7 @@ class CheckpointManager:
             dist.broadcast_object_list(outcome, src=dist.get_global_rank(self._io, 0), group=self._io)
         return outcome[0]
 
-    def _commit(self, job: _Job, records: list[Any]) -> None:
+    def _commit(self, job: _Job, records: list[Any]) -> bool:
         flat = job.flat
         sampler = flat.skeleton.get("sampler") if isinstance(flat.skeleton, dict) else None
         manifest = durable.build_manifest(
@@ -591,8 +608,14 @@ class CheckpointManager:
             shares=records,
             sampler=sampler,
             nbytes=flat.nbytes,
+            round=self.link.round,
+            base=self.base,
         )
-        path = durable.commit(self.storage, self.run_path, manifest)
+        if not self._may_publish(job):
+            return False
+        path = durable.commit(self.storage, self.run_path, manifest, lambda: self._may_publish(job))
+        if path is None:
+            return False
         seconds = time.monotonic() - job.started
         self.last_committed = Committed(job.step, path, int(manifest["bytes"]), seconds)
         log.info(
@@ -610,8 +633,31 @@ class CheckpointManager:
             current=job.step,
             # The final checkpoint empties the pool of retired files: no later save will reuse them.
             recycle_bytes=0 if job.final or not self.cfg.recycle else int(manifest["bytes"]),
+            round=self.link.round,
         ):
             log.info("checkpoint_removed", path=gone)
+        return True
+
+    def _may_publish(self, job: _Job) -> bool:
+        """The publish gate: whether this world's round is still current (always, outside an agent).
+
+        Raises:
+            CheckpointError: the final checkpoint could not be confirmed (its write is retried).
+        """
+        answer = self.link.may_publish()
+        if answer == CURRENT:
+            return True
+        if job.final:
+            raise CheckpointError(f"not published: round {self.link.round} is {answer} (publish gate)")
+        log.warning(
+            "checkpoint_fenced" if answer == STALE else "checkpoint_unconfirmed",
+            step=job.step,
+            round=self.link.round,
+            reason="a newer round formed without this world"
+            if answer == STALE
+            else "etcd did not confirm this round in time; the memory tier goes on, a later save retries",
+        )
+        return False
 
     # -- waiting and ending ------------------------------------------------------------------------------
     def wait(self) -> None:

@@ -7,18 +7,46 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 STEP_PREFIX = "step-"
-_STEP_RE = re.compile(r"^step-(\d{8,})$")
+_STEP_RE = re.compile(r"^step-(\d{8,})(?:-r(\d+))?$")
 
 
-def step_dir(step: int) -> str:
-    """Directory name of ``step``: ``step-00000123``."""
-    return f"{STEP_PREFIX}{step:08d}"
+def step_dir(step: int, round: int | None = None) -> str:
+    """Directory name of ``step``: ``step-00000123``, or ``step-00000123-r4`` when written by the worker
+    group of rendezvous round 4 (two worlds never write into the same directory)."""
+    name = f"{STEP_PREFIX}{step:08d}"
+    return name if round is None else f"{name}-r{round}"
 
 
 def parse_step_dir(name: str) -> int | None:
-    """The step of a ``step-XXXXXXXX`` name, None for anything else."""
+    """The step of a ``step-XXXXXXXX`` (or ``step-XXXXXXXX-rN``) name, None for anything else."""
     m = _STEP_RE.match(name.rstrip("/").rsplit("/", 1)[-1])
     return int(m.group(1)) if m else None
+
+
+def step_dir_round(name: str) -> int | None:
+    """The round of a ``step-XXXXXXXX-rN`` name (None without one)."""
+    m = _STEP_RE.match(name.rstrip("/").rsplit("/", 1)[-1])
+    return int(m.group(2)) if m and m.group(2) is not None else None
+
+
+def off_line(checkpoints: Sequence[tuple[int, int | None, int | None]]) -> dict[int, tuple[int, int]]:
+    """The checkpoints a later world left behind: ``{index: (its round, the step that round started
+    from)}`` for each ``(step, round, base)`` of ``checkpoints`` written by a round ``r`` when a checkpoint
+    of a later round ``r2 > r`` says that round started from a step ``base < step``.
+
+    Such a checkpoint holds steps the run's history no longer contains (its world was cut off and the
+    others restarted from an earlier state); it must never be taken for the newest. Checkpoints without a
+    round (written outside an ``etcd3`` rendezvous) neither lose nor win by this rule.
+    """
+    out: dict[int, tuple[int, int]] = {}
+    for i, (step, rnd, _) in enumerate(checkpoints):
+        if rnd is None:
+            continue
+        for _, later, base in checkpoints:
+            if later is not None and base is not None and later > rnd and base < step:
+                out[i] = (later, base)
+                break
+    return out
 
 
 def durable_due(step: int, *, every_steps: int, every_seconds: float, since_last: float) -> bool:
