@@ -53,6 +53,10 @@ MANIFEST = "manifest.json"
 LATEST = "latest"
 #: Directory under the run root holding retired share files for reuse (local disks only).
 POOL = ".recycle"
+#: The run's lineage file: where each round's world started (``[{"round": R, "base": STEP}, ...]``).
+LINEAGE = "lineage.json"
+#: Lineage records kept (the oldest are dropped; retention keeps fewer checkpoints than this many rounds).
+LINEAGE_KEEP = 256
 #: Why a step directory without a manifest is not a checkpoint (yet).
 NO_MANIFEST = "no manifest.json (interrupted or in-progress save)"
 
@@ -310,12 +314,38 @@ def list_entries(storage: Storage, run_path: str, *, check_sizes: bool = True) -
         if parse_step_dir(name) is not None:
             out.append(read_entry(storage, storage.join(run_path, name), check_sizes=check_sizes))
     valid = [e for e in out if e.valid]
-    behind = off_line([(e.step, e.round, e.base) for e in valid])
+    behind = off_line([(e.step, e.round, e.base) for e in valid], read_lineage(storage, run_path))
     for i, (later, base) in behind.items():
         e = valid[i]
         problem = f"written by round {e.round}, left behind: round {later} restarted from step {base}"
         out[out.index(e)] = Entry(e.step, e.path, e.manifest, problem)
     return sorted(out, key=lambda e: (e.step, e.round if e.round is not None else -1))
+
+
+def read_lineage(storage: Storage, run_path: str) -> list[tuple[int, int]]:
+    """``(round, base)`` of the worlds that recorded where they started (unreadable records ignored)."""
+    try:
+        raw = json.loads(storage.read(storage.join(run_path, LINEAGE)))
+    except (StorageError, ValueError, RecursionError):
+        return []
+    if not isinstance(raw, list):
+        return []
+    return [
+        (r["round"], r["base"])
+        for r in raw
+        if isinstance(r, dict) and type(r.get("round")) is int and type(r.get("base")) is int
+    ]
+
+
+def record_start(storage: Storage, run_path: str, round: int, base: int) -> None:
+    """Record that round ``round``'s world starts from step ``base`` (before it trains a step): from then on
+    a stale world's checkpoint past ``base`` is left behind even before this world commits one.
+
+    Only a world's rank 0 writes it, once per round, after the world formed; a stale world never does.
+    """
+    records = [{"round": r, "base": b} for r, b in read_lineage(storage, run_path) if r < round]
+    records.append({"round": round, "base": base})
+    storage.write_small(storage.join(run_path, LINEAGE), json.dumps(records[-LINEAGE_KEEP:]).encode())
 
 
 def step_names(storage: Storage, run_path: str) -> list[str]:
@@ -455,7 +485,7 @@ def prune(
     pool = pool_path(storage, run_path)
     removed = []
     for e in entries:
-        if e.step == current:
+        if e.step == current and step_dir_round(e.path) == round:  # the checkpoint just committed
             continue
         if e.step in doomed or not e.valid:
             if recycle:

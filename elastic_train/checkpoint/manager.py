@@ -46,6 +46,7 @@ from elastic_train.checkpoint.errors import (
     CheckpointNotFound,
     CheckpointSetupError,
     ModelMismatch,
+    StorageError,
     WriteFailed,
 )
 from elastic_train.checkpoint.memory import MemorySnapshot, snapshot_files, sweep_stale
@@ -251,10 +252,11 @@ class CheckpointManager:
             dist.broadcast_object_list(box, src=self._global(0), group=self._ctl)
             decision = box[0]
         decision.check()
+        self.base = decision.chosen.step if decision.chosen is not None else 0
+        self._record_start()
         if decision.chosen is None:
             log.info("restore_nothing_found", run=self.run_path)
             return None
-        self.base = decision.chosen.step
         source, step, holder = decision.chosen.source, decision.chosen.step, decision.chosen.holder
         src_rank = 0 if holder is None else holder  # only a memory snapshot has a holder
         copier: threading.Thread | None = None
@@ -300,6 +302,15 @@ class CheckpointManager:
         return Restored(
             step=step, state=state, source=source, holder_rank=holder if source == "memory" else None
         )
+
+    def _record_start(self) -> None:
+        """Rank 0 of a round-stamped world records where it starts (the stale-writer rule reads it)."""
+        if self.link.round is None or self.rank != 0:
+            return
+        try:
+            durable.record_start(self.storage, self.run_path, self.link.round, self.base)
+        except StorageError as exc:  # the manifests' own records still fence later; not worth a restart
+            log.warning("lineage_not_recorded", round=self.link.round, base=self.base, error=str(exc))
 
     def _decide(self, mem_steps: list[int | None]) -> tuple[RestoreDecision, Any]:
         entries = durable.list_entries(self.storage, self.run_path)

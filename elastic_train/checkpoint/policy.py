@@ -29,21 +29,26 @@ def step_dir_round(name: str) -> int | None:
     return int(m.group(2)) if m and m.group(2) is not None else None
 
 
-def off_line(checkpoints: Sequence[tuple[int, int | None, int | None]]) -> dict[int, tuple[int, int]]:
-    """The checkpoints a later world left behind: ``{index: (its round, the step that round started
-    from)}`` for each ``(step, round, base)`` of ``checkpoints`` written by a round ``r`` when a checkpoint
-    of a later round ``r2 > r`` says that round started from a step ``base < step``.
+def off_line(
+    checkpoints: Sequence[tuple[int, int | None, int | None]], starts: Sequence[tuple[int, int]] = ()
+) -> dict[int, tuple[int, int]]:
+    """The checkpoints a later world left behind: ``{index: (later round, the step it started from)}``.
 
-    Such a checkpoint holds steps the run's history no longer contains (its world was cut off and the
-    others restarted from an earlier state); it must never be taken for the newest. Checkpoints without a
-    round (written outside an ``etcd3`` rendezvous) neither lose nor win by this rule.
+    Each of ``checkpoints`` is ``(step, round, base)``; ``starts`` lists ``(round, base)`` of the worlds
+    that recorded where they started (the run's lineage file), and every checkpoint's own round and base
+    count as such a record too. A checkpoint written by round ``r`` at ``step`` is left behind when some
+    round ``r2 > r`` started from a step ``base < step``: its world was cut off and the others restarted
+    from an earlier state, so it holds steps the run's history no longer contains and must never be taken
+    for the newest. Checkpoints without a round (written outside an ``etcd3`` rendezvous) neither lose nor
+    win by this rule.
     """
+    witnesses = [(r, b) for _, r, b in checkpoints if r is not None and b is not None] + list(starts)
     out: dict[int, tuple[int, int]] = {}
     for i, (step, rnd, _) in enumerate(checkpoints):
         if rnd is None:
             continue
-        for _, later, base in checkpoints:
-            if later is not None and base is not None and later > rnd and base < step:
+        for later, base in witnesses:
+            if later > rnd and base < step:
                 out[i] = (later, base)
                 break
     return out
