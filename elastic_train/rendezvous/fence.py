@@ -13,7 +13,9 @@ their devices, and may still publish checkpoints of a world that no longer exist
 
 An etcd that cannot be reached is not by itself a reason: when etcd is down for everyone no new world can
 form, the collectives keep completing, and training goes on (the chaos suite's etcd restarts and quorum
-loss). A step that takes longer than the limit raises the stall limit to two step times.
+loss). A step that takes longer than the limit raises the stall limit to two step times. Workers that count
+no steps (a script of one's own that does not checkpoint through elastic_train) are stopped only when the
+lease is found gone: their progress cannot be told from a stall.
 
 Stopping goes through torchrun's own path: :meth:`Fence.check` makes ``num_nodes_waiting()`` positive, the
 agent stops its workers with SIGTERM and re-joins (no restart of ``max_restarts`` is spent); a worker that
@@ -57,7 +59,7 @@ def fence_reason(
     *,
     lease_lost: bool,
     etcd_silent_s: float,
-    stalled_s: float,
+    stalled_s: float | None,
     ttl: float,
     grace: float = FENCE_GRACE,
     step_s: float | None = None,
@@ -67,7 +69,9 @@ def fence_reason(
     Args:
         lease_lost: etcd answered that this node's lease is gone since the round began.
         etcd_silent_s: seconds since etcd last confirmed the lease.
-        stalled_s: seconds since a worker last finished a step (or since the round began).
+        stalled_s: seconds since a worker last finished a step (or since the round began); None when no
+            worker counts steps (a script that does not use elastic_train's checkpointing): then only a lost
+            lease fences, as an etcd outage must not stop a job whose progress cannot be seen.
         ttl: the lease TTL.
         grace: seconds past the TTL.
         step_s: a recent step time, when known.
@@ -75,6 +79,8 @@ def fence_reason(
     if lease_lost:
         return "lease_lost"
     limit = ttl + grace
+    if stalled_s is None:
+        return None
     if etcd_silent_s >= limit and stalled_s >= max(limit, STALL_STEPS * (step_s or 0.0)):
         return "cut_off"
     return None
@@ -132,7 +138,7 @@ class Fence:
         reason = fence_reason(
             lease_lost=keeper.losses != self._losses,
             etcd_silent_s=now - keeper.last_ok,
-            stalled_s=now - self._progress.moved_at,
+            stalled_s=now - self._progress.moved_at if self._progress.counts else None,
             ttl=self.ttl,
             step_s=self._progress.step_s,
         )
@@ -155,7 +161,7 @@ class Fence:
     def _read_progress(self, now: float) -> None:
         counts = read_beats(self.directory)
         prev = self._progress
-        for pid in counts.keys() - self._procs.keys():
+        for pid in counts.keys() - self._procs.keys() - {os.getpid()}:  # workers only, never the agent
             with contextlib.suppress(psutil.Error):
                 self._procs[pid] = psutil.Process(pid)
         if any(counts.get(pid, 0) > prev.counts.get(pid, 0) for pid in counts):
