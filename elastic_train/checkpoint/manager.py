@@ -553,6 +553,11 @@ class CheckpointManager:
             for attempt in range(1, attempts + 1):
                 error = self._write_once(job, source)
                 if error == _UNPUBLISHED:  # the gate said no (logged by rank 0): nothing to retry
+                    if job.final:  # a stale world: its result is not the job's
+                        self._failure = WriteFailed(
+                            f"final checkpoint of step {job.step} not published: round {self.link.round} is "
+                            "no longer the run's current round"
+                        )
                     return
                 if error is None:  # the outcome is broadcast: every rank records the same step
                     self._durable_ok_step = job.step
@@ -658,8 +663,11 @@ class CheckpointManager:
         answer = self.link.may_publish()
         if answer == CURRENT:
             return True
-        if job.final:
-            raise CheckpointError(f"not published: round {self.link.round} is {answer} (publish gate)")
+        if job.final and answer != STALE:
+            # The result of the job is not held back by an etcd that does not answer: if this world were
+            # stale, the later world's lineage record still keeps this checkpoint from being the newest.
+            log.warning("checkpoint_final_unconfirmed", step=job.step, round=self.link.round)
+            return True
         log.warning(
             "checkpoint_fenced" if answer == STALE else "checkpoint_unconfirmed",
             step=job.step,

@@ -8,14 +8,18 @@ their devices, and may still publish checkpoints of a world that no longer exist
 - **The lease is gone**: etcd answered a keep-alive with "no such lease" (TTL <= 0) since the round began.
   The peers dropped this node; its workers are stopped at once.
 - **Cut off and blocked**: etcd has not confirmed the lease for ``lease_ttl + grace`` seconds (so the peers
-  may have re-formed), *and* the workers' step counters have not moved for as long (their collectives wait
-  on peers that left). The workers are stopped; a fully cut node does not sit in gloo's 30-minute timeout.
+  may have re-formed), *and* the workers' step counters have stopped: no step finished for four step times
+  (at least :data:`STALL_MIN`; before a step time is known, ``lease_ttl + grace``). Their collectives wait on
+  peers that left. The workers are stopped; a fully cut node does not sit in gloo's 30-minute timeout.
+  A cut node's peers re-form about a TTL after its last keep-alive; its steps stop then, so its workers are
+  gone about ``lease_ttl + 1 s`` after the cut.
 
 An etcd that cannot be reached is not by itself a reason: when etcd is down for everyone no new world can
 form, the collectives keep completing, and training goes on (the chaos suite's etcd restarts and quorum
-loss). A step that takes longer than the limit raises the stall limit to two step times. Workers that count
-no steps (a script of one's own that does not checkpoint through elastic_train) are stopped only when the
-lease is found gone: their progress cannot be told from a stall.
+loss). The price of a short stall limit: a step four times slower than usual *during* an etcd outage
+stops that node, and its peers then wait for etcd like it (recovering from memory when etcd returns).
+Workers that count no steps (a script of one's own that does not checkpoint through elastic_train) are
+stopped only when the lease is found gone: their progress cannot be told from a stall.
 
 Stopping goes through torchrun's own path: :meth:`Fence.check` makes ``num_nodes_waiting()`` positive, the
 agent stops its workers with SIGTERM and re-joins (no restart of ``max_restarts`` is spent); a worker that
@@ -25,7 +29,9 @@ when etcd answers again, or ends with the run if the run finished meanwhile.
 The publish gate (``gate.sock`` in the agent's directory) answers a worker's "is round R current?" from a
 linearizable read of the run's ``round`` key: ``current`` while R is the newest closed round of an open or
 finished run, ``stale`` once a newer round closed or this node's lease was found gone, ``unknown`` when etcd
-gave no answer within :attr:`Fence.gate_wait` seconds (durable publishing then waits for a later save).
+gave no answer within :attr:`Fence.gate_wait` seconds (durable publishing then waits for a later save). While
+the lease keeper already finds etcd unreachable, the gate does not ask: it waits up to ``gate_wait`` for a
+keep-alive to get through, so a checkpoint never holds the training loop for long during an etcd outage.
 """
 
 from __future__ import annotations
@@ -49,10 +55,14 @@ log = get_logger(__name__)
 #: Seconds past the lease TTL a node cut off from etcd, whose workers make no progress, waits before it stops
 #: them: the peers' lease watch and round close take about this long.
 FENCE_GRACE = 0.5
+#: Seconds the publish gate waits for etcd to confirm a round before it answers ``unknown``.
+GATE_WAIT = 2.0
 #: Seconds a worker may take to exit after SIGTERM before the fence kills it.
 KILL_GRACE = 1.0
-#: Stall limit in step times: a node whose steps are slower than the TTL is stopped after this many.
-STALL_STEPS = 2.0
+#: Seconds without a finished step that count as blocked, once a step time is known ...
+STALL_MIN = 0.5
+#: ... or this many step times, when that is longer (slow steps are not a stall).
+STALL_STEPS = 4.0
 
 
 def fence_reason(
@@ -74,14 +84,16 @@ def fence_reason(
             lease fences, as an etcd outage must not stop a job whose progress cannot be seen.
         ttl: the lease TTL.
         grace: seconds past the TTL.
-        step_s: a recent step time, when known.
+        step_s: a recent step time, when known (before the round's second step it is not, and a stall
+            must last ``ttl + grace``: the first step includes start-up and restore).
     """
     if lease_lost:
         return "lease_lost"
-    limit = ttl + grace
     if stalled_s is None:
         return None
-    if etcd_silent_s >= limit and stalled_s >= max(limit, STALL_STEPS * (step_s or 0.0)):
+    limit = ttl + grace
+    stall_limit = limit if step_s is None else max(STALL_MIN, STALL_STEPS * step_s)
+    if etcd_silent_s >= limit and stalled_s >= stall_limit:
         return "cut_off"
     return None
 
@@ -108,7 +120,7 @@ class Fence:
         self.participant = participant
         self.directory = directory
         self.ttl = float(participant.lease.ttl)
-        self.gate_wait = gate_wait if gate_wait is not None else max(5.0, 2 * self.ttl)
+        self.gate_wait = gate_wait if gate_wait is not None else GATE_WAIT
         self._losses = participant.lease.losses
         self._progress = _Progress({}, time.monotonic())
         self._fired: str | None = None
@@ -164,10 +176,11 @@ class Fence:
         for pid in counts.keys() - self._procs.keys() - {os.getpid()}:  # workers only, never the agent
             with contextlib.suppress(psutil.Error):
                 self._procs[pid] = psutil.Process(pid)
-        if any(counts.get(pid, 0) > prev.counts.get(pid, 0) for pid in counts):
-            interval = now - prev.moved_at
+        done = max((n - prev.counts.get(pid, 0) for pid, n in counts.items()), default=0)
+        if done > 0:
             if prev.counts:  # the first step's time includes start-up and restore
-                prev.step_s = interval if prev.step_s is None else 0.8 * prev.step_s + 0.2 * interval
+                sample = (now - prev.moved_at) / done  # steps finished since the last read, not reads
+                prev.step_s = sample if prev.step_s is None else 0.8 * prev.step_s + 0.2 * sample
             prev.moved_at = now
         prev.counts = counts
 
@@ -222,9 +235,16 @@ class Fence:
         """Whether ``round`` is the run's current round, read from etcd (retried up to :attr:`gate_wait`)."""
         deadline = time.monotonic() + self.gate_wait
         p = self.participant
+        keeper = p.lease
         while True:
-            if p.lease.losses != self._losses or self._fired == "lease_lost":
+            if keeper.losses != self._losses or self._fired == "lease_lost":
                 return STALE
+            if time.monotonic() - keeper.last_ok > max(1.0, 2 * keeper.interval):  # etcd known unreachable
+                if time.monotonic() >= deadline or self._stop.is_set():
+                    log.warning("publish_gate_unconfirmed", round=round, error="etcd is unreachable")
+                    return UNKNOWN
+                self._stop.wait(0.1)
+                continue
             try:
                 kv = p.etcd.get(p.prefix + "round")
                 latest = RoundRecord.decode(kv.value).round if kv is not None else 0

@@ -168,7 +168,7 @@ def test_a_complete_stale_checkpoint_landing_before_the_new_worlds_first_commit_
     assert again is not None and again.step == 2
 
 
-def test_unconfirmed_rounds_skip_regular_checkpoints_and_fail_the_final_one(
+def test_unconfirmed_rounds_skip_regular_checkpoints_but_not_the_final_one(
     tmp_path: Path, memdir: str
 ) -> None:
     url = str(tmp_path / "ckpt")
@@ -179,8 +179,17 @@ def test_unconfirmed_rounds_skip_regular_checkpoints_and_fail_the_final_one(
     m.save(1, state(1))  # training goes on; the checkpoint waits for a later save
     run = tmp_path / "ckpt" / "run"
     assert not (run / step_dir(1, 2) / durable.MANIFEST).exists()
-    with pytest.raises(WriteFailed, match="round 2 is unknown"):
-        m.finalize(2, state(2))
+    m.finalize(2, state(2))  # the job's result is published (the lineage rule still guards it)
+    assert (run / step_dir(2, 2) / durable.MANIFEST).exists()
+
+
+def test_a_stale_world_never_publishes_its_final_checkpoint(tmp_path: Path, memdir: str) -> None:
+    coord = Coordinator(current=3)
+    m = manager(str(tmp_path / "ckpt"), memdir, GateLink(coord, 2), async_write=False, retries=1)
+    m.restore()
+    with pytest.raises(WriteFailed, match="round 2 is no longer the run's current round"):
+        m.finalize(1, state(1))
+    assert not (tmp_path / "ckpt" / "run" / step_dir(1, 2) / durable.MANIFEST).exists()
 
 
 def test_outside_an_agent_names_and_manifests_stay_as_they_were(tmp_path: Path, memdir: str) -> None:
