@@ -337,15 +337,27 @@ def read_lineage(storage: Storage, run_path: str) -> list[tuple[int, int]]:
     ]
 
 
-def record_start(storage: Storage, run_path: str, round: int, base: int) -> None:
-    """Record that round ``round``'s world starts from step ``base`` (before it trains a step): from then on
-    a stale world's checkpoint past ``base`` is left behind even before this world commits one.
+def record_start(storage: Storage, run_path: str, round: int, base: int) -> int:
+    """Record that the world of rendezvous round ``round`` starts from step ``base`` (before it trains a
+    step); returns the round its checkpoints carry.
 
-    Only a world's rank 0 writes it, once per round, after the world formed; a stale world never does.
+    From then on a stale world's checkpoint past ``base`` is left behind, even before this world commits
+    one. The returned round is ``round``, or one more than any round the run's directory already holds when
+    that is higher: rendezvous rounds start again at 1 when a run id is reused after its record expired,
+    and the new worlds must still come after the earlier ones. Only a world's rank 0 writes, once, after
+    the world formed; a stale world never does.
     """
-    records = [{"round": r, "base": b} for r, b in read_lineage(storage, run_path) if r < round]
-    records.append({"round": round, "base": base})
-    storage.write_small(storage.join(run_path, LINEAGE), json.dumps(records[-LINEAGE_KEEP:]).encode())
+    records = read_lineage(storage, run_path)
+    try:
+        names = storage.listdir(run_path)
+    except StorageError:
+        names = []
+    seen = [r for r, _ in records] + [r for r in map(step_dir_round, names) if r is not None]
+    stamp = max([round, *(r + 1 for r in seen if r >= round)])
+    kept = [{"round": r, "base": b} for r, b in records if r < stamp]
+    kept.append({"round": stamp, "base": base})
+    storage.write_small(storage.join(run_path, LINEAGE), json.dumps(kept[-LINEAGE_KEEP:]).encode())
+    return stamp
 
 
 def step_names(storage: Storage, run_path: str) -> list[str]:

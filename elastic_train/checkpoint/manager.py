@@ -16,6 +16,7 @@ so ranks stay in step — skipping would need a collective vote).
 from __future__ import annotations
 
 import collections
+import dataclasses
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -97,6 +98,8 @@ class RestoreDecision:
     """Why nothing can be restored: every rank raises it."""
     setup_error: bool = False
     """The error is a :class:`CheckpointSetupError` (the same at every attempt, not worth a restart)."""
+    stamp: int | None = None
+    """The round this world's checkpoints are stamped with (:func:`durable.record_start`)."""
 
     def check(self) -> None:
         """Raise the decided error, if any (the same type and line on every rank)."""
@@ -179,6 +182,9 @@ class CheckpointManager:
         self.link = link if link is not None else AgentLink.from_env()
         #: The step this world started from (what :meth:`restore` found; 0 when fresh).
         self.base = 0
+        #: The round this world's checkpoints carry (its rendezvous round, or above the run's earlier ones);
+        #: set by :meth:`restore`, None outside a rendezvous round.
+        self.stamp: int | None = self.link.round
         self.run_id = run_id
         self.rank = rank
         self.world_size = world_size
@@ -245,6 +251,7 @@ class CheckpointManager:
         if self.rank == 0 or not self.coordinated:
             try:
                 decision, loaded = self._decide(mem_steps)
+                decision = dataclasses.replace(decision, stamp=self._record_start(decision))
             except CheckpointError as exc:  # every rank raises it, of the same kind
                 decision = RestoreDecision(error=str(exc), setup_error=isinstance(exc, CheckpointSetupError))
         if self.coordinated:
@@ -253,7 +260,7 @@ class CheckpointManager:
             decision = box[0]
         decision.check()
         self.base = decision.chosen.step if decision.chosen is not None else 0
-        self._record_start()
+        self.stamp = decision.stamp
         if decision.chosen is None:
             log.info("restore_nothing_found", run=self.run_path)
             return None
@@ -303,14 +310,17 @@ class CheckpointManager:
             step=step, state=state, source=source, holder_rank=holder if source == "memory" else None
         )
 
-    def _record_start(self) -> None:
-        """Rank 0 of a round-stamped world records where it starts (the stale-writer rule reads it)."""
-        if self.link.round is None or self.rank != 0:
-            return
+    def _record_start(self, decision: RestoreDecision) -> int | None:
+        """Rank 0 of a world in a rendezvous round records where it starts (the stale-writer rule reads it);
+        the round its checkpoints are stamped with."""
+        if self.link.round is None:
+            return None
+        base = decision.chosen.step if decision.chosen is not None else 0
         try:
-            durable.record_start(self.storage, self.run_path, self.link.round, self.base)
+            return durable.record_start(self.storage, self.run_path, self.link.round, base)
         except StorageError as exc:  # the manifests' own records still fence later; not worth a restart
-            log.warning("lineage_not_recorded", round=self.link.round, base=self.base, error=str(exc))
+            log.warning("lineage_not_recorded", round=self.link.round, base=base, error=str(exc))
+            return self.link.round
 
     def _decide(self, mem_steps: list[int | None]) -> tuple[RestoreDecision, Any]:
         entries = durable.list_entries(self.storage, self.run_path)
@@ -584,7 +594,7 @@ class CheckpointManager:
         if not self.coordinated and self.rank != 0:
             return None
         start, end = share_ranges(job.flat.nbytes, world)[me]
-        path = self.storage.join(self.run_path, step_dir(job.step, self.link.round))
+        path = self.storage.join(self.run_path, step_dir(job.step, self.stamp))
         record, error = None, None
         if end > start:
             try:
@@ -624,7 +634,7 @@ class CheckpointManager:
             shares=records,
             sampler=sampler,
             nbytes=flat.nbytes,
-            round=self.link.round,
+            round=self.stamp,
             base=self.base,
         )
         if not self._may_publish(job):
@@ -649,7 +659,7 @@ class CheckpointManager:
             current=job.step,
             # The final checkpoint empties the pool of retired files: no later save will reuse them.
             recycle_bytes=0 if job.final or not self.cfg.recycle else int(manifest["bytes"]),
-            round=self.link.round,
+            round=self.stamp,
         ):
             log.info("checkpoint_removed", path=gone)
         return True

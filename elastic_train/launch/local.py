@@ -47,7 +47,7 @@ STATUS_INTERVAL = 0.1
 LEADER_DOWN_SECONDS = 3.0
 #: Seconds two of three etcd members stay stopped (``etcd-quorum-loss``).
 QUORUM_LOSS_SECONDS = 4.0
-#: Seconds a ``partition-etcd`` fault cuts the node off from etcd before it heals.
+#: Seconds a ``partition-etcd`` fault cuts the node off from etcd before it heals (default).
 PARTITION_SECONDS = 12.0
 
 
@@ -72,6 +72,8 @@ class LocalOptions:
     """Extra fault kinds (name → action), e.g. storage faults in the chaos suite."""
     etcd_members: int = 1
     """Members of the job's etcd: 1, or 3/5 for a cluster (the nodes get the endpoint list)."""
+    partition_s: float = PARTITION_SECONDS
+    """Seconds a ``partition-etcd`` fault lasts before it heals."""
     entry: list[str] | None = None
     """A user's own torchrun script instead of the built-in worker: ``[SCRIPT, ARGS...]`` or
     ``["-m", MODULE, ARGS...]`` (``elastic-train run --entry``); its audit directory comes from
@@ -247,8 +249,8 @@ class LocalJob:
         node.stopped = False
 
     def _partition_etcd(self, record: FaultRecord, node: Node) -> None:
-        """Silence the node's links to etcd for :data:`PARTITION_SECONDS`; record when its workers were gone
-        (``workers_gone_s``) and when the cut healed."""
+        """Silence the node's links to etcd for ``partition_s`` seconds; record when its workers were gone
+        (``workers_gone_s``) and when the cut healed (``healed_s``), both from the cut."""
         workers = [p for p in tree(node.proc.pid)[1:] if _is_worker(p)]
         record.extra["pids"] = [p.pid for p in workers]
         for link in node.links:
@@ -256,7 +258,7 @@ class LocalJob:
         cut = time.monotonic()
 
         def watch() -> None:
-            _, alive = psutil.wait_procs(workers, timeout=PARTITION_SECONDS)
+            _, alive = psutil.wait_procs(workers, timeout=self.opts.partition_s)
             if not alive:
                 record.extra["workers_gone_s"] = round(time.monotonic() - cut, 3)
 
@@ -267,7 +269,7 @@ class LocalJob:
                 link.heal()
             record.extra["healed_s"] = round(time.monotonic() - cut, 3)
 
-        self._after(PARTITION_SECONDS, heal)
+        self._after(self.opts.partition_s, heal)
 
     def _add_node(self, record: FaultRecord, _node: Node | None) -> None:
         record.extra["new_node"] = self.start_node().index

@@ -89,7 +89,9 @@ def test_torchrun_node_cut_off_from_etcd_is_fenced_and_rejoins(etcd_server, reap
         while not reformed():  # the others re-form without it within TTL + a few seconds ...
             assert time.monotonic() - cut <= TTL + 4, "the others did not re-form at world 2"
             time.sleep(0.05)
+        reformed_s = time.monotonic() - cut
         smaller = wait_world(out, 2, first["round"], 60)  # ... and train (their workers start from scratch)
+        print(f"torchrun partition: workers gone {gone_s:.2f}s, re-formed {reformed_s:.2f}s after the cut")
 
         time.sleep(max(0.0, CUT_S - (time.monotonic() - cut)))
         proxies[2].heal()
@@ -134,6 +136,7 @@ def test_elastic_train_run_node_cut_off_from_etcd_is_fenced_and_rejoins(tmp_path
     summary = job.run()
     assert summary.succeeded and summary.completed_steps == steps, f"logs in {tmp_path / 'work'}"
     (record,) = summary.faults
+    print("elastic-train run partition:", json.dumps(record.to_json()))
     assert record.extra["workers_gone_s"] <= GONE_WITHIN, record.to_json()
     assert record.resumed_world_size == 2 and record.resumed_at is not None and record.fired_at is not None
     assert record.resumed_at - record.fired_at <= TTL + 8, record.to_json()

@@ -207,3 +207,21 @@ def test_off_line_rule() -> None:
     assert off_line(cps) == {1: (4, 4), 2: (4, 4)}
     # A later world that restarted from the stale step itself keeps it on the line.
     assert off_line([(5, 3, 0), (6, 4, 5)]) == {}
+
+
+def test_a_reused_run_id_starting_again_at_round_1_comes_after_the_earlier_worlds(
+    tmp_path: Path, memdir: str
+) -> None:
+    url = str(tmp_path / "ckpt")
+    earlier = manager(url, memdir, GateLink(Coordinator(current=7), 7), async_write=False)
+    earlier.restore()
+    for step in (1, 2, 3):
+        earlier.save(step, state(step))
+    # The run's record expired; the same run id starts again at rendezvous round 1 and resumes step 3.
+    again = manager(url, memdir, GateLink(Coordinator(current=1), 1), async_write=False)
+    r = again.restore()
+    assert r is not None and r.step == 3 and again.stamp == 8
+    again.save(4, state(4))
+    storage = open_storage(url)
+    newest = durable.newest_valid(storage, str(tmp_path / "ckpt" / "run"))
+    assert newest is not None and newest.path.endswith(step_dir(4, 8)) and newest.round == 8
