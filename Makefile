@@ -38,7 +38,8 @@ bench: setup
 	$(PY) benchmarks/report.py --out docs/benchmarks.md --rendezvous-args "--repeats 2 --cap 60" $(BENCH_ARGS)
 
 chaos: setup
-	$(PY) -m pytest tests/chaos/test_chaos.py --chaos-seeds=$(SEEDS) --chaos-md docs/chaos.md --chaos-json docs/chaos.json
+	$(PY) -m pytest tests/chaos/test_chaos.py tests/chaos/test_partition_full.py --chaos-seeds=$(SEEDS) \
+		--chaos-md docs/chaos.md --chaos-json docs/chaos.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build *.egg-info

@@ -63,5 +63,6 @@ def clear_outcomes(directory: str) -> None:
     """Forget the outcomes of a worker group (before the next one starts)."""
     with contextlib.suppress(OSError):
         for name in os.listdir(directory):
-            with contextlib.suppress(OSError):
-                os.unlink(os.path.join(directory, name))
+            if name.startswith("rank-"):  # the directory also holds the fence's files (agentlink)
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(directory, name))

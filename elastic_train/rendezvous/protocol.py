@@ -37,6 +37,7 @@ from elastic_train.etcd.errors import EtcdError
 from elastic_train.log import get_logger
 from elastic_train.rendezvous.config import RendezvousConfig, run_prefix
 from elastic_train.rendezvous.decide import (
+    FAILURE_REASONS,
     Joiner,
     assign_ranks,
     count_waiting,
@@ -227,6 +228,8 @@ class Participant:
         )
         self.round: int | None = None
         self.members: list[str] = []
+        #: The lease keeper's loss count when this node's round closed (see :meth:`_put_join`).
+        self._losses_at_round = 0
         self._join_value: bytes | None = None
         self._started = False
         self._lock = threading.Lock()
@@ -507,7 +510,7 @@ class Participant:
         members = set(self.members)
         for j in joins.values():
             if j.target > self.round and (
-                j.node_id not in members or j.reason in ("scale", "excluded", "start")
+                j.node_id not in members or j.reason in ("scale", "excluded", "start", "rejoin")
             ):
                 return "scale"
         return "failure" if local_failure else "scale"
@@ -648,6 +651,11 @@ class Participant:
         raise RendezvousClosed(f"rendezvous of run {self.s.run_id!r} is closed (the job finished)")
 
     def _put_join(self, target: int, reason: str) -> None:
+        lost_since = self.round is not None and self.lease.losses != self._losses_at_round
+        if reason in FAILURE_REASONS and lost_since:
+            # etcd dropped this node's lease after its round closed: the peers re-formed without it and
+            # spent one failure on that; its own workers failing as a consequence is the same failure.
+            reason = "rejoin"
         self._join_value = json.dumps({"target": target, "reason": reason, "time": time.time()}).encode()
         log.info("rendezvous_join", node=self.node_id, target_round=target, reason=reason)
         self.etcd.put(self.prefix + "join/" + self.node_id, self._join_value, self.lease.lease_id)
@@ -706,6 +714,7 @@ class Participant:
     def _adopt(self, rec: RoundRecord) -> RoundResult:
         self.round = rec.round
         self.members = list(rec.members)
+        self._losses_at_round = self.lease.losses
         self._waiting_cause = None
         return RoundResult(
             rec.round, rec.members.index(self.node_id), len(rec.members), list(rec.members), rec.nodes

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 
+from elastic_train.checkpoint.policy import parse_step_dir
 from elastic_train.procs import kill_tree
 from elastic_train.train.audit import check_exactly_once
 from elastic_train.train.events import read_events
@@ -187,7 +188,7 @@ def test_every_node_killed_then_restarted_resumes_from_durable(
     run = tmp_path / "ck" / "own-loop-restart"
     durable = sorted(p.name for p in run.glob("step-*") if (p / "manifest.json").exists())
     assert durable, "no durable checkpoint before the kill"
-    newest = int(durable[-1].removeprefix("step-"))
+    newest = max(parse_step_dir(name) or 0 for name in durable)
     for _ in range(2):
         job.start("2:2")
     for agent in job.procs[2:]:
