@@ -399,12 +399,10 @@ class Participant:
                 age = float("inf")
             if same and age < self.s.identity_wait:
                 log.info("rendezvous_run_already_finished", run_id=run, finished_s_ago=round(age, 1))
-                raise RendezvousClosed(f"rendezvous of run {run!r} is closed (the job finished)")
-            step = closed.get("step")
-            at = f" at step {step}" if isinstance(step, int) else ""
-            when = _when(closed.get("time"))
+                raise RendezvousClosed(finished_line(run, closed))
             raise RunRefused(
-                f"run {run} finished{at}{when}; start a new run with another run id "
+                f"run {run} finished{_at_step(closed)}{_when(closed.get('time'))}; start a new run with "
+                "another run id "
                 f"(to continue from its checkpoint: {forward})"
             )
         why = str(closed.get("message") or reason or "failed")
@@ -645,7 +643,7 @@ class Participant:
             raise FailureBudgetExhausted(str(closed.get("message") or "failure budget exhausted"))
         if closed.get("reason") == "failed":
             raise JobFailed(f"run {self.s.run_id} failed: {closed.get('message') or 'a worker failed'}")
-        raise RendezvousClosed(f"rendezvous of run {self.s.run_id!r} is closed (the job finished)")
+        raise RendezvousClosed(finished_line(self.s.run_id, closed))
 
     def _put_join(self, target: int, reason: str) -> None:
         self._join_value = json.dumps({"target": target, "reason": reason, "time": time.time()}).encode()
@@ -772,6 +770,19 @@ class Participant:
                     self.etcd.txn([cmp_mod(kv.key, kv.mod_revision)], [op_put(kv.key, kv.value, lease)])
         except EtcdError as exc:
             log.warning("run_record_expiry_failed", run_id=self.s.run_id, error=str(exc))
+
+
+def finished_line(run_id: str, closed: dict[str, Any]) -> str:
+    """What a node of a finished run says as it leaves (exit 0): the run, its last step, and when."""
+    return (
+        f"run {run_id} finished{_at_step(closed)}{_when(closed.get('time'))}; this node has nothing left "
+        "to do"
+    )
+
+
+def _at_step(closed: dict[str, Any]) -> str:
+    step = closed.get("step")
+    return f" at step {step}" if isinstance(step, int) and not isinstance(step, bool) else ""
 
 
 def _when(t: Any) -> str:

@@ -98,14 +98,21 @@ def create_etcd3_dynamic_handler(params: RendezvousParameters) -> RendezvousHand
     return create_handler(store, backend, params)
 
 
+# One creator per backend for the life of the process: torch's registry refuses a second registration of a
+# name with a creator that compares unequal (it logs a ValueError), and it registers the entry points again
+# each time it is asked to (torch's own out-of-tree plugin test does).
+_ETCD3 = _one_line_errors(create_etcd3_handler)
+_ETCD3_DYNAMIC = _one_line_errors(create_etcd3_dynamic_handler)
+
+
 def etcd3() -> Creator:
-    """Entry point ``etcd3``."""
-    return _one_line_errors(create_etcd3_handler)
+    """Entry point ``etcd3`` (the same creator on every call)."""
+    return _ETCD3
 
 
 def etcd3_dynamic() -> Creator:
-    """Entry point ``etcd3-dynamic``."""
-    return _one_line_errors(create_etcd3_dynamic_handler)
+    """Entry point ``etcd3-dynamic`` (the same creator on every call)."""
+    return _ETCD3_DYNAMIC
 
 
 __all__ = ["DYNAMIC_KEYS", "etcd3", "etcd3_dynamic"]
