@@ -199,7 +199,7 @@ class LeaseKeeper:
                 t0 = time.monotonic()
                 left = self.etcd.lease_keepalive(self.lease_id, timeout=self.interval)
                 took = time.monotonic() - t0
-                # After failures the call included reconnecting (a partition healing, etcd back): not slowness.
+                # After failures the call included reconnecting (a cut healing, etcd back): not slowness.
                 if took > self.interval / 2 and not failures and not self._slow_warned:
                     self._slow_warned = True
                     log.warning(
