@@ -46,7 +46,7 @@ from elastic_train.etcd.client import Etcd
 from elastic_train.log import bind_context, get_logger
 from elastic_train.rendezvous.errors import JobFailed, RendezvousClosed, RunFinished, RunRefused
 from elastic_train.rendezvous.identity import JobIdentity, identity_from_environ, torchrun_settings
-from elastic_train.rendezvous.outcome import clear_outcomes, read_outcomes
+from elastic_train.rendezvous.outcome import clear_outcomes, exit_report, read_outcomes, trained
 from elastic_train.rendezvous.protocol import Participant, ProtocolSettings, RoundResult
 
 log = get_logger(__name__)
@@ -136,10 +136,20 @@ class Etcd3RendezvousHandler(RendezvousHandler):
             raise RunFinished(str(exc)) from None
 
     def _end_if_workers_gave_up(self) -> None:
-        """Close the run as failed when a worker of the last group failed with a non-retryable error."""
-        failed = [o for o in read_outcomes(self._outcomes) if o["state"] == "failed"]
+        """Close the run as failed when a worker of the last group failed with a non-retryable error; else
+        give the next join this node's report of how its workers exited (the start-up failure rule)."""
+        outcomes = read_outcomes(self._outcomes)
+        failed = [o for o in outcomes if o["state"] == "failed"]
+        report = exit_report(outcomes)
         clear_outcomes(self._outcomes)
-        if not failed or self._participant is None:
+        if self._participant is None:
+            return
+        self._participant.failure_report = (
+            {"exit_code": report[0], "error": report[1], "trained": trained(self._outcomes)}
+            if report
+            else None
+        )
+        if not failed:
             return
         message = str(failed[0].get("message") or "a worker failed with an error no restart can fix")
         log.error(
