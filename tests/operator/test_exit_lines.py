@@ -161,3 +161,31 @@ def test_a_node_cut_off_from_etcd_until_the_job_finished_exits_0_with_one_line(
     assert victim.returncode == 0, err
     lines = agent_lines(err)  # the worker's own error (its peers went away) is in its log, not here
     assert len(lines) == 1 and lines[0].startswith("elastic-train: run cut-tr finished on "), err
+
+
+def test_a_late_node_of_the_dynamic_backend_exits_0_with_one_line(
+    etcd_server: Any, reaper: Any, tmp_path: Path
+) -> None:
+    """``--rdzv-backend=etcd3-dynamic`` (torch's DynamicRendezvousHandler on etcd v3): torch's handler
+    raises for a closed rendezvous; the node still leaves with one line."""
+
+    def node(out: str) -> subprocess.Popen:
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=1",
+            "--rdzv-backend=etcd3-dynamic", f"--rdzv-endpoint={etcd_server.endpoint}", "--rdzv-id=fin-dyn",
+            "--rdzv-conf=last_call_timeout=1,keep_alive_interval=1,heartbeat_timeout=5,state_ttl=600",
+            "--local-addr=127.0.0.1", "--monitor-interval=0.1", "--max-restarts=0", RDZV_WORKER,
+        ]  # fmt: skip
+        env = base_env(MASTER_ADDR="127.0.0.1", RDZV_WORKER_OUT=str(tmp_path / out), RDZV_WORKER_STEPS="5")
+        return reaper.popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+
+    first = node("a.jsonl")
+    _, err = first.communicate(timeout=180)
+    assert first.returncode == 0, err
+    late = node("b.jsonl")
+    _, err = late.communicate(timeout=120)
+    assert late.returncode == 0, err
+    assert agent_lines(err) == [
+        "elastic-train: rendezvous of run fin-dyn is closed (its job ended); this node has nothing left to do"
+    ], err
+    assert not (tmp_path / "b.jsonl").exists()
