@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -35,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "lightning_train.py"
 #: The same script with every step slowed down by a strategy hook (so that faults land while it trains).
 SLOW_SCRIPT = ROOT / "tests" / "integration" / "slow_lightning.py"
-EPOCHS = 4
+EPOCHS = 6
 STEPS = EPOCHS * 15  # 240 samples, 16 per step
 ARGS = ["--float64", "--epochs", str(EPOCHS), "--checkpoint-every", "10"]
 
@@ -151,7 +152,7 @@ def test_local_entry_kill_and_join(tmp_path: Path, reference: dict[str, torch.Te
     cmd = [
         sys.executable, "-m", "elastic_train", "local",
         "--nodes", "3", "--min-nodes", "2", "--max-nodes", "3",
-        "--kill-node", "1@step=12", "--add-node", "@step=30", "--workdir", str(tmp_path / "work"),
+        "--kill-node", "1@step=10", "--add-node", "@step=20", "--workdir", str(tmp_path / "work"),
         "--audit", str(tmp_path / "audit"), "--summary", str(summary_path), "--timeout", "500",
         "--preload", "elastic_train.lightning",
         "--entry", str(SLOW_SCRIPT), "0.3", *ARGS,
@@ -281,3 +282,29 @@ def test_fork_server_preloads_lightning(tmp_path: Path, reaper: Any) -> None:
     )
     assert bad.returncode != 0 and "Traceback" not in bad.stderr, bad.stderr
     assert bad.stderr.strip().splitlines()[-1].endswith("--preload: 'not a module' is not a module name")
+
+
+def test_sigterm_ends_a_training_worker_at_once(tmp_path: Path, reaper: Any) -> None:
+    """torchrun stops workers with SIGTERM: the worker ends by it, without Lightning's handler (which
+    broadcasts from inside the handler and then lets the script exit 0 as if training were done)."""
+    events = tmp_path / "events.jsonl"
+    proc = reaper.popen(
+        [
+            sys.executable,
+            str(SLOW_SCRIPT),
+            "0.3",
+            *ARGS,
+            "--checkpoint",
+            str(tmp_path / "ck"),
+            "--root",
+            str(tmp_path / "pl"),
+        ],
+        cwd=tmp_path,
+        env=env(ELASTIC_TRAIN_EVENTS=str(events)),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    wait_for_step(events, 1, 3, 180.0, tmp_path)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=10) == -signal.SIGTERM
+    assert not any(e["event"] == "done" for e in read_events(str(events)))
