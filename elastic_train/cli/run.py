@@ -82,12 +82,16 @@ def run(args: argparse.Namespace) -> int:
     forkserver = (
         launch_run.ForkServerSupervisor(os.environ, preload) if args.worker_start == "forkserver" else None
     )
-    try:
-        if forkserver is not None and preload:
-            from elastic_train.worker.forkserver import CONNECT_WAIT
+    ready = None
+    if forkserver is not None and preload:
+        from functools import partial
 
-            forkserver.wait_ready(CONNECT_WAIT)  # join with the imports done (a worker would wait for them)
-        return launch_run.launch(argv)
+        from elastic_train.worker.forkserver import CONNECT_WAIT
+
+        # join with the imports done (its worker would make the restarted group wait for them)
+        ready = partial(forkserver.wait_ready, CONNECT_WAIT)
+    try:
+        return launch_run.launch(argv, before_rendezvous=ready)
     finally:
         if forkserver is not None:
             forkserver.stop()

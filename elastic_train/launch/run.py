@@ -14,7 +14,7 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from typing import Any
 
 from elastic_train.config import JobConfig
@@ -233,13 +233,18 @@ def _import_quietly(module: str) -> bool:
     return True
 
 
-def launch(argv: list[str]) -> int:
-    """Run torchrun's agent in this process; turn its failures into one line and an exit code."""
+def launch(argv: list[str], before_rendezvous: Callable[[], object] | None = None) -> int:
+    """Run torchrun's agent in this process; turn its failures into one line and an exit code.
+
+    ``before_rendezvous`` is called once torchrun is imported, just before the agent enters the rendezvous.
+    """
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import parse_args
     from torch.distributed.run import run as torchrun_run
 
+    if before_rendezvous is not None:
+        before_rendezvous()
     try:
         torchrun_run(parse_args(argv))
     except ChildFailedError as exc:
