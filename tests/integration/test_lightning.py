@@ -26,7 +26,7 @@ import torch
 from elastic_train.procs import kill_tree
 from elastic_train.train.audit import check_exactly_once
 from elastic_train.train.events import read_events
-from tests.helpers import wait_for_step
+from tests.helpers import cli, wait_for_step
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("pytorch_lightning")
@@ -145,6 +145,8 @@ def test_plain_torchrun_agents_kill_and_join(
     assert {3, 2} <= set(report.world_sizes.values())
     assert_same_weights(final_weights(tmp_path / "ck", "lightning"), reference)
     assert (tmp_path / "pl" / "checkpoints" / "last.ckpt").exists()
+    verify = cli("ckpt", "verify", str(tmp_path / "ck" / "lightning"))  # the project's format
+    assert verify.returncode == 0 and f"step-{STEPS:08d}" in verify.stdout, verify.stdout + verify.stderr
 
 
 def test_local_entry_kill_and_join(tmp_path: Path, reference: dict[str, torch.Tensor]) -> None:
