@@ -39,6 +39,9 @@ SLOW_SCRIPT = ROOT / "tests" / "integration" / "slow_lightning.py"
 EPOCHS = 6
 STEPS = EPOCHS * 15  # 240 samples, 16 per step
 ARGS = ["--float64", "--epochs", str(EPOCHS), "--checkpoint-every", "10"]
+#: 0.3 s per step; a group of fewer than 3 waits at step 60 to be joined (slow_lightning.py), so a joining
+#: node is in before training ends, however loaded the machine.
+HOLD = "0.3:60:3"
 
 
 def env(**extra: str) -> dict[str, str]:
@@ -98,7 +101,7 @@ class Agents:
             sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", "--nproc-per-node=1",
             "--rdzv-backend=etcd3", f"--rdzv-endpoint={self.endpoint}", f"--rdzv-id={self.run_id}",
             "--rdzv-conf=lease_ttl=2,settle=1", "--max-restarts=100", "--monitor-interval=0.1",
-            "--local-addr=127.0.0.1", str(SLOW_SCRIPT), "0.3", *ARGS,
+            "--local-addr=127.0.0.1", str(SLOW_SCRIPT), HOLD, *ARGS,
             "--checkpoint", str(self.tmp / "ck"), "--root", str(self.tmp / "pl"),
         ]  # fmt: skip
         log = open(self.tmp / f"agent{len(self.procs)}.log", "ab")  # noqa: SIM115 - lives with the process
@@ -157,7 +160,7 @@ def test_local_entry_kill_and_join(tmp_path: Path, reference: dict[str, torch.Te
         "--kill-node", "1@step=10", "--add-node", "@step=20", "--workdir", str(tmp_path / "work"),
         "--audit", str(tmp_path / "audit"), "--summary", str(summary_path), "--timeout", "500",
         "--preload", "elastic_train.lightning",
-        "--entry", str(SLOW_SCRIPT), "0.3", *ARGS,
+        "--entry", str(SLOW_SCRIPT), HOLD, *ARGS,
         "--checkpoint", str(tmp_path / "ck"), "--root", str(tmp_path / "pl"),
     ]  # fmt: skip
     proc = subprocess.run(cmd, cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=600)
