@@ -370,6 +370,19 @@ class RecoveryDoc(_Model):
     targets: list[TargetRecord]
 
 
+class LightningDoc(_Model):
+    """``lightning.py``: ElasticStrategy against plain Lightning under a kill and a join; its own targets."""
+
+    benchmark: Literal["lightning"]
+    description: str
+    loadavg: list[list[float]]
+    """Load average (1, 5, 15 min) at the start and at the end of the run."""
+    runs: list[dict[str, Any]]
+    """One per variant and repeat: the seconds, steps redone and samples lost/duplicated as measured."""
+    figures: list[FigureRow]
+    targets: list[TargetRecord]
+
+
 # ------------------------------------------------------------------------------------ rdzv_latency.py
 
 
@@ -422,7 +435,7 @@ class LatencyDoc(_Model):
 
 # ------------------------------------------------------------------------------------------- reading
 
-Document = RendezvousDoc | ScaleDoc | CheckpointDoc | OverheadDoc | RecoveryDoc | LatencyDoc
+Document = RendezvousDoc | ScaleDoc | CheckpointDoc | OverheadDoc | RecoveryDoc | LatencyDoc | LightningDoc
 
 #: The model of each benchmark script's document, by script name.
 MODELS: dict[str, type[Document]] = {
@@ -432,6 +445,7 @@ MODELS: dict[str, type[Document]] = {
     "overhead": OverheadDoc,
     "recovery": RecoveryDoc,
     "rdzv_latency": LatencyDoc,
+    "lightning": LightningDoc,
 }
 
 

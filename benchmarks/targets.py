@@ -13,8 +13,8 @@ every target:
 How the measured figures are shown in the report (the ``measured`` column and the context appended to
 ``why``) is per target, in :data:`DESCRIBE`; it does not decide anything.
 
-``overhead.py`` and ``recovery.py`` evaluate their own targets (the figures need their per-run context);
-their rows here only stand for them while the benchmark has not run.
+``overhead.py``, ``recovery.py`` and ``lightning.py`` evaluate their own targets (the figures need their
+per-run context); their rows here only stand for them while the benchmark has not run.
 """
 
 from __future__ import annotations
@@ -128,6 +128,10 @@ TARGETS: tuple[TargetSpec, ...] = (
     TargetSpec(
         "per-step overhead over plain DDP", "overhead", "<= 3%", (),
         why="elastic training costs a training step almost nothing",
+    ),
+    TargetSpec(
+        "Lightning under a kill and a join (run --entry)", "lightning", "<= 3 s, 0 samples lost or twice", (),
+        why="a Lightning script keeps the guarantees and the recovery speed of the own loop",
     ),
     TargetSpec(
         "restore/broadcast vs state size / loopback bandwidth", "recovery", "<= 1.5x", (),

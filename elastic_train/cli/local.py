@@ -63,6 +63,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     add_job_options(p, without=["--endpoint"])
     p.add_argument(
+        "--preload",
+        metavar="MOD[,MOD]",
+        help="modules each node's fork server imports before forking workers (elastic-train run --preload)",
+    )
+    p.add_argument(
         "--entry",
         nargs=argparse.REMAINDER,
         metavar="SCRIPT|-m MODULE ...",
@@ -91,6 +96,14 @@ def run(args: argparse.Namespace) -> int:
         for option in WORKER_ONLY:
             if getattr(args, dest(option), None) is not None:
                 raise ConfigError(f"{option}: not used with --entry (pass your script its own arguments)")
+    if args.preload:
+        from elastic_train.worker.forkserver import ENV_PRELOAD, parse_preload
+
+        try:
+            parse_preload(args.preload)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        os.environ[ENV_PRELOAD] = args.preload  # the nodes' `elastic-train run` take it as their --preload
     overrides = collect_overrides(args)
     base = load_job_config(args.config, overrides)
     adds = sum(f.kind == "add-node" for f in faults)

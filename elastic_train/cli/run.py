@@ -10,6 +10,8 @@ import sys
 from elastic_train.cli.options import node_overrides
 from elastic_train.config import load_job_config
 from elastic_train.config.options import add_job_options, collect_overrides
+from elastic_train.errors import ConfigError
+from elastic_train.worker.forkserver import ENV_PRELOAD, parse_preload
 
 #: How workers start: ``forkserver`` (forked from a per-node process with torch imported) or ``exec``.
 WORKER_STARTS = ("forkserver", "exec")
@@ -37,6 +39,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="forkserver: fork workers from a per-node process that already imported torch (fast restarts); "
         "exec: a fresh interpreter per worker (default: forkserver)",
     )
+    p.add_argument(
+        "--preload",
+        metavar="MOD[,MOD]",
+        default=os.environ.get(ENV_PRELOAD, ""),
+        help="modules the fork server imports before forking workers (e.g. elastic_train.lightning), so a "
+        "restarted worker does not import them again",
+    )
     p.add_argument("--dry-run", action="store_true", help="print the torchrun command and exit")
     p.add_argument(
         "--entry",
@@ -51,6 +60,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from elastic_train.launch import run as launch_run
 
+    try:
+        preload = parse_preload(args.preload)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     overrides = collect_overrides(args, node_overrides(args.nodes))
     cfg = load_job_config(args.config, overrides)
     local_addr = args.local_addr or launch_run.default_local_addr(cfg.rendezvous)
@@ -66,9 +79,19 @@ def run(args: argparse.Namespace) -> int:
         from elastic_train.checkpoint.preflight import check_settings
 
         check_settings(cfg.checkpoint, cfg.rendezvous.run_id)
-    forkserver = launch_run.ForkServerSupervisor(os.environ) if args.worker_start == "forkserver" else None
+    forkserver = (
+        launch_run.ForkServerSupervisor(os.environ, preload) if args.worker_start == "forkserver" else None
+    )
+    ready = None
+    if forkserver is not None and preload:
+        from functools import partial
+
+        from elastic_train.worker.forkserver import CONNECT_WAIT
+
+        # join with the imports done (its worker would make the restarted group wait for them)
+        ready = partial(forkserver.wait_ready, CONNECT_WAIT)
     try:
-        return launch_run.launch(argv)
+        return launch_run.launch(argv, before_rendezvous=ready)
     finally:
         if forkserver is not None:
             forkserver.stop()

@@ -14,7 +14,7 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from typing import Any
 
 from elastic_train.config import JobConfig
@@ -158,10 +158,11 @@ class ForkServerSupervisor:
     environment they inherit from the agent, so a restarted server is used by the next worker group.
     """
 
-    def __init__(self, environ: MutableMapping[str, str]) -> None:
+    def __init__(self, environ: MutableMapping[str, str], preload: Sequence[str] = ()) -> None:
         from elastic_train.worker.forkserver import ENV_PID, ENV_SOCKET
 
         self.environ = environ
+        self.preload = list(preload)
         self.path = os.path.join(tempfile.gettempdir(), f"elastic_train-fs-{os.getpid()}.sock")
         self._env_pid = ENV_PID
         environ[ENV_SOCKET] = self.path
@@ -173,13 +174,30 @@ class ForkServerSupervisor:
 
     def _start(self) -> subprocess.Popen[bytes]:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "elastic_train.worker.forkserver", "--socket", self.path],
+            [sys.executable, "-m", "elastic_train.worker.forkserver", "--socket", self.path]
+            + (["--preload", ",".join(self.preload)] if self.preload else []),
             stdin=subprocess.DEVNULL,
             preexec_fn=die_with_parent,
         )
         self.environ[self._env_pid] = str(proc.pid)
         log.debug("forkserver_started", pid=proc.pid, socket=self.path)
         return proc
+
+    def wait_ready(self, timeout: float) -> bool:
+        """Wait until the server listens (its imports done), at most ``timeout`` s; False if it did not.
+
+        With modules to preload (Lightning takes seconds to import), a node that joins a running job waits
+        for them before it enters the rendezvous: the others keep training meanwhile, instead of waiting
+        for this node's worker in the restarted group.
+        """
+        import time
+
+        deadline = time.monotonic() + timeout
+        while not os.path.exists(self.path):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+        return True
 
     def _watch(self) -> None:
         while not self._stopping.is_set():
@@ -215,13 +233,18 @@ def _import_quietly(module: str) -> bool:
     return True
 
 
-def launch(argv: list[str]) -> int:
-    """Run torchrun's agent in this process; turn its failures into one line and an exit code."""
+def launch(argv: list[str], before_rendezvous: Callable[[], object] | None = None) -> int:
+    """Run torchrun's agent in this process; turn its failures into one line and an exit code.
+
+    ``before_rendezvous`` is called once torchrun is imported, just before the agent enters the rendezvous.
+    """
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import parse_args
     from torch.distributed.run import run as torchrun_run
 
+    if before_rendezvous is not None:
+        before_rendezvous()
     try:
         torchrun_run(parse_args(argv))
     except ChildFailedError as exc:

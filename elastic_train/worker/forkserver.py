@@ -51,6 +51,9 @@ PRELOAD = (
     "elastic_train.train.loop",
     "elastic_train.checkpoint",
 )
+#: Further modules to preload, comma-separated (``elastic-train run --preload``): a user's framework
+#: (Lightning) and own modules, so a restarted worker does not import them again.
+ENV_PRELOAD = "ELASTIC_TRAIN_PRELOAD"
 #: PID of that fork server; a stand-in waits for the socket only while this process lives.
 ENV_PID = "ELASTIC_TRAIN_FORKSERVER_PID"
 #: Seconds a stand-in waits for a fork server that is still importing before starting the worker itself.
@@ -355,12 +358,34 @@ def _run_entry(entry: list[str], argv: list[str]) -> int:
     return 0
 
 
-def serve(path: str) -> None:
-    """Import what workers need, then listen on ``path`` and serve until SIGTERM."""
+def parse_preload(value: str | None) -> list[str]:
+    """``MOD[,MOD...]`` → module names (empty entries dropped).
+
+    Raises:
+        ValueError: a name is not a dotted Python module name.
+    """
+    names = [n.strip() for n in (value or "").split(",") if n.strip()]
+    for name in names:
+        if not all(part.isidentifier() for part in name.split(".")):
+            raise ValueError(f"--preload: {name!r} is not a module name")
+    return names
+
+
+def serve(path: str, preload: Sequence[str] = ()) -> None:
+    """Import what workers need (and ``preload``), then listen on ``path`` and serve until SIGTERM.
+
+    A module of ``preload`` that fails to import is reported on stderr and skipped: the worker that imports
+    it reports the error itself.
+    """
     import importlib
 
     for name in PRELOAD:
         importlib.import_module(name)
+    for name in preload:
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # the user's module: its own workers report it with a traceback
+            sys.stderr.write(f"elastic_train: fork server: --preload {name}: not preloaded ({exc})\n")
     ForkServer(path).serve()
 
 
@@ -369,8 +394,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(prog="python -m elastic_train.worker.forkserver")
     p.add_argument("--socket", required=True, help="Unix socket path to listen on")
+    p.add_argument("--preload", default="", metavar="MOD[,MOD]", help="further modules to import first")
     args = p.parse_args(argv)
-    serve(args.socket)
+    try:
+        preload = parse_preload(args.preload)
+    except ValueError as exc:
+        p.error(str(exc))
+    serve(args.socket, preload)
     return 0
 
 

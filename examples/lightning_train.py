@@ -1,0 +1,118 @@
+"""An ordinary PyTorch Lightning script made elastic with elastic_train: the lines marked ``# elastic``.
+
+A LightningModule, a DataLoader, a Trainer with ModelCheckpoint and ``ckpt_path="last"``, as Lightning's own
+docs have it; docs/lightning.md explains each changed line. Run it like any torchrun script:
+
+    torchrun --nnodes=2:4 --nproc-per-node=1 --max-restarts=100 --rdzv-backend=etcd3 \\
+             --rdzv-endpoint=127.0.0.1:2379 --rdzv-id=lightning examples/lightning_train.py
+    elastic-train run --nodes 2:4 --endpoint 127.0.0.1:2379 --run-id lightning \\
+             --preload elastic_train.lightning --entry examples/lightning_train.py
+    elastic-train local --nodes 3 --kill-node 1@step=20 --add-node @step=40 \\
+             --preload elastic_train.lightning --entry examples/lightning_train.py
+    python examples/lightning_train.py          # no torchrun: a world of one
+
+A node that dies costs at most the step it was in; each epoch trains every sample exactly once, with the same
+global batch at every world size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+import torch.nn.functional as F
+from pytorch_lightning.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader, Dataset
+
+from elastic_train.lightning import ElasticStrategy  # elastic
+
+
+class Waves(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """A synthetic regression set: y = sin(x · w) + 0.3 · (x · v), plus noise; fixed by its seed."""
+
+    def __init__(self, n: int, dim: int = 8, seed: int = 1234) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(n, dim, generator=gen, dtype=torch.float64)
+        w, v = torch.randn(dim, 1, generator=gen, dtype=torch.float64), torch.randn(dim, 1, generator=gen)
+        noise = 0.05 * torch.randn(n, 1, generator=gen, dtype=torch.float64)
+        self.y = torch.sin(self.x @ w) + 0.3 * (self.x @ v.double()) + noise
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.x[i], self.y[i]
+
+
+class Regressor(pl.LightningModule):
+    def __init__(self, lr: float, total_steps: int, dim: int = 8, hidden: int = 32) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.body = torch.nn.Sequential(
+            torch.nn.Linear(dim, hidden),
+            torch.nn.Tanh(),
+            torch.nn.Linear(hidden, hidden),
+            torch.nn.Tanh(),
+            torch.nn.Linear(hidden, 1),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.body(x)
+        return out
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = F.mse_loss(self(x), y)
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD(self.parameters(), lr=self.hparams["lr"], momentum=0.9)
+        scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=self.hparams["total_steps"])
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--epochs", type=int, default=4)
+    p.add_argument("--samples", type=int, default=240, help="dataset size")
+    p.add_argument("--batch-size", type=int, default=16, help="samples per step and rank")
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workers", type=int, default=0, help="DataLoader worker processes")
+    p.add_argument("--root", default="lightning_logs", help="Lightning's default_root_dir (its last.ckpt)")
+    p.add_argument("--checkpoint", default="checkpoints", help="elastic checkpoint root, any fsspec URL")
+    p.add_argument("--checkpoint-every", type=int, default=10, help="durable checkpoint every N steps")
+    p.add_argument("--float64", action="store_true", help="train in double precision")
+    return p.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    pl.seed_everything(args.seed, verbose=False)  # the same initial weights on every rank
+    dataset = Waves(args.samples)
+    loader = DataLoader(dataset, batch_size=args.batch_size, shuffle=True, num_workers=args.workers)
+    steps = args.epochs * math.ceil(len(dataset) / args.batch_size)
+    model = Regressor(lr=args.lr, total_steps=steps)
+    trainer = pl.Trainer(
+        strategy=ElasticStrategy(checkpoint=args.checkpoint, every_steps=args.checkpoint_every),  # elastic
+        accelerator="cpu",
+        devices=1,
+        max_epochs=args.epochs,
+        precision="64-true" if args.float64 else "32-true",
+        default_root_dir=args.root,
+        callbacks=[
+            ModelCheckpoint(dirpath=f"{args.root}/checkpoints", save_last=True, every_n_train_steps=10)
+        ],
+        log_every_n_steps=5,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(model, loader, ckpt_path="last")
+
+
+if __name__ == "__main__":
+    main()
