@@ -4,6 +4,9 @@ PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 SEEDS ?= 5
 PYTEST_ARGS ?=
+# Tests run side by side in this many pytest-xdist workers (0: one process). Most multi-process tests spend
+# their time waiting on leases, steps and start-up, not on the CPU, so three share two cores well.
+TEST_WORKERS ?= 3
 
 .PHONY: setup test demo lint bench chaos clean
 
@@ -20,7 +23,7 @@ $(VENV)/.installed: pyproject.toml
 setup: $(VENV)/.installed
 
 test: setup
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal $(PYTEST_ARGS)
 
 demo: setup
 	$(VENV)/bin/elastic-train local --config examples/job.yaml --nodes 3 --kill-node 1@step=100 --add-node @step=200 \
@@ -35,7 +38,8 @@ bench: setup
 	$(PY) benchmarks/report.py --out docs/benchmarks.md --rendezvous-args "--repeats 2 --cap 60" $(BENCH_ARGS)
 
 chaos: setup
-	$(PY) -m pytest tests/chaos/test_chaos.py --chaos-seeds=$(SEEDS) --chaos-md docs/chaos.md --chaos-json docs/chaos.json
+	$(PY) -m pytest tests/chaos/test_chaos.py tests/chaos/test_partition_full.py --chaos-seeds=$(SEEDS) \
+		--chaos-md docs/chaos.md --chaos-json docs/chaos.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build *.egg-info

@@ -3,7 +3,9 @@
 Each chunk read from one side is written to the other ``delay`` seconds after it arrived, in order, so a
 request/answer exchange takes two delays more than it would (a round trip of ``2 * delay``); bandwidth is not
 limited. :meth:`LatencyProxy.set_delay` changes the delay of later chunks; :meth:`LatencyProxy.cut` closes
-every connection and refuses new ones (a partition), :meth:`LatencyProxy.heal` accepts again.
+every connection and refuses new ones (a partition that resets), :meth:`LatencyProxy.silence` holds every
+byte and every new connection without a word (a partition that drops packets: no RST, the peers' TCP just
+waits), :meth:`LatencyProxy.heal` ends either (held bytes are then delivered, as TCP retransmits them).
 
 In a test (the proxy runs on an asyncio loop in a daemon thread)::
 
@@ -57,6 +59,7 @@ class LatencyProxy:
         self._ready = threading.Event()
         self._writers: set[asyncio.StreamWriter] = set()
         self._cut = False
+        self._open: asyncio.Event | None = None  # cleared while silent
         self._error: BaseException | None = None
 
     @property
@@ -108,12 +111,21 @@ class LatencyProxy:
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._close_all)
 
+    def silence(self) -> None:
+        """Hold every byte in both directions and every new connection until :meth:`heal` (no reset)."""
+        assert self._loop is not None and self._open is not None
+        self._loop.call_soon_threadsafe(self._open.clear)
+
     def heal(self) -> None:
         self._cut = False
+        if self._loop is not None and self._open is not None:
+            self._loop.call_soon_threadsafe(self._open.set)
 
     # -- asyncio -------------------------------------------------------------------------------------------
 
     async def listen(self) -> None:
+        self._open = asyncio.Event()
+        self._open.set()
         self._server = await asyncio.start_server(self._handle, self.listen_host, self.port)
         self.port = self._server.sockets[0].getsockname()[1]
 
@@ -141,6 +153,8 @@ class LatencyProxy:
         if self._cut:
             writer.transport.abort()
             return
+        assert self._open is not None
+        await self._open.wait()
         try:
             up_reader, up_writer = await asyncio.open_connection(*self.target)
         except OSError:
@@ -164,6 +178,8 @@ class LatencyProxy:
     async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """Copy ``reader`` to ``writer``, each chunk ``delay`` seconds after it was read, in order."""
         queue: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
+        gate = self._open
+        assert gate is not None
 
         async def send() -> None:
             loop = asyncio.get_running_loop()
@@ -176,6 +192,7 @@ class LatencyProxy:
                 wait = due - loop.time()
                 if wait > 0:
                     await asyncio.sleep(wait)
+                await gate.wait()
                 writer.write(data)
                 await writer.drain()
 

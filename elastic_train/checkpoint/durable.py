@@ -23,7 +23,7 @@ import json
 import platform
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,7 +32,13 @@ import torch
 from elastic_train.checkpoint import digest, schema
 from elastic_train.checkpoint.codec import TensorSpec, fingerprint_from_specs
 from elastic_train.checkpoint.errors import CheckpointCorrupt, CheckpointNotFound, StorageError
-from elastic_train.checkpoint.policy import parse_step_dir, retention, step_dir
+from elastic_train.checkpoint.policy import (
+    off_line,
+    parse_step_dir,
+    retention,
+    step_dir,
+    step_dir_round,
+)
 from elastic_train.checkpoint.storage import Storage
 from elastic_train.log import get_logger
 from elastic_train.version import __version__
@@ -47,6 +53,10 @@ MANIFEST = "manifest.json"
 LATEST = "latest"
 #: Directory under the run root holding retired share files for reuse (local disks only).
 POOL = ".recycle"
+#: The run's lineage file: where each round's world started (``[{"round": R, "base": STEP}, ...]``).
+LINEAGE = "lineage.json"
+#: Lineage records kept (the oldest are dropped; retention keeps fewer checkpoints than this many rounds).
+LINEAGE_KEEP = 256
 #: Why a step directory without a manifest is not a checkpoint (yet).
 NO_MANIFEST = "no manifest.json (interrupted or in-progress save)"
 
@@ -75,6 +85,18 @@ class Entry:
     @property
     def valid(self) -> bool:
         return self.problem is None
+
+    @property
+    def round(self) -> int | None:
+        """The rendezvous round of the world that wrote it (None: written outside an ``etcd3`` round)."""
+        r = self.manifest.get("round") if self.manifest else None
+        return r if type(r) is int else step_dir_round(self.path)
+
+    @property
+    def base(self) -> int | None:
+        """The step the writing world started from (restored, or 0), when recorded."""
+        b = self.manifest.get("base") if self.manifest else None
+        return b if type(b) is int else None
 
 
 def _view(arr: Any, offset: int, nbytes: int) -> memoryview:
@@ -162,14 +184,22 @@ def build_manifest(
     shares: Sequence[ShareRecord],
     sampler: Any,
     nbytes: int,
+    round: int | None = None,
+    base: int | None = None,
 ) -> dict[str, Any]:
-    """The manifest of a checkpoint whose shares (byte ranges of the flat buffer) are all durable."""
+    """The manifest of a checkpoint whose shares (byte ranges of the flat buffer) are all durable.
+
+    ``round`` is the rendezvous round of the writing world and ``base`` the step it started from: the
+    stale-writer rule (:func:`elastic_train.checkpoint.policy.off_line`) reads them.
+    """
     fingerprint = fingerprint_from_specs(list(specs))
+    lineage = {} if round is None else {"round": round, "base": base or 0}
     return {
         "kind": KIND,
         "format": FORMAT,
         "run_id": run_id,
         "step": step,
+        **lineage,
         "world_size": world_size,
         "time": time.time(),
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -205,15 +235,21 @@ def _plain(v: Any) -> Any:
     return None
 
 
-def commit(storage: Storage, run_path: str, manifest: dict[str, Any]) -> str:
+def commit(
+    storage: Storage, run_path: str, manifest: dict[str, Any], still_current: Callable[[], bool] | None = None
+) -> str | None:
     """Make a checkpoint visible: write its manifest (atomically), then the ``latest`` pointer.
 
     Files in the step directory the manifest does not list (older attempts) are removed afterwards.
-    Returns the step directory path.
+    ``still_current`` (the publish gate) is asked again after the manifest landed: a world that stopped
+    being current meanwhile moves no ``latest`` pointer and removes nothing. Returns the step directory
+    path, or None when the gate said no.
     """
-    name = step_dir(int(manifest["step"]))
+    name = step_dir(int(manifest["step"]), manifest.get("round"))
     path = storage.join(run_path, name)
     storage.write_small(storage.join(path, MANIFEST), json.dumps(manifest, allow_nan=True).encode())
+    if still_current is not None and not still_current():
+        return None
     storage.write_small(storage.join(run_path, LATEST), f"{name}\n".encode())
     listed = {f["name"] for f in manifest["files"]} | {MANIFEST}
     for leftover in storage.listdir(path):
@@ -268,12 +304,60 @@ def read_entry(storage: Storage, path: str, *, check_sizes: bool = True) -> Entr
 
 
 def list_entries(storage: Storage, run_path: str, *, check_sizes: bool = True) -> list[Entry]:
-    """Every step directory under ``run_path``, oldest first, valid or not."""
+    """Every step directory under ``run_path``, oldest first (then by round), valid or not.
+
+    A checkpoint a later world left behind (:func:`~elastic_train.checkpoint.policy.off_line`: a stale
+    writer's) is listed as invalid, so it is never the newest and retention removes it.
+    """
     out = []
     for name in storage.listdir(run_path):
         if parse_step_dir(name) is not None:
             out.append(read_entry(storage, storage.join(run_path, name), check_sizes=check_sizes))
-    return sorted(out, key=lambda e: e.step)
+    valid = [e for e in out if e.valid]
+    behind = off_line([(e.step, e.round, e.base) for e in valid], read_lineage(storage, run_path))
+    for i, (later, base) in behind.items():
+        e = valid[i]
+        problem = f"written by round {e.round}, left behind: round {later} restarted from step {base}"
+        out[out.index(e)] = Entry(e.step, e.path, e.manifest, problem)
+    return sorted(out, key=lambda e: (e.step, e.round if e.round is not None else -1))
+
+
+def read_lineage(storage: Storage, run_path: str) -> list[tuple[int, int]]:
+    """``(round, base)`` of the worlds that recorded where they started (unreadable records ignored)."""
+    try:
+        raw = json.loads(storage.read(storage.join(run_path, LINEAGE)))
+    except (StorageError, ValueError, RecursionError):
+        return []
+    if not isinstance(raw, list):
+        return []
+    return [
+        (r["round"], r["base"])
+        for r in raw
+        if isinstance(r, dict) and type(r.get("round")) is int and type(r.get("base")) is int
+    ]
+
+
+def record_start(storage: Storage, run_path: str, round: int, base: int) -> int:
+    """Record that the world of rendezvous round ``round`` starts from step ``base`` (before it trains a
+    step); returns the round its checkpoints carry.
+
+    From then on a stale world's checkpoint past ``base`` is left behind, even before this world commits
+    one. The returned round is ``round``, or one more than any round the run's directory already holds when
+    that is higher: rendezvous rounds start again at 1 when a run id is reused after its record expired,
+    and the new worlds must still come after the earlier ones. Only a world's rank 0 writes, once, after
+    the world formed; a stale world never does.
+    """
+    records = read_lineage(storage, run_path)
+    try:
+        names = storage.listdir(run_path)
+    except StorageError:
+        names = []
+    seen = [r for r, _ in records] + [r for r in map(step_dir_round, names) if r is not None]
+    stamp = max([round, *(r + 1 for r in seen if r >= round)])
+    kept = [{"round": r, "base": b} for r, b in records if r < stamp]
+    kept.append({"round": stamp, "base": base})
+    storage.write_small(storage.join(run_path, LINEAGE), json.dumps(kept[-LINEAGE_KEEP:]).encode())
+    return stamp
 
 
 def step_names(storage: Storage, run_path: str) -> list[str]:
@@ -294,12 +378,9 @@ def runs_under(storage: Storage, root: str) -> list[str]:
 
 
 def newest_valid(storage: Storage, run_path: str) -> Entry | None:
-    """The newest valid checkpoint of a run (manifests and sizes checked, newest first until one is valid)."""
-    for name in step_names(storage, run_path):
-        entry = read_entry(storage, storage.join(run_path, name))
-        if entry.valid:
-            return entry
-    return None
+    """The newest valid checkpoint of a run (manifests and sizes checked; none a later world left behind)."""
+    valid = [e for e in list_entries(storage, run_path) if e.valid]
+    return valid[-1] if valid else None
 
 
 def load(storage: Storage, entry: Entry) -> tuple[torch.Tensor, list[TensorSpec]]:
@@ -363,7 +444,7 @@ def resolve(storage: Storage, path: str) -> tuple[str, list[Entry]]:
     if not entries and storage.size(storage.join(path, MANIFEST)) is not None:
         entry = read_entry(storage, path)
         return path, [Entry(entry.step if entry.manifest else -1, path, entry.manifest, entry.problem)]
-    return path, sorted(entries, key=lambda e: e.step, reverse=True)
+    return path, entries[::-1]
 
 
 def load_newest(
@@ -374,7 +455,7 @@ def load_newest(
     Raises:
         CheckpointNotFound: none of them loads.
     """
-    for entry in sorted(entries, key=lambda e: e.step, reverse=True):
+    for entry in sorted(entries, key=lambda e: (e.step, e.round or -1), reverse=True):
         if entry.step <= min_step:
             break
         if entry.problem:
@@ -397,22 +478,26 @@ def prune(
     keep_every: int,
     current: int,
     recycle_bytes: int = 0,
+    round: int | None = None,
 ) -> list[str]:
     """Apply retention and remove leftovers (step directories without a valid manifest).
 
     Called by the committer right after committing ``current``, when no other save of the run is in
     flight. With ``recycle_bytes`` > 0 on a storage that recycles, share files of the removed directories
     go to the pool, which is then cut to that many bytes; with 0 the pool is emptied. Returns the removed
-    paths.
+    paths. With ``round``, the directories of later rounds are left alone (this committer may be a stale
+    world's, and a later world's save may be in progress there).
     """
     entries = list_entries(storage, run_path, check_sizes=False)
+    if round is not None:
+        entries = [e for e in entries if (step_dir_round(e.path) or 0) <= round]
     valid = [e.step for e in entries if e.valid]
     doomed = set(retention(valid, keep_last=keep_last, keep_every=keep_every))
     recycle = recycle_bytes > 0 and storage.recycles
     pool = pool_path(storage, run_path)
     removed = []
     for e in entries:
-        if e.step == current:
+        if e.step == current and step_dir_round(e.path) == round:  # the checkpoint just committed
             continue
         if e.step in doomed or not e.valid:
             if recycle:

@@ -16,6 +16,7 @@ so ranks stay in step — skipping would need a collective vote).
 from __future__ import annotations
 
 import collections
+import dataclasses
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -25,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from elastic_train.agentlink import CURRENT, STALE, AgentLink
 from elastic_train.checkpoint import durable
 from elastic_train.checkpoint.codec import (
     Flat,
@@ -45,6 +47,7 @@ from elastic_train.checkpoint.errors import (
     CheckpointNotFound,
     CheckpointSetupError,
     ModelMismatch,
+    StorageError,
     WriteFailed,
 )
 from elastic_train.checkpoint.memory import MemorySnapshot, snapshot_files, sweep_stale
@@ -95,6 +98,8 @@ class RestoreDecision:
     """Why nothing can be restored: every rank raises it."""
     setup_error: bool = False
     """The error is a :class:`CheckpointSetupError` (the same at every attempt, not worth a restart)."""
+    stamp: int | None = None
+    """The round this world's checkpoints are stamped with (:func:`durable.record_start`)."""
 
     def check(self) -> None:
         """Raise the decided error, if any (the same type and line on every rank)."""
@@ -112,6 +117,10 @@ FINAL_ATTEMPTS = 8
 def retry_delay(attempt: int) -> float:
     """Seconds to wait after failed attempt ``attempt`` (1-based): 0.5, 1, 2, 4, 8, then 10."""
     return float(min(10.0, 0.5 * 2 ** (attempt - 1)))
+
+
+#: A durable write's outcome when the publish gate kept it from being published (not an error).
+_UNPUBLISHED = "(not published: the publish gate said no)"
 
 
 @dataclass(slots=True)
@@ -149,6 +158,9 @@ class CheckpointManager:
         local_rank: rank on this node (names the shared-memory snapshot).
         group: process group of all workers (None: no coordination; rank 0 writes everything).
         device: the training device (restored tensors are returned on the CPU either way).
+        link: the worker's link to its agent (default: from the environment): every :meth:`save` counts a
+            step there, durable checkpoints go to round-stamped directories and are published only after
+            the agent confirms the round is still current (docs/checkpoints.md, "Stale writers").
 
     Raises:
         StorageError: the URL's filesystem cannot be opened (e.g. ``s3://`` without ``elastic-train[s3]``).
@@ -164,8 +176,15 @@ class CheckpointManager:
         local_rank: int,
         group: Any = None,
         device: torch.device | None = None,
+        link: AgentLink | None = None,
     ) -> None:
         self.cfg = cfg
+        self.link = link if link is not None else AgentLink.from_env()
+        #: The step this world started from (what :meth:`restore` found; 0 when fresh).
+        self.base = 0
+        #: The round this world's checkpoints carry (its rendezvous round, or above the run's earlier ones);
+        #: set by :meth:`restore`, None outside a rendezvous round.
+        self.stamp: int | None = self.link.round
         self.run_id = run_id
         self.rank = rank
         self.world_size = world_size
@@ -232,6 +251,7 @@ class CheckpointManager:
         if self.rank == 0 or not self.coordinated:
             try:
                 decision, loaded = self._decide(mem_steps)
+                decision = dataclasses.replace(decision, stamp=self._record_start(decision))
             except CheckpointError as exc:  # every rank raises it, of the same kind
                 decision = RestoreDecision(error=str(exc), setup_error=isinstance(exc, CheckpointSetupError))
         if self.coordinated:
@@ -239,6 +259,8 @@ class CheckpointManager:
             dist.broadcast_object_list(box, src=self._global(0), group=self._ctl)
             decision = box[0]
         decision.check()
+        self.base = decision.chosen.step if decision.chosen is not None else 0
+        self.stamp = decision.stamp
         if decision.chosen is None:
             log.info("restore_nothing_found", run=self.run_path)
             return None
@@ -287,6 +309,18 @@ class CheckpointManager:
         return Restored(
             step=step, state=state, source=source, holder_rank=holder if source == "memory" else None
         )
+
+    def _record_start(self, decision: RestoreDecision) -> int | None:
+        """Rank 0 of a world in a rendezvous round records where it starts (the stale-writer rule reads it);
+        the round its checkpoints are stamped with."""
+        if self.link.round is None:
+            return None
+        base = decision.chosen.step if decision.chosen is not None else 0
+        try:
+            return durable.record_start(self.storage, self.run_path, self.link.round, base)
+        except StorageError as exc:  # the manifests' own records still fence later; not worth a restart
+            log.warning("lineage_not_recorded", round=self.link.round, base=base, error=str(exc))
+            return self.link.round
 
     def _decide(self, mem_steps: list[int | None]) -> tuple[RestoreDecision, Any]:
         entries = durable.list_entries(self.storage, self.run_path)
@@ -393,6 +427,7 @@ class CheckpointManager:
             CheckpointError: the state holds something that cannot be checkpointed.
         """
         self._check_open()
+        self.link.beat()
         self._raise_pending()
         mem_due = self.memory is not None and step % self.cfg.memory_every_steps == 0
         dur_due = self._durable_due(step)
@@ -527,6 +562,13 @@ class CheckpointManager:
             error = None
             for attempt in range(1, attempts + 1):
                 error = self._write_once(job, source)
+                if error == _UNPUBLISHED:  # the gate said no (logged by rank 0): nothing to retry
+                    if job.final:  # a stale world: its result is not the job's
+                        self._failure = WriteFailed(
+                            f"final checkpoint of step {job.step} not published: round {self.link.round} is "
+                            "no longer the run's current round"
+                        )
+                    return
                 if error is None:  # the outcome is broadcast: every rank records the same step
                     self._durable_ok_step = job.step
                     return
@@ -552,7 +594,7 @@ class CheckpointManager:
         if not self.coordinated and self.rank != 0:
             return None
         start, end = share_ranges(job.flat.nbytes, world)[me]
-        path = self.storage.join(self.run_path, step_dir(job.step))
+        path = self.storage.join(self.run_path, step_dir(job.step, self.stamp))
         record, error = None, None
         if end > start:
             try:
@@ -570,7 +612,8 @@ class CheckpointManager:
                 errors.append("ranks hold states of different layouts (is the state replicated?)")
             if not errors:
                 try:
-                    self._commit(job, [r for r, _, _ in gathered if r is not None])
+                    if not self._commit(job, [r for r, _, _ in gathered if r is not None]):
+                        outcome[0] = _UNPUBLISHED
                 except Exception as exc:
                     errors.append(f"commit: {exc}")
             if errors:
@@ -579,7 +622,7 @@ class CheckpointManager:
             dist.broadcast_object_list(outcome, src=dist.get_global_rank(self._io, 0), group=self._io)
         return outcome[0]
 
-    def _commit(self, job: _Job, records: list[Any]) -> None:
+    def _commit(self, job: _Job, records: list[Any]) -> bool:
         flat = job.flat
         sampler = flat.skeleton.get("sampler") if isinstance(flat.skeleton, dict) else None
         manifest = durable.build_manifest(
@@ -591,8 +634,14 @@ class CheckpointManager:
             shares=records,
             sampler=sampler,
             nbytes=flat.nbytes,
+            round=self.stamp,
+            base=self.base,
         )
-        path = durable.commit(self.storage, self.run_path, manifest)
+        if not self._may_publish(job):
+            return False
+        path = durable.commit(self.storage, self.run_path, manifest, lambda: self._may_publish(job))
+        if path is None:
+            return False
         seconds = time.monotonic() - job.started
         self.last_committed = Committed(job.step, path, int(manifest["bytes"]), seconds)
         log.info(
@@ -610,8 +659,34 @@ class CheckpointManager:
             current=job.step,
             # The final checkpoint empties the pool of retired files: no later save will reuse them.
             recycle_bytes=0 if job.final or not self.cfg.recycle else int(manifest["bytes"]),
+            round=self.stamp,
         ):
             log.info("checkpoint_removed", path=gone)
+        return True
+
+    def _may_publish(self, job: _Job) -> bool:
+        """The publish gate: whether this world's round is still current (always, outside an agent).
+
+        Raises:
+            CheckpointError: the final checkpoint could not be confirmed (its write is retried).
+        """
+        answer = self.link.may_publish()
+        if answer == CURRENT:
+            return True
+        if job.final and answer != STALE:
+            # The result of the job is not held back by an etcd that does not answer: if this world were
+            # stale, the later world's lineage record still keeps this checkpoint from being the newest.
+            log.warning("checkpoint_final_unconfirmed", step=job.step, round=self.link.round)
+            return True
+        log.warning(
+            "checkpoint_fenced" if answer == STALE else "checkpoint_unconfirmed",
+            step=job.step,
+            round=self.link.round,
+            reason="a newer round formed without this world"
+            if answer == STALE
+            else "etcd did not confirm this round in time; the memory tier goes on, a later save retries",
+        )
+        return False
 
     # -- waiting and ending ------------------------------------------------------------------------------
     def wait(self) -> None:

@@ -7,18 +7,51 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 STEP_PREFIX = "step-"
-_STEP_RE = re.compile(r"^step-(\d{8,})$")
+_STEP_RE = re.compile(r"^step-(\d{8,})(?:-r(\d+))?$")
 
 
-def step_dir(step: int) -> str:
-    """Directory name of ``step``: ``step-00000123``."""
-    return f"{STEP_PREFIX}{step:08d}"
+def step_dir(step: int, round: int | None = None) -> str:
+    """Directory name of ``step``: ``step-00000123``, or ``step-00000123-r4`` when written by the worker
+    group of rendezvous round 4 (two worlds never write into the same directory)."""
+    name = f"{STEP_PREFIX}{step:08d}"
+    return name if round is None else f"{name}-r{round}"
 
 
 def parse_step_dir(name: str) -> int | None:
-    """The step of a ``step-XXXXXXXX`` name, None for anything else."""
+    """The step of a ``step-XXXXXXXX`` (or ``step-XXXXXXXX-rN``) name, None for anything else."""
     m = _STEP_RE.match(name.rstrip("/").rsplit("/", 1)[-1])
     return int(m.group(1)) if m else None
+
+
+def step_dir_round(name: str) -> int | None:
+    """The round of a ``step-XXXXXXXX-rN`` name (None without one)."""
+    m = _STEP_RE.match(name.rstrip("/").rsplit("/", 1)[-1])
+    return int(m.group(2)) if m and m.group(2) is not None else None
+
+
+def off_line(
+    checkpoints: Sequence[tuple[int, int | None, int | None]], starts: Sequence[tuple[int, int]] = ()
+) -> dict[int, tuple[int, int]]:
+    """The checkpoints a later world left behind: ``{index: (later round, the step it started from)}``.
+
+    Each of ``checkpoints`` is ``(step, round, base)``; ``starts`` lists ``(round, base)`` of the worlds
+    that recorded where they started (the run's lineage file), and every checkpoint's own round and base
+    count as such a record too. A checkpoint written by round ``r`` at ``step`` is left behind when some
+    round ``r2 > r`` started from a step ``base < step``: its world was cut off and the others restarted
+    from an earlier state, so it holds steps the run's history no longer contains and must never be taken
+    for the newest. Checkpoints without a round (written outside an ``etcd3`` rendezvous) neither lose nor
+    win by this rule.
+    """
+    witnesses = [(r, b) for _, r, b in checkpoints if r is not None and b is not None] + list(starts)
+    out: dict[int, tuple[int, int]] = {}
+    for i, (step, rnd, _) in enumerate(checkpoints):
+        if rnd is None:
+            continue
+        for later, base in witnesses:
+            if later > rnd and base < step:
+                out[i] = (later, base)
+                break
+    return out
 
 
 def durable_due(step: int, *, every_steps: int, every_seconds: float, since_last: float) -> bool:

@@ -118,6 +118,8 @@ class ManifestModel(BaseModel):
     world_size: Annotated[StrictInt, Field(ge=1)]
     run_id: StrictStr | None = None
     layout_bytes: Count | None = None
+    round: Count | None = None
+    base: Count | None = None
     files: list[FileModel]
     tensors: list[TensorModel]
     skeleton: Any

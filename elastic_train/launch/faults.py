@@ -22,6 +22,9 @@ KINDS: dict[str, bool] = {
     "restart-etcd": False,  # SIGKILL etcd and start it again on the same port and data
     "kill-etcd-leader": False,  # SIGKILL the leader of a 3-member etcd (restarted a few seconds later)
     "etcd-quorum-loss": False,  # SIGSTOP 2 of 3 etcd members (the followers) for a few seconds
+    # A partition: the node's etcd traffic silently dropped (held, no reset) for a while, then healed; its
+    # workers' own traffic goes on. The node must fence itself, and rejoin on heal.
+    "partition-etcd": True,
     # Operator mistakes: one more node started with the job's run id but other settings. It must be refused
     # (exit 2, one line) without the job noticing.
     "collide-checkpoint": False,  # ... another checkpoint URL

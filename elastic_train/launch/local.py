@@ -28,6 +28,7 @@ from elastic_train.envvars import ENV_AUDIT_DIR, ENV_EVENTS, ENV_NODE_ID
 from elastic_train.etcd.errors import EtcdError
 from elastic_train.etcd.server import EmbeddedEtcd, EtcdCluster
 from elastic_train.launch.faults import CLUSTER_KINDS, COLLISION_KINDS, KINDS, Fault, FaultRecord, due
+from elastic_train.launch.netlink import SilentLink
 from elastic_train.launch.run import worker_overrides_argv
 from elastic_train.launch.summary import Summary, render_table, world_size_timeline
 from elastic_train.log import get_logger
@@ -46,6 +47,8 @@ STATUS_INTERVAL = 0.1
 LEADER_DOWN_SECONDS = 3.0
 #: Seconds two of three etcd members stay stopped (``etcd-quorum-loss``).
 QUORUM_LOSS_SECONDS = 4.0
+#: Seconds a ``partition-etcd`` fault cuts the node off from etcd before it heals (default).
+PARTITION_SECONDS = 12.0
 
 
 @dataclass(kw_only=True, slots=True)
@@ -69,6 +72,8 @@ class LocalOptions:
     """Extra fault kinds (name → action), e.g. storage faults in the chaos suite."""
     etcd_members: int = 1
     """Members of the job's etcd: 1, or 3/5 for a cluster (the nodes get the endpoint list)."""
+    partition_s: float = PARTITION_SECONDS
+    """Seconds a ``partition-etcd`` fault lasts before it heals."""
     entry: list[str] | None = None
     """A user's own torchrun script instead of the built-in worker: ``[SCRIPT, ARGS...]`` or
     ``["-m", MODULE, ARGS...]`` (``elastic-train run --entry``); its audit directory comes from
@@ -83,6 +88,8 @@ class Node:
     stopped: bool = False
     killed: bool = False
     started_at: float = 0.0
+    links: list[SilentLink] = field(default_factory=list)
+    """The node's own links to the etcd members (jobs with a ``partition-etcd`` fault only)."""
 
 
 Action = Callable[[FaultRecord, Node | None], None]
@@ -141,6 +148,7 @@ class LocalJob:
             "etcd-quorum-loss": self._etcd_quorum_loss,
             "collide-checkpoint": self._collide_checkpoint,
             "collide-nodes": self._collide_nodes,
+            "partition-etcd": _on_node(self._partition_etcd),
             **opts.actions,
         }
         assert set(KINDS) <= set(self.actions), f"no action for {set(KINDS) - set(self.actions)}"
@@ -160,12 +168,17 @@ class LocalJob:
         """Start one ``elastic-train run`` agent (``extra``: overrides applied after the job's own)."""
         assert self.etcd is not None
         rdzv = self.cfg.rendezvous
+        links: list[SilentLink] = []
+        endpoint = self.etcd.endpoint
+        if any(f.kind == "partition-etcd" for f in self.opts.faults):  # each node reaches etcd its own way
+            links = [SilentLink(member).start() for member in endpoint.split(",")]
+            endpoint = ",".join(link.endpoint for link in links)
         cmd = [sys.executable, "-m", "elastic_train", "--log-format", "json", "run"]
         if self.opts.config_path:
             cmd.append(os.path.abspath(self.opts.config_path))
         cmd += [
             "--nodes", f"{rdzv.min_nodes}:{rdzv.max_nodes}",
-            "--endpoint", self.etcd.endpoint,
+            "--endpoint", endpoint,
             "--run-id", self.run_id,
             "--local-addr", "127.0.0.1",
         ]  # fmt: skip
@@ -195,7 +208,7 @@ class LocalJob:
                 cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                 start_new_session=True,
             )  # fmt: skip
-        node = Node(index=index, proc=proc, log_path=log_path, started_at=time.time())
+        node = Node(index=index, proc=proc, log_path=log_path, started_at=time.time(), links=links)
         self._remember(proc.pid)
         return node
 
@@ -234,6 +247,29 @@ class LocalJob:
     def _resume_node(self, record: FaultRecord, node: Node) -> None:
         record.extra["pids"] = signal_tree(node.proc.pid, signal.SIGCONT)
         node.stopped = False
+
+    def _partition_etcd(self, record: FaultRecord, node: Node) -> None:
+        """Silence the node's links to etcd for ``partition_s`` seconds; record when its workers were gone
+        (``workers_gone_s``) and when the cut healed (``healed_s``), both from the cut."""
+        workers = [p for p in tree(node.proc.pid)[1:] if _is_worker(p)]
+        record.extra["pids"] = [p.pid for p in workers]
+        for link in node.links:
+            link.silence()
+        cut = time.monotonic()
+
+        def watch() -> None:
+            _, alive = psutil.wait_procs(workers, timeout=self.opts.partition_s)
+            if not alive:
+                record.extra["workers_gone_s"] = round(time.monotonic() - cut, 3)
+
+        threading.Thread(target=watch, name="partition-watch", daemon=True).start()
+
+        def heal() -> None:
+            for link in node.links:
+                link.heal()
+            record.extra["healed_s"] = round(time.monotonic() - cut, 3)
+
+        self._after(self.opts.partition_s, heal)
 
     def _add_node(self, record: FaultRecord, _node: Node | None) -> None:
         record.extra["new_node"] = self.start_node().index
@@ -525,6 +561,9 @@ class LocalJob:
                     p.send_signal(signal.SIGCONT)
                     p.kill()
         psutil.wait_procs(list(self.known_procs.values()), timeout=10)
+        for n in [*self.nodes, *(node for _, node in self.intruders)]:
+            for link in n.links:
+                link.stop()
         if self._status_client is not None:
             with contextlib.suppress(Exception):
                 self._status_client.close()

@@ -11,8 +11,10 @@ from dataclasses import dataclass
 
 #: Why a node (re-)joins. "start": first join of this agent; "failure": its own workers failed;
 #: "lost": it restarted because a member of its round disappeared; "scale": it restarted because another
-#: node waits to join; "excluded": its last attempt was left out of a round (max_nodes reached).
-REASONS = ("start", "failure", "lost", "scale", "excluded")
+#: node waits to join; "excluded": its last attempt was left out of a round (max_nodes reached); "rejoin": its
+#: lease expired (a partition, a stop longer than the TTL) and its peers re-formed without it: that round
+#: already spent the failure (the peers joined it as "lost"), so coming back spends none.
+REASONS = ("start", "failure", "lost", "scale", "excluded", "rejoin")
 FAILURE_REASONS = frozenset({"failure", "lost"})
 
 #: Quiet window used instead of ``settle`` when every live node joined a round that follows an earlier one.

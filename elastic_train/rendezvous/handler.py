@@ -7,6 +7,9 @@ What torchrun's agent does with it (torch 2.13, ``agent/server/api.py``):
 - ``num_nodes_waiting()`` every monitor tick while workers are healthy; > 0 restarts the worker group. We
   answer from the watch cache: it turns positive when a member's lease expires (kill -9, SIGSTOP), a member
   re-joins (its workers failed) or a newcomer waits.
+- ``num_nodes_waiting()`` is also where a node cut off from the run fences itself
+  (:mod:`elastic_train.rendezvous.fence`): its lease is gone, or etcd is silent while its workers are
+  blocked, so it answers 1 and torchrun stops the workers and re-joins.
 - ``shutdown()`` when the agent leaves other than by a signal: the run is closed (late agents leave cleanly)
   and the lease revoked so peers see the departure at once.
 
@@ -45,6 +48,7 @@ from elastic_train.errors import ConfigError
 from elastic_train.etcd.client import Etcd
 from elastic_train.log import bind_context, get_logger
 from elastic_train.rendezvous.errors import JobFailed, RendezvousClosed, RunFinished, RunRefused
+from elastic_train.rendezvous.fence import Fence
 from elastic_train.rendezvous.identity import JobIdentity, identity_from_environ, torchrun_settings
 from elastic_train.rendezvous.outcome import clear_outcomes, exit_report, read_outcomes, trained
 from elastic_train.rendezvous.protocol import Participant, ProtocolSettings, RoundResult
@@ -81,6 +85,7 @@ class Etcd3RendezvousHandler(RendezvousHandler):
         self._server: dist.TCPStore | None = None
         self._clients: dict[tuple[str, int], dist.TCPStore] = {}
         self._participant: Participant | None = None
+        self._fence: Fence | None = None
         self._closed_by_us = False
         if settings.identity is None:
             settings.identity = local_identity(settings)
@@ -112,6 +117,8 @@ class Etcd3RendezvousHandler(RendezvousHandler):
             self._participant = Participant(
                 self._etcd, self._settings, addr=self._addr, store_port=self._server.port
             )
+            self._fence = Fence(self._participant, self._outcomes)
+            self._fence.start_gate()
         return self._participant
 
     def next_rendezvous(self) -> RendezvousInfo:
@@ -168,6 +175,8 @@ class Etcd3RendezvousHandler(RendezvousHandler):
                 log.warning("rendezvous_store_unreachable", round=result.round, error=str(exc))
                 continue
             os.environ[ENV_ROUND] = str(result.round)
+            assert self._fence is not None
+            self._fence.arm()
             bind_context(round=result.round, node=self.participant.node_id)
             log.info(
                 "rendezvous_complete",
@@ -213,6 +222,8 @@ class Etcd3RendezvousHandler(RendezvousHandler):
     def num_nodes_waiting(self) -> int:
         if self._participant is None:
             return 0
+        if self._fence is not None and self._fence.check() is not None:
+            return 1  # torchrun stops the workers and re-joins (see elastic_train.rendezvous.fence)
         return self._participant.num_waiting()
 
     def shutdown(self) -> bool:
@@ -224,6 +235,8 @@ class Etcd3RendezvousHandler(RendezvousHandler):
                 finally:
                     self._participant.leave()
         finally:
+            if self._fence is not None:
+                self._fence.close()
             shutil.rmtree(self._outcomes, ignore_errors=True)
         return True
 

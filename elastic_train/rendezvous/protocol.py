@@ -37,6 +37,7 @@ from elastic_train.etcd.errors import EtcdError
 from elastic_train.log import get_logger
 from elastic_train.rendezvous.config import RendezvousConfig, run_prefix
 from elastic_train.rendezvous.decide import (
+    FAILURE_REASONS,
     Joiner,
     assign_ranks,
     count_waiting,
@@ -232,6 +233,8 @@ class Participant:
         )
         self.round: int | None = None
         self.members: list[str] = []
+        #: The lease keeper's loss count when this node's round closed (see :meth:`_put_join`).
+        self._losses_at_round = 0
         self._join_value: bytes | None = None
         self._started = False
         self._lock = threading.Lock()
@@ -543,7 +546,7 @@ class Participant:
         members = set(self.members)
         for j in joins.values():
             if j.target > self.round and (
-                j.node_id not in members or j.reason in ("scale", "excluded", "start")
+                j.node_id not in members or j.reason in ("scale", "excluded", "start", "rejoin")
             ):
                 return "scale"
         return "failure" if local_failure else "scale"
@@ -684,6 +687,11 @@ class Participant:
         raise RendezvousClosed(finished_line(self.s.run_id, closed))
 
     def _put_join(self, target: int, reason: str) -> None:
+        lost_since = self.round is not None and self.lease.losses != self._losses_at_round
+        if reason in FAILURE_REASONS and lost_since:
+            # etcd dropped this node's lease after its round closed: the peers re-formed without it and
+            # spent one failure on that; its own workers failing as a consequence is the same failure.
+            reason = "rejoin"
         join: dict[str, Any] = {"target": target, "reason": reason, "time": time.time()}
         if reason == "failure" and self.failure_report:
             join.update(self.failure_report)
@@ -753,6 +761,7 @@ class Participant:
     def _adopt(self, rec: RoundRecord) -> RoundResult:
         self.round = rec.round
         self.members = list(rec.members)
+        self._losses_at_round = self.lease.losses
         self._waiting_cause = None
         return RoundResult(
             rec.round, rec.members.index(self.node_id), len(rec.members), list(rec.members), rec.nodes

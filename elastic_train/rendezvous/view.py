@@ -175,6 +175,11 @@ class LeaseKeeper:
             )
         self.on_new_lease = on_new_lease
         self.lease_id = 0
+        #: Monotonic time etcd last confirmed the lease (granted or refreshed it).
+        self.last_ok = time.monotonic()
+        #: How often etcd answered that the lease was gone (each time it was granted anew): a node whose
+        #: count moved was dropped by its peers meanwhile (:mod:`elastic_train.rendezvous.fence`).
+        self.losses = 0
         self._slow_warned = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -191,6 +196,7 @@ class LeaseKeeper:
         with self._lock:
             self.lease_id = self.etcd.lease_grant(self.ttl)
             self.on_new_lease(self.lease_id)
+            self.last_ok = time.monotonic()
 
     def _run(self) -> None:
         failures = 0
@@ -199,6 +205,8 @@ class LeaseKeeper:
                 t0 = time.monotonic()
                 left = self.etcd.lease_keepalive(self.lease_id, timeout=self.interval)
                 took = time.monotonic() - t0
+                if left > 0:
+                    self.last_ok = time.monotonic()
                 # After failures the call included reconnecting (a cut healing, etcd back): not slowness.
                 if took > self.interval / 2 and not failures and not self._slow_warned:
                     self._slow_warned = True
@@ -210,6 +218,7 @@ class LeaseKeeper:
                     )
                 if left <= 0:
                     log.warning("lease_lost", lease=self.lease_id)
+                    self.losses += 1
                     self._renew()
                     log.info("lease_recreated", lease=self.lease_id)
                 if failures:

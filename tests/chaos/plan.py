@@ -1,8 +1,8 @@
 """Seeded random fault plans for the chaos suite (pure: a seed always gives the same plan).
 
 The plan keeps the job able to continue: node faults only while more than ``min_nodes`` are alive, a hung node
-is resumed later in the plan, joins only below ``max_nodes``. Faults are spaced so each recovery is measured
-before the next fault lands.
+is resumed later in the plan, joins only below ``max_nodes``, a partitioned node heals by itself. Faults are
+spaced so each recovery is measured before the next fault lands.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ CHAOS_KINDS = (
     "storage-outage",
     "kill-etcd-leader",
     "etcd-quorum-loss",
+    "partition-etcd",  # a node's etcd traffic dropped for a while, then healed: it fences itself and rejoins
     *COLLISION_KINDS,  # operator mistakes: a node with the job's run id and another checkpoint URL/node range
 )
 
@@ -57,12 +58,21 @@ def make_plan(seed: int, spec: PlanSpec) -> list[Fault]:
     alive = list(range(spec.initial_nodes))
     next_index = spec.initial_nodes
     hung: list[int] = []
+    cut: list[int] = []  # partitioned nodes: they come back by themselves, but are not picked again
     plan: list[Fault] = []
     step = spec.first_step + rng.randrange(3)
     if etcd_members(seed) > 1:
         # every 3-member run opens with an etcd fault, the two kinds taking turns (seeds 1, 5, 9 … a leader
         # kill; 3, 7, 11 … a quorum loss), so that a handful of seeds covers both
         plan.append(Fault(kind=etcd_kinds[(seed // 2) % 2], step=step))
+        step += spec.spacing + rng.randrange(3)
+    if etcd_members(seed) == 1 and seed % 4 == 2:
+        # every other single-member run opens with a partition (seeds 2, 6, 10 …), so a handful of seeds
+        # covers it; a node that is cut off comes back by itself and is not picked again
+        node = rng.choice(alive)
+        alive.remove(node)
+        cut.append(node)
+        plan.append(Fault(kind="partition-etcd", node=node, step=step))
         step += spec.spacing + rng.randrange(3)
     while len(plan) < spec.faults and step < spec.steps - spec.spacing:
         if hung and rng.random() < 0.6:
@@ -72,19 +82,23 @@ def make_plan(seed: int, spec: PlanSpec) -> list[Fault]:
             step += spec.spacing + rng.randrange(3)
             continue
         can_lose = len(alive) > spec.min_nodes
-        can_add = len(alive) + len(hung) < spec.max_nodes
+        can_add = len(alive) + len(hung) + len(cut) < spec.max_nodes
         kinds = ["kill-worker", *etcd_kinds, "corrupt-checkpoint", "storage-outage"]
         kinds.append(COLLISION_KINDS[step % len(COLLISION_KINDS)])  # one weight for both collision kinds
         if can_lose:
             kinds += ["kill-node", "hang-node", "kill-during-checkpoint"]
+            if not cut and step < spec.steps // 2:  # one cut per run, early enough to heal before the end
+                kinds.append("partition-etcd")
         if can_add:
             kinds += ["add-node", "add-node"]
         kind = rng.choice(kinds)
-        if kind in ("kill-node", "hang-node", "kill-during-checkpoint"):
+        if kind in ("kill-node", "hang-node", "kill-during-checkpoint", "partition-etcd"):
             node = rng.choice(alive)
             alive.remove(node)
             if kind == "hang-node":
                 hung.append(node)
+            if kind == "partition-etcd":
+                cut.append(node)
             if kind == "kill-during-checkpoint":
                 # the step right after a durable checkpoint is due: its async write is in flight
                 step = max(step, ((step // spec.checkpoint_every) + 1) * spec.checkpoint_every)

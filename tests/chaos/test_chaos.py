@@ -6,7 +6,9 @@ once (audit files); no resume ever came from a corrupted checkpoint; every commi
 (the deliberately corrupted ones are reported by verify); final weights equal a fault-free run within 1e-5
 relative; no process of the job survives it; no shared-memory snapshot is left behind; a node started with the
 job's run id but another checkpoint URL or node range is refused (exit 2, one line naming the run) and
-writes nothing.
+writes nothing; a node cut off from etcd (``partition-etcd``) has its workers stopped within TTL + 1.5 s, the
+others train without it within TTL + 6 s, it comes back and ends with the job without a traceback, and no
+checkpoint of a world that is no longer current is ever the newest.
 
 ``make test`` runs seed 0; ``make chaos SEEDS=20`` runs seeds 0..19 and prints a table.
 """
@@ -42,6 +44,8 @@ SPEC = PlanSpec(steps=90, initial_nodes=3, min_nodes=2, max_nodes=4, faults=5, c
 TRAIN_SEED = 1234
 OUTAGE_SECONDS = 3.0
 INTRUDER_WAIT = 3.0
+#: How long a partition-etcd fault cuts a node off from etcd (it then heals and the node rejoins).
+PARTITION_SECONDS = 6.0
 
 
 def overrides(tmp: Path, run_id: str, ckpt_url: str, max_nodes: int) -> dict[str, Any]:
@@ -161,7 +165,7 @@ def test_chaos_invariants(
         LocalOptions(
             config_path=None, overrides=ov, nodes=SPEC.initial_nodes, faults=plan,
             workdir=str(tmp_path / "work"), timeout=420.0, out=io.StringIO(), actions=actions,
-            etcd_members=etcd_members(chaos_seed),
+            etcd_members=etcd_members(chaos_seed), partition_s=PARTITION_SECONDS,
         ),
     )  # fmt: skip
     job_ref["job"] = job
@@ -220,6 +224,12 @@ def test_chaos_invariants(
     )
     detail["intruders"] = [f.extra for f in intruders]
 
+    inv["partition_fenced"], detail["partitions"] = partitions_held(job, records, cfg.rendezvous.lease_ttl)
+    newest = durable.newest_valid(storage, run_path)
+    starts = durable.read_lineage(storage, run_path)
+    inv["no_stale_newest"] = newest is not None and newest.round == max((r for r, _ in starts), default=None)
+    detail["newest"] = (newest.path if newest else None, starts[-3:])
+
     inv["no_orphans"] = not [p.pid for p in job.known_procs.values() if _running(p)]
     inv["no_shm_leak"] = not snapshot_files(cfg.checkpoint.memory_dir, run_id)
 
@@ -237,6 +247,32 @@ def test_chaos_invariants(
         f"seed {chaos_seed}: invariants failed: {failed}\nplan: {[f.label for f in plan]}\n"
         f"detail: {json.dumps(detail, default=str)[:2000]}\nlogs: {job.opts.workdir}"
     )
+
+
+def partitions_held(job: LocalJob, records: list[FaultRecord], ttl: float) -> tuple[bool, list[Any]]:
+    """Each partitioned node's workers were gone within TTL + 1.5 s of the cut (the fence's grace and its
+    SIGKILL grace), the others trained at a smaller world within TTL + 6 s, the node came back after the
+    heal or ended with the job (exit 0), and no node printed a traceback."""
+    out, ok = [], True
+    for f in (r for r in records if r.kind == "partition-etcd"):
+        node = job.nodes[f.fault.node] if f.fault.node is not None else None
+        gone = f.extra.get("workers_gone_s")
+        reformed = None if f.resumed_at is None or f.fired_at is None else f.resumed_at - f.fired_at
+        log = Path(node.log_path).read_text(errors="replace") if node else ""
+        fact = {
+            "workers_gone_s": gone,
+            "reformed_s": reformed,
+            "exit_code": node.proc.returncode if node else None,
+            "traceback": "Traceback" in log,
+            "rejoined": "reason=rejoin" in log or '"reason": "rejoin"' in log,
+        }
+        ok = ok and (
+            isinstance(gone, float) and gone <= ttl + 1.5
+            and reformed is not None and reformed <= ttl + 6.0
+            and fact["exit_code"] == 0 and not fact["traceback"]
+        )  # fmt: skip
+        out.append(fact)
+    return ok, out
 
 
 def _running(p: Any) -> bool:

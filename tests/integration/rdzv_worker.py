@@ -2,7 +2,8 @@
 
 Env: RDZV_WORKER_OUT (file to append to; global rank 0 writes ``{"round", "world_size", "step", "time",
 "rank"}``), RDZV_WORKER_STEPS (default 1000000), RDZV_WORKER_STEP_S (sleep per step, default 0.05),
-RDZV_WORKER_CRASH_AT (exit 1 after that many steps; 0: never).
+RDZV_WORKER_CRASH_AT (exit 1 after that many steps; 0: never). Each step is counted for the agent's fence
+(:mod:`elastic_train.agentlink`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from elastic_train.agentlink import AgentLink
+
 
 def main() -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
@@ -30,6 +33,7 @@ def main() -> None:
     rdzv_round = int(
         os.environ.get("ELASTIC_TRAIN_RDZV_ROUND", os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     )
+    link = AgentLink.from_env()  # counts steps for the agent's fence, as a checkpointing loop does
     for step in range(steps):
         loss = model(torch.randn(8, 4)).pow(2).mean()
         opt.zero_grad()
@@ -44,6 +48,7 @@ def main() -> None:
                 os.write(fd, (line + "\n").encode())
             finally:
                 os.close(fd)
+        link.beat()
         if step + 1 == crash_at:
             raise SystemExit(f"rdzv_worker: injected crash at step {step}")
         time.sleep(pause)

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from elastic_train.checkpoint.policy import parse_step_dir
 from elastic_train.etcd.client import Etcd, connect
 from elastic_train.procs import signal_tree
 from elastic_train.rendezvous.status import read_status
@@ -150,7 +151,7 @@ def training(etcd: Etcd, run_id: str, ckpt: Path, at_least_step: int = 0) -> boo
     if read_status(etcd, run_id).state != "running":
         return False
     steps = sorted((ckpt / run_id).glob("step-*"))
-    return at_least_step == 0 or any(int(p.name[5:]) >= at_least_step for p in steps)
+    return at_least_step == 0 or any((parse_step_dir(p.name) or 0) >= at_least_step for p in steps)
 
 
 def verify(ckpt: Path, run_id: str) -> str:

@@ -20,6 +20,7 @@ LAYER_OF = {
     "log": "foundation",
     "net": "foundation",
     "procs": "foundation",
+    "agentlink": "foundation",
     "envvars": "foundation",
     "version": "foundation",
     "etcd": "etcd",
