@@ -95,11 +95,10 @@ def exit_report(outcomes: list[dict[str, Any]]) -> tuple[int, str] | None:
 
 
 def clear_outcomes(directory: str) -> None:
-    """Forget the outcomes of a worker group (before the next one starts); the trained mark stays."""
+    """Forget the outcomes of a worker group (before the next one starts); the trained mark and the fence's
+    files stay."""
     with contextlib.suppress(OSError):
         for name in os.listdir(directory):
-            # the directory also holds the fence's files (agentlink) and the trained mark
-            if not name.startswith("rank-") or name == OUTCOME_TRAINED:
-                continue
-            with contextlib.suppress(OSError):
-                os.unlink(os.path.join(directory, name))
+            if name.startswith("rank-"):  # the directory also holds the fence's files (agentlink)
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(directory, name))
