@@ -119,6 +119,8 @@ def retry_delay(attempt: int) -> float:
     return float(min(10.0, 0.5 * 2 ** (attempt - 1)))
 
 
+#: Seconds between progress beats while :meth:`CheckpointManager.wait` waits for the durable writer.
+_BEAT_WHILE_WAITING = 0.25
 #: A durable write's outcome when the publish gate kept it from being published (not an error).
 _UNPUBLISHED = "(not published: the publish gate said no)"
 
@@ -690,10 +692,15 @@ class CheckpointManager:
 
     # -- waiting and ending ------------------------------------------------------------------------------
     def wait(self) -> None:
-        """Block until no durable write is in flight (does not raise its failure; see save/finalize)."""
+        """Block until no durable write is in flight (does not raise its failure; see save/finalize).
+
+        While it waits the worker still counts as making progress for its agent's fence: it waits for its
+        own writer (held up, say, by the publish gate during an etcd outage), not for peers that left.
+        """
         with self._cond:
             while self._busy:
-                self._cond.wait()
+                if not self._cond.wait(timeout=_BEAT_WHILE_WAITING):
+                    self.link.beat()
 
     def _raise_pending(self) -> None:
         if self._failure is not None:

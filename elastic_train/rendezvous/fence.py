@@ -8,18 +8,20 @@ their devices, and may still publish checkpoints of a world that no longer exist
 - **The lease is gone**: etcd answered a keep-alive with "no such lease" (TTL <= 0) since the round began.
   The peers dropped this node; its workers are stopped at once.
 - **Cut off and blocked**: etcd has not confirmed the lease for ``lease_ttl + grace`` seconds (so the peers
-  may have re-formed), *and* the workers' step counters have stopped: no step finished for four step times
-  (at least :data:`STALL_MIN`; before a step time is known, ``lease_ttl + grace``). Their collectives wait on
-  peers that left. The workers are stopped; a fully cut node does not sit in gloo's 30-minute timeout.
-  A cut node's peers re-form about a TTL after its last keep-alive; its steps stop then, so its workers are
-  gone about ``lease_ttl + 1 s`` after the cut.
+  may have re-formed), *and* the workers' step counters have stopped for as long: no step finished for
+  ``lease_ttl + grace`` seconds (or :data:`STALL_STEPS` step times, when that is longer: slow steps are not a
+  stall). Their collectives wait on peers that left. The workers are stopped; a fully cut node does not sit
+  in gloo's 30-minute timeout. On a full cut the collectives block at the cut, so the workers are gone about
+  ``lease_ttl + grace`` after it; on an etcd-only cut they go on until the peers re-form about a TTL after
+  the last keep-alive, and are stopped ``lease_ttl + grace`` later.
 
 An etcd that cannot be reached is not by itself a reason: when etcd is down for everyone no new world can
 form, the collectives keep completing, and training goes on (the chaos suite's etcd restarts and quorum
-loss). The price of a short stall limit: a step four times slower than usual *during* an etcd outage
-stops that node, and its peers then wait for etcd like it (recovering from memory when etcd returns).
-Workers that count no steps (a script of one's own that does not checkpoint through elastic_train) are
-stopped only when the lease is found gone: their progress cannot be told from a stall.
+loss). A stall shorter than ``lease_ttl + grace`` during an etcd outage is not a reason either: a durable
+save that waits for the publish gate, a collection pause or a loaded host can hold a step for a second or
+two, and stopping then would turn an etcd outage into a job outage. Workers that count no steps (a script
+of one's own that does not checkpoint through elastic_train) are stopped only when the lease is found gone:
+their progress cannot be told from a stall.
 
 Stopping goes through torchrun's own path: :meth:`Fence.check` makes ``num_nodes_waiting()`` positive, the
 agent stops its workers with SIGTERM and re-joins (no restart of ``max_restarts`` is spent); a worker that
@@ -30,8 +32,9 @@ The publish gate (``gate.sock`` in the agent's directory) answers a worker's "is
 linearizable read of the run's ``round`` key: ``current`` while R is the newest closed round of an open or
 finished run, ``stale`` once a newer round closed or this node's lease was found gone, ``unknown`` when etcd
 gave no answer within :attr:`Fence.gate_wait` seconds (durable publishing then waits for a later save). While
-the lease keeper already finds etcd unreachable, the gate does not ask: it waits up to ``gate_wait`` for a
-keep-alive to get through, so a checkpoint never holds the training loop for long during an etcd outage.
+the lease keeper already finds etcd unreachable, the gate does not ask and answers ``unknown`` at once: a
+worker's next durable save waits for the one in flight, so a waiting gate would hold the training loop
+through an etcd outage (and the fence would then take the stall for a cut).
 """
 
 from __future__ import annotations
@@ -59,9 +62,8 @@ FENCE_GRACE = 0.5
 GATE_WAIT = 2.0
 #: Seconds a worker may take to exit after SIGTERM before the fence kills it.
 KILL_GRACE = 1.0
-#: Seconds without a finished step that count as blocked, once a step time is known ...
-STALL_MIN = 0.5
-#: ... or this many step times, when that is longer (slow steps are not a stall).
+#: A stall must also last this many step times, when that is longer than ``lease_ttl + grace`` (slow steps
+#: are not a stall).
 STALL_STEPS = 4.0
 
 
@@ -84,15 +86,15 @@ def fence_reason(
             lease fences, as an etcd outage must not stop a job whose progress cannot be seen.
         ttl: the lease TTL.
         grace: seconds past the TTL.
-        step_s: a recent step time, when known (before the round's second step it is not, and a stall
-            must last ``ttl + grace``: the first step includes start-up and restore).
+        step_s: a recent step time, when known (before the round's second step it is not); a stall lasts
+            at least ``ttl + grace`` and :data:`STALL_STEPS` of these.
     """
     if lease_lost:
         return "lease_lost"
     if stalled_s is None:
         return None
     limit = ttl + grace
-    stall_limit = limit if step_s is None else max(STALL_MIN, STALL_STEPS * step_s)
+    stall_limit = limit if step_s is None else max(limit, STALL_STEPS * step_s)
     if etcd_silent_s >= limit and stalled_s >= stall_limit:
         return "cut_off"
     return None
@@ -239,12 +241,11 @@ class Fence:
         while True:
             if keeper.losses != self._losses or self._fired == "lease_lost":
                 return STALE
-            if time.monotonic() - keeper.last_ok > max(1.0, 2 * keeper.interval):  # etcd known unreachable
-                if time.monotonic() >= deadline or self._stop.is_set():
-                    log.warning("publish_gate_unconfirmed", round=round, error="etcd is unreachable")
-                    return UNKNOWN
-                self._stop.wait(0.1)
-                continue
+            if time.monotonic() - keeper.last_ok > max(1.0, 2 * keeper.interval):
+                # etcd is known unreachable: answer at once. A worker's next durable save waits for this
+                # one, so waiting here would hold its training loop through an etcd outage.
+                log.warning("publish_gate_unconfirmed", round=round, error="etcd is unreachable")
+                return UNKNOWN
             try:
                 kv = p.etcd.get(p.prefix + "round")
                 latest = RoundRecord.decode(kv.value).round if kv is not None else 0

@@ -34,8 +34,10 @@ ROOT = Path(__file__).resolve().parents[2]
 WORKER = str(Path(__file__).with_name("rdzv_worker.py"))
 TTL = 2.0
 CUT_S = 8.0
-#: How soon after the cut the victim's workers must be gone: the lease TTL, the fence's grace and its kill.
-GONE_WITHIN = TTL + FENCE_GRACE + KILL_GRACE
+#: How soon after the cut the victim's workers must be gone: on an etcd-only cut they train until the others
+#: see the lease expire and re-form (a TTL and a round close, 1 s), then the fence needs etcd silence and a
+#: stall of TTL + grace each, then its kill grace.
+GONE_WITHIN = TTL + 1.0 + TTL + FENCE_GRACE + KILL_GRACE
 
 
 def lines(out: Path) -> list[dict]:
