@@ -4,6 +4,9 @@ PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 SEEDS ?= 5
 PYTEST_ARGS ?=
+# Tests run side by side in this many pytest-xdist workers (0: one process). Most multi-process tests spend
+# their time waiting on leases, steps and start-up, not on the CPU, so three share two cores well.
+TEST_WORKERS ?= 3
 
 .PHONY: setup test demo lint bench chaos clean
 
@@ -20,7 +23,7 @@ $(VENV)/.installed: pyproject.toml
 setup: $(VENV)/.installed
 
 test: setup
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal $(PYTEST_ARGS)
 
 demo: setup
 	$(VENV)/bin/elastic-train local --config examples/job.yaml --nodes 3 --kill-node 1@step=100 --add-node @step=200 \

@@ -18,6 +18,9 @@ ENV_IDENTITY = "ELASTIC_TRAIN_JOB_IDENTITY"
 ENV_OUTCOME_DIR = "ELASTIC_TRAIN_OUTCOME_DIR"
 """Where a worker records that the job finished or failed for good, for its agent to read."""
 
+OUTCOME_TRAINED = "trained"
+"""File a worker creates in :data:`ENV_OUTCOME_DIR` once it committed (or resumed past) a step."""
+
 ENV_EVENTS = "ELASTIC_TRAIN_EVENTS"
 """File rank 0 appends progress events to (``elastic-train local`` follows it)."""
 

@@ -4,14 +4,67 @@ What torchrun starts when ``elastic-train run --entry ...`` launches a user's ow
 this node's fork server (started by ``elastic-train run``) the script runs in a process forked from one that
 already imported torch; without one it simply runs here. Either way the script sees itself as ``__main__``
 with its own ``sys.argv``, exactly as under plain torchrun.
+
+The script's stderr passes through this process unchanged (a pipe, copied as it comes), so that when the
+script exits non-zero the stand-in can leave its exit code and last stderr line for the agent
+(:mod:`elastic_train.rendezvous.outcome`): the same failure on every node before any step ends the run with
+that line instead of burning the failure budget (docs/operating.md).
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import threading
 
 from elastic_train.worker.forkserver import ENV_SOCKET, exit_like, run_entry, run_standin
+
+#: Bytes of the script's stderr kept to find its last line.
+TAIL_BYTES = 4096
+
+
+class StderrTail:
+    """Copy everything written to fd 2 through a pipe to the real stderr, keeping the last bytes.
+
+    Installed before the script starts, so the script (in this process, or forked by the fork server with
+    this process's fd 2) writes into the pipe; :meth:`close` restores fd 2 and returns the last line.
+    """
+
+    def __init__(self) -> None:
+        sys.stderr.flush()
+        self._real = os.dup(2)
+        read, write = os.pipe()
+        os.dup2(write, 2)
+        os.close(write)
+        self._read = read
+        self._tail = b""
+        self._thread = threading.Thread(target=self._copy, name="stderr-tail", daemon=True)
+        self._thread.start()
+
+    def _copy(self) -> None:
+        while True:
+            try:
+                chunk = os.read(self._read, 65536)
+            except OSError:
+                return
+            if not chunk:
+                return
+            self._tail = (self._tail + chunk)[-TAIL_BYTES:]
+            view = memoryview(chunk)
+            while view:
+                try:
+                    view = view[os.write(self._real, view) :]
+                except OSError:
+                    break
+
+    def close(self) -> str:
+        """Restore fd 2, wait for what the script wrote (its copies of the pipe are closed once it exited)."""
+        sys.stderr.flush()
+        os.dup2(self._real, 2)
+        self._thread.join(timeout=5)
+        os.close(self._real)
+        lines = [ln.strip() for ln in self._tail.decode("utf-8", "replace").splitlines() if ln.strip()]
+        return lines[-1] if lines else ""
 
 
 def split_entry(args: list[str]) -> tuple[list[str], list[str]]:
@@ -30,7 +83,17 @@ def split_entry(args: list[str]) -> tuple[list[str], list[str]]:
 def main() -> None:
     entry, argv = split_entry(sys.argv[1:])
     socket_path = os.environ.get(ENV_SOCKET)
-    exit_like(run_standin(socket_path, argv, entry) if socket_path else run_entry(entry, argv))
+    tail = StderrTail()
+    try:
+        code = run_standin(socket_path, argv, entry) if socket_path else run_entry(entry, argv)
+    finally:
+        last = tail.close()
+    if code > 0:
+        from elastic_train.rendezvous.outcome import record_outcome
+
+        rank = os.environ.get("RANK", "0")
+        record_outcome(os.environ, int(rank) if rank.isdigit() else 0, "exited", code=code, message=last)
+    exit_like(code)
 
 
 if __name__ == "__main__":

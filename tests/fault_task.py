@@ -6,7 +6,11 @@ of a step:
 - ``faults="RANK@STEP[:RESTART][,...]"``: global rank ``RANK`` exits abruptly (``os._exit(FAULT_EXIT_CODE)``,
   no clean-up, like a crash) before the optimizer step of ``STEP``, but only in the worker generation whose
   ``TORCHELASTIC_RESTART_COUNT`` is ``RESTART`` (default 0), so the restarted worker does not die again;
-- ``step_delay=SECONDS``: every step sleeps that long, so a test can act on a job while it trains.
+- ``step_delay=SECONDS``: every step sleeps that long, so a test can act on a job while it trains;
+- ``hold=PATH``: a gate a test opens and closes while the job runs. While ``PATH`` holds ``WORLD STEP``, a
+  worker of a group of ``WORLD`` workers waits before the optimizer step of any step past ``STEP`` until the
+  file changes or goes away (or its group is stopped). A test thus keeps a shrunk job from finishing before
+  a joiner arrives, however slowly the joiner starts on a loaded machine, without changing what is trained.
 
 The step number is read from the task's learning-rate scheduler, which the loop steps once per optimizer step
 and which is restored with every checkpoint: before the optimizer step of step ``S`` its ``last_epoch`` is
@@ -67,8 +71,26 @@ def crash(rank: int, step: int) -> None:
     os._exit(FAULT_EXIT_CODE)
 
 
-def build(*, faults: str = "", step_delay: float = 0.0, **kwargs: Any) -> Task:
-    """The regression task (``kwargs``) whose workers crash at ``faults`` and sleep ``step_delay`` a step."""
+def current_world_size(env: WorkerEnv) -> int:
+    """The size of the process group the worker trains in now (the launch environment's if none)."""
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_initialized() else env.world_size
+
+
+def held(path: str, *, world_size: int, step: int) -> bool:
+    """Whether the gate at ``path`` (``WORLD STEP``) holds a ``world_size`` group's worker before ``step``."""
+    try:
+        with open(path) as f:
+            world, limit = (int(x) for x in f.read().split())
+    except (OSError, ValueError):
+        return False  # no gate, or one being written: the next look decides
+    return world == world_size and step > limit
+
+
+def build(*, faults: str = "", step_delay: float = 0.0, hold: str = "", **kwargs: Any) -> Task:
+    """The regression task (``kwargs``) whose workers crash at ``faults``, sleep ``step_delay`` a step and
+    wait at the gate ``hold``."""
     task = regression.build(**kwargs)
     env = WorkerEnv.from_environ(os.environ)
     steps = planned_steps(faults, rank=env.rank, restart_count=env.restart_count)
@@ -81,7 +103,9 @@ def build(*, faults: str = "", step_delay: float = 0.0, **kwargs: Any) -> Task:
             crash(env.rank, step)
         if step_delay:
             time.sleep(step_delay)
+        while hold and held(hold, world_size=current_world_size(env), step=step):
+            time.sleep(0.05)
 
-    if steps or step_delay:
+    if steps or step_delay or hold:
         task.optimizer.register_step_pre_hook(before_step)
     return task

@@ -17,6 +17,10 @@ if TYPE_CHECKING:
     from elastic_train.rendezvous.status import JobStatus
 
 
+#: States in which no node holds the run: its members are the last round's, none of them "lost".
+ENDED = ("finished", "failed", "stopped")
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "status", help="show a run: state (waiting, running, finished, failed), round, members, failures"
@@ -76,9 +80,16 @@ def render(st: JobStatus) -> list[str]:
     budget = "?" if st.failure_budget is None else str(st.failure_budget)
     left = "?" if st.failure_budget is None else str(max(0, st.failure_budget - st.failures_used))
     lines = [head, f"failures: {st.failures_used} used of {budget} ({left} left)"]
+    # Once a run ended (or all its nodes left) no member holds a lease any more: that is not a loss, and
+    # nothing can wait for a round; the members shown are the last round's.
+    ended = st.state in ENDED
+    if ended and st.members:
+        lines.append(f"last round (world size {st.world_size}; its nodes have left):")
     for m in st.members:
-        lines.append(f"  rank {m.rank}: {m.node} {m.addr or '-'}{'' if m.alive else '  (lost)'}")
-    lines.append(f"waiting: {', '.join(st.waiting) if st.waiting else 'none'}")
+        lost = "" if m.alive or ended else "  (lost)"
+        lines.append(f"  rank {m.rank}: {m.node} {m.addr or '-'}{lost}")
+    if not ended:
+        lines.append(f"waiting: {', '.join(st.waiting) if st.waiting else 'none'}")
     if st.identity:
         shown = ", ".join(f"{k}={v}" for k, v in st.identity.items())
         lines.append(f"identity {st.fingerprint or '?'}: {shown}")

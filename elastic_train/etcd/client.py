@@ -18,6 +18,8 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -33,8 +35,18 @@ import grpc
 from etcd3 import etcdrpc
 from etcd3.client import Endpoint, MultiEndpointEtcd3Client
 
+from elastic_train.etcd.causes import (
+    TRANSIENT,
+    Cause,
+    classify,
+    describe,
+    details_of,
+    is_transient,
+    not_sent,
+    wait_reason,
+)
 from elastic_train.etcd.config import EtcdConfig, TLSConfig
-from elastic_train.etcd.endpoints import format_endpoints, parse_endpoints
+from elastic_train.etcd.endpoints import format_endpoint, format_endpoints, parse_endpoints
 from elastic_train.etcd.errors import EtcdError
 from elastic_train.etcd.keys import range_end
 from elastic_train.log import get_logger
@@ -80,100 +92,6 @@ def _read(path: str, what: str) -> bytes:
             return f.read()
     except OSError as exc:
         raise EtcdError(f"TLS {what} {path!r} cannot be read ({exc.strerror or exc})") from exc
-
-
-def _code(exc: BaseException) -> grpc.StatusCode | None:
-    return exc.code() if isinstance(exc, grpc.RpcError) and hasattr(exc, "code") else None
-
-
-def _details(exc: BaseException) -> str:
-    if isinstance(exc, grpc.RpcError) and hasattr(exc, "details"):
-        return (exc.details() or "").strip()
-    return ""
-
-
-_TLS_WORDS = ("ssl", "handshake", "certificate", "tls", "http1.x", "wrong_version_number")
-_TRANSIENT_CODES = (
-    grpc.StatusCode.UNAVAILABLE,
-    grpc.StatusCode.DEADLINE_EXCEEDED,
-    grpc.StatusCode.RESOURCE_EXHAUSTED,
-)
-
-
-def is_tls_error(exc: BaseException) -> bool:
-    """A TLS handshake failure or a plain-text/TLS mismatch (gRPC reports both as UNAVAILABLE)."""
-    low = _details(exc).lower()
-    return _code(exc) == grpc.StatusCode.UNAVAILABLE and any(w in low for w in _TLS_WORDS)
-
-
-def is_transient(exc: BaseException) -> bool:
-    """True for errors that waiting or another member may cure: etcd down, starting, leaderless or slow.
-
-    Wrong credentials, missing permissions, TLS errors and malformed requests are not: retrying them only
-    hides the problem.
-    """
-    if not isinstance(exc, grpc.RpcError) or is_tls_error(exc):
-        return False
-    code = _code(exc)
-    if code in _TRANSIENT_CODES:
-        return True
-    low = _details(exc).lower()
-    return code in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL) and (
-        "stream removed" in low or "socket closed" in low or "connection reset" in low
-    )
-
-
-def not_sent(exc: BaseException) -> bool:
-    """True when the failed request certainly never reached etcd (no connection), so resending a write to
-    another member cannot apply it twice. etcd's own errors (``etcdserver: ...``) may follow a proposal."""
-    low = _details(exc).lower()
-    return _code(exc) == grpc.StatusCode.UNAVAILABLE and (
-        "failed to connect" in low or "connection refused" in low or "no address" in low
-    )
-
-
-def wait_reason(exc: BaseException) -> str:
-    """A few words on why etcd is not usable yet, for the "waiting for etcd" line."""
-    code = _code(exc)
-    low = _details(exc).lower()
-    if "refused" in low:
-        return "connection refused"
-    if "dns" in low or "resolve" in low or "name or service" in low:
-        return "host name not resolved"
-    if "no leader" in low:
-        return "etcd has no leader (quorum lost or an election in progress)"
-    if code == grpc.StatusCode.DEADLINE_EXCEEDED or "timed out" in low or "deadline" in low:
-        return "no answer in time"
-    if "reset" in low or "socket closed" in low or "stream removed" in low:
-        return "connection closed by the other end"
-    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        return "etcd is overloaded"
-    text = _details(exc) or (code.name if code is not None else type(exc).__name__)
-    return text.splitlines()[0][:160]
-
-
-def describe_rpc_error(exc: BaseException, where: str, user: str | None = None) -> str:
-    """One line that says what went wrong talking to etcd (never includes credentials)."""
-    code = _code(exc)
-    details = _details(exc)
-    low = details.lower()
-    if code == grpc.StatusCode.UNAVAILABLE:
-        if is_tls_error(exc):
-            return f"TLS handshake with etcd at {where} failed (check ca_file/cert_file/key_file): {details}"
-        if "etcdserver:" in low:
-            return f"etcd at {where} cannot serve requests: {wait_reason(exc)}"
-        return f"cannot reach etcd at {where} (is it running? is the endpoint right?): {wait_reason(exc)}"
-    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return f"etcd at {where} did not answer in time (raise rdzv-conf rpc_timeout for a slow etcd)"
-    if code == grpc.StatusCode.UNAUTHENTICATED or "authentication failed" in low:
-        return f"etcd authentication failed at {where} for user {user!r} (wrong user name or password?)"
-    if code == grpc.StatusCode.PERMISSION_DENIED or "permission denied" in low:
-        return f"etcd user {user!r} is not permitted this operation at {where} ({details})"
-    if code == grpc.StatusCode.INVALID_ARGUMENT and "user name is empty" in low:
-        return f"etcd at {where} requires authentication: set rdzv-conf user and a password"
-    if code is not None:
-        return f"etcd request to {where} failed: {code.name}: {details}"
-    return f"etcd request to {where} failed: {type(exc).__name__}: {exc}"
 
 
 @dataclass(slots=True)
@@ -230,7 +148,7 @@ class Etcd:
         counts: RPCs issued so far.
     """
 
-    __slots__ = ("_lock", "_password", "counts", "raw", "user", "where")
+    __slots__ = ("_last_answer", "_lock", "_password", "counts", "raw", "user", "where")
 
     def __init__(
         self, raw: MultiEndpointEtcd3Client, *, where: str, user: str | None, password: str | None
@@ -241,6 +159,7 @@ class Etcd:
         self._password = password
         self.counts = OpCounts()
         self._lock = threading.Lock()
+        self._last_answer = time.monotonic()
 
     def __repr__(self) -> str:
         return f"Etcd(where={self.where!r}, user={self.user!r}, member={self.member!r})"
@@ -311,11 +230,11 @@ class Etcd:
         while True:
             label = self.member
             try:
-                return fn()
+                result = fn()
+                self._last_answer = time.monotonic()
+                return result
             except grpc.RpcError as exc:
-                code = _code(exc)
-                text = _details(exc)
-                if reauth and (code == grpc.StatusCode.UNAUTHENTICATED or "invalid auth token" in text):
+                if reauth and classify(exc) is Cause.AUTH:
                     reauth = False
                     with contextlib.suppress(grpc.RpcError):
                         self.reauthenticate()
@@ -325,7 +244,7 @@ class Etcd:
                     if tries > 0 and (idempotent or not_sent(exc)):
                         reauth = True
                         continue
-                raise EtcdError(describe_rpc_error(exc, self.where, self.user)) from exc
+                raise EtcdError(self.describe(exc)) from exc
             except ValueError as exc:  # python3-etcd3: "Trying to use a failed node"
                 raise EtcdError(f"cannot reach etcd at {self.where}: {exc}") from exc
 
@@ -344,6 +263,15 @@ class Etcd:
             with contextlib.suppress(grpc.RpcError):  # simple auth tokens are per member
                 self.reauthenticate()
         return True
+
+    @property
+    def silent_for(self) -> float:
+        """Seconds since etcd last answered this client (any call, or a watch message)."""
+        return time.monotonic() - self._last_answer
+
+    def describe(self, exc: BaseException) -> str:
+        """The one line for a failed call: its cause, and a likely partition when etcd has been silent."""
+        return describe(exc, self.where, self.user, silent_for=self.silent_for)
 
     def _md(self) -> dict[str, Any]:
         return {"credentials": self.raw.call_credentials, "metadata": self.raw.metadata}
@@ -463,6 +391,7 @@ class Etcd:
             stream = stub.Watch(requests, **md)
             requests.stream = stream
             for resp in stream:
+                self._last_answer = time.monotonic()
                 if stop.is_set():
                     return
                 if resp.compact_revision:
@@ -496,7 +425,7 @@ class Etcd:
                     self.reauthenticate()
             elif is_transient(exc):
                 self.failover(label)
-            raise EtcdError(describe_rpc_error(exc, self.where, self.user)) from exc
+            raise EtcdError(self.describe(exc)) from exc
         finally:
             requests.close()
 
@@ -568,7 +497,7 @@ def op_delete(key: str) -> Any:
 def rpc_details(exc: BaseException) -> str:
     """gRPC's details text of a failed call (of an :class:`EtcdError` from :meth:`Etcd.unary`: its cause)."""
     cause = exc.__cause__ if isinstance(exc, EtcdError) else exc
-    return _details(cause) if cause is not None else ""
+    return details_of(cause) if cause is not None else ""
 
 
 def connect(
@@ -641,6 +570,7 @@ def connect(
     started = time.monotonic()
     pause = 0.5
     last_log = -WAIT_LOG_EVERY
+    asked: set[str] = set()
     while True:
         last_exc: BaseException | None = None
         for label in order:
@@ -651,16 +581,21 @@ def connect(
             except grpc.RpcError as exc:
                 if not is_transient(exc):
                     etcd.close()
-                    raise EtcdError(
-                        describe_rpc_error(exc, label if len(order) > 1 else where, user)
-                    ) from None
+                    raise EtcdError(describe(exc, label if len(order) > 1 else where, user)) from None
+                if classify(exc) is Cause.CLOSED and label not in asked:
+                    asked.add(label)
+                    host, port = pairs[labels.index(label)]
+                    mismatch = other_protocol(host, port, secure=creds is not None, timeout=min(2.0, timeout))
+                    if mismatch is not None:
+                        etcd.close()
+                        raise EtcdError(mismatch) from None
                 last_exc = exc
         assert last_exc is not None
         waited = time.monotonic() - started
         if waited >= connect_timeout:
             etcd.close()
             gave_up = f" (gave up after {waited:.0f} s; rdzv-conf connect_timeout)" if connect_timeout else ""
-            raise EtcdError(describe_rpc_error(last_exc, where, user) + gave_up) from None
+            raise EtcdError(describe(last_exc, where, user, silent_for=waited) + gave_up) from None
         if time.monotonic() - last_log >= WAIT_LOG_EVERY:
             last_log = time.monotonic()
             reason = wait_reason(last_exc)
@@ -675,6 +610,49 @@ def connect(
         # the last pause ends at the deadline, for one more pass over the list there
         time.sleep(min(pause * random.uniform(0.8, 1.2), connect_timeout - waited))
         pause = min(pause * 2, CONNECT_RETRY_MAX)
+
+
+def other_protocol(host: str, port: int, *, secure: bool, timeout: float) -> str | None:
+    """Whether a member that closed the connection during the handshake speaks the other protocol.
+
+    A TLS client against a plain-text etcd (or the reverse) sees the connection closed, as it would on a
+    network that resets connections; only asking the member in the other protocol tells the two apart.
+
+    Returns:
+        The one line naming the mismatch, or ``None`` when the member does not answer that way either.
+    """
+    target = format_endpoint(host, port)
+    if secure:
+        channel = grpc.insecure_channel(target)
+        try:
+            etcdrpc.MaintenanceStub(channel).Status(etcdrpc.StatusRequest(), timeout=timeout)
+        except grpc.RpcError as exc:
+            if classify(exc) in TRANSIENT:
+                return None  # no plain-text answer either (a refusal of ours is an answer)
+        finally:
+            channel.close()
+        return (
+            f"etcd at {target} serves plain text, but TLS is configured (ca_file/cert_file/key_file): "
+            "drop the TLS settings or enable TLS on etcd"
+        )
+    context = ssl.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    try:
+        with (
+            socket.create_connection((host, port), timeout=timeout) as sock,
+            context.wrap_socket(sock, server_hostname=host),
+        ):
+            pass
+    except ssl.SSLError as exc:
+        if "ALERT" not in str(exc).upper():  # an alert (e.g. "certificate required") is TLS speaking
+            return None
+    except OSError:
+        return None
+    return (
+        f"etcd at {target} serves TLS, but no TLS is configured: set ca_file (rdzv-conf ca_file, "
+        "rendezvous.tls.ca_file)"
+    )
 
 
 def connect_config(

@@ -30,6 +30,12 @@ class Joiner:
     reason: str
     revision: int
     """etcd create revision of the join key: arrival order among newcomers."""
+    exit_code: int | None = None
+    """With reason "failure": the exit code all of the node's failed workers had (``None``: not one)."""
+    error: str = ""
+    """With :attr:`exit_code`: the last line those workers wrote to stderr."""
+    trained: bool = False
+    """The node's workers have committed a step in this run (or resumed past one)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +118,39 @@ def is_failure_transition(
         return True
     live_set, member_set = set(live), set(members)
     return any(p not in member_set and p not in live_set for p in previous)
+
+
+def is_startup_report(j: Joiner) -> bool:
+    """The node re-joined because its workers exited before any step, all with one exit code and line."""
+    return j.reason == "failure" and j.exit_code is not None and bool(j.error) and not j.trained
+
+
+def identical_startup_failure(previous: list[str], joiners: Iterable[Joiner]) -> str | None:
+    """Why the run should end now: every node failed the same way before the first step, so no restart can
+    help (a script's usage error, a missing file every node lacks).
+
+    The rule (docs/operating.md): every member of the last round re-joins because its own workers failed,
+    each with the same exit code and the same last stderr line, and none has trained a step in this run.
+    A member that has not re-joined yet, or re-joined for another reason, or a node that trained, keeps the
+    ordinary restart.
+
+    Returns:
+        The message to close the run with (the workers' own line first), or ``None``.
+    """
+    if not previous:
+        return None
+    by_id = {j.node_id: j for j in joiners}
+    reports = set()
+    for member in previous:
+        j = by_id.get(member)
+        if j is None or not is_startup_report(j):
+            return None
+        reports.add((j.exit_code, j.error))
+    if len(reports) != 1:
+        return None
+    code, line = reports.pop()
+    nodes = "the node" if len(previous) == 1 else f"all {len(previous)} nodes"
+    return f"{line} (exit code {code} on {nodes} before the first step; not retried)"
 
 
 def budget_left(failures_used: int, budget: int) -> int:

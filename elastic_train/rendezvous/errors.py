@@ -1,8 +1,14 @@
 """Errors of the etcd3 rendezvous.
 
 They extend torch's rendezvous error types so torchrun's agent treats them as it treats its own backends'
-errors, except :class:`FailureBudgetExhausted`, which is a ``SystemExit``: torchrun lets it through without
-a traceback, every agent of the job exits with status 1 and prints the one-line message.
+errors, except those that end this node: :class:`FailureBudgetExhausted` (status 1), :class:`RunRefused`
+(status 2) and :class:`RunFinished` (status 0) are ``SystemExit``s. torch 2.13's agent and launcher let a
+``SystemExit`` through without a traceback, after stopping the workers and shutting the handler down, so the
+node ends with one line and the documented status under ``elastic-train run`` and plain torchrun alike.
+
+:class:`RendezvousClosed` never leaves the handler: it is a torch ``RendezvousGracefulExitError``, on which
+torch's agent returns ``None`` and its launcher then fails with ``AttributeError: 'NoneType' object has no
+attribute 'is_failed'``; the handler turns it into :class:`RunFinished`.
 """
 
 from __future__ import annotations
@@ -17,7 +23,23 @@ from elastic_train.errors import ElasticTrainError
 
 
 class RendezvousClosed(RendezvousClosedError, RendezvousGracefulExitError):
-    """The job finished and closed its rendezvous: a late agent leaves without error."""
+    """The job finished and closed its rendezvous: a late agent leaves without error.
+
+    Raised by :class:`~elastic_train.rendezvous.protocol.Participant`; the torchrun handler turns it into
+    :class:`RunFinished` (torch's agent cannot take a graceful-exit error, see the module docstring).
+    """
+
+
+class RunFinished(SystemExit):
+    """The run finished without this node (a late node, one cut off until the end, a second start of a
+    finished run within ``identity_wait``): it leaves with status 0 after one line, :attr:`message`."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(0)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
 
 
 class RendezvousJoinTimeout(RendezvousTimeoutError, ElasticTrainError):

@@ -47,10 +47,10 @@ from elastic_train.envvars import ENV_OUTCOME_DIR, ENV_ROUND
 from elastic_train.errors import ConfigError
 from elastic_train.etcd.client import Etcd
 from elastic_train.log import bind_context, get_logger
-from elastic_train.rendezvous.errors import JobFailed, RunRefused
+from elastic_train.rendezvous.errors import JobFailed, RendezvousClosed, RunFinished, RunRefused
 from elastic_train.rendezvous.fence import Fence
 from elastic_train.rendezvous.identity import JobIdentity, identity_from_environ, torchrun_settings
-from elastic_train.rendezvous.outcome import clear_outcomes, read_outcomes
+from elastic_train.rendezvous.outcome import clear_outcomes, exit_report, read_outcomes, trained
 from elastic_train.rendezvous.protocol import Participant, ProtocolSettings, RoundResult
 
 log = get_logger(__name__)
@@ -122,19 +122,41 @@ class Etcd3RendezvousHandler(RendezvousHandler):
         return self._participant
 
     def next_rendezvous(self) -> RendezvousInfo:
+        """The next round including this node.
+
+        Raises:
+            RunFinished: the run finished without this node (status 0, one line).
+            RunRefused: this node must not take part, or the run failed (status 2, one line).
+            FailureBudgetExhausted: the run's failure budget is spent (status 1, one line).
+        """
         try:
             self._end_if_workers_gave_up()
             return self._next_rendezvous()
         except RunRefused as exc:
-            sys.stderr.write(f"elastic-train: error: {exc.message}\n")
-            sys.stderr.flush()
+            _say(f"elastic-train: error: {exc.message}")
             raise
+        except RendezvousClosed as exc:
+            # torch's agent returns None on a graceful-exit error and its launcher then dereferences it
+            # (torch 2.13): leave as a SystemExit, which both let through after stopping the workers and
+            # shutting this handler down.
+            _say(f"elastic-train: {exc}")
+            raise RunFinished(str(exc)) from None
 
     def _end_if_workers_gave_up(self) -> None:
-        """Close the run as failed when a worker of the last group failed with a non-retryable error."""
-        failed = [o for o in read_outcomes(self._outcomes) if o["state"] == "failed"]
+        """Close the run as failed when a worker of the last group failed with a non-retryable error; else
+        give the next join this node's report of how its workers exited (the start-up failure rule)."""
+        outcomes = read_outcomes(self._outcomes)
+        failed = [o for o in outcomes if o["state"] == "failed"]
+        report = exit_report(outcomes)
         clear_outcomes(self._outcomes)
-        if not failed or self._participant is None:
+        if self._participant is None:
+            return
+        self._participant.failure_report = (
+            {"exit_code": report[0], "error": report[1], "trained": trained(self._outcomes)}
+            if report
+            else None
+        )
+        if not failed:
             return
         message = str(failed[0].get("message") or "a worker failed with an error no restart can fix")
         log.error(
@@ -217,6 +239,11 @@ class Etcd3RendezvousHandler(RendezvousHandler):
                 self._fence.close()
             shutil.rmtree(self._outcomes, ignore_errors=True)
         return True
+
+
+def _say(line: str) -> None:
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
 
 
 def local_identity(settings: ProtocolSettings) -> JobIdentity:

@@ -42,7 +42,9 @@ from elastic_train.rendezvous.decide import (
     assign_ranks,
     count_waiting,
     decide_close,
+    identical_startup_failure,
     is_failure_transition,
+    is_startup_report,
 )
 from elastic_train.rendezvous.errors import (
     FailureBudgetExhausted,
@@ -62,6 +64,9 @@ log = get_logger(__name__)
 #: almost every join. Others only step in when the closer is silent for a lease TTL, so they look less often.
 CLOSER_EVAL_INTERVAL = 0.02
 FOLLOWER_EVAL_INTERVAL = 0.25
+#: Seconds a node leaves its workers running after members re-joined because theirs failed before any step
+#: (their own failure, if it is the same, then reaches the round first; see ``_hold_for_startup_failures``).
+STARTUP_REPORT_GRACE = 3.0
 #: Seconds a finishing node keeps trying to write the run's ``closed`` mark while etcd is unreachable.
 CLOSE_PATIENCE = 30.0
 #: Seconds a closed run's record (closed mark, identity, last round, failures) stays in etcd.
@@ -235,9 +240,13 @@ class Participant:
         self._lock = threading.Lock()
         self._waiting_cause: str | None = None
         self._join_cache: dict[str, tuple[int, Joiner | None]] = {}
+        self._report_seen: dict[tuple[str, int], float] = {}
         self._rec_cache: tuple[int, RoundRecord | None] = (0, None)
         #: Set when this node was turned away: it wrote nothing and must not close the run.
         self.refused = False
+        #: How this node's workers failed, sent with its next join (``decide.identical_startup_failure``):
+        #: ``{"exit_code", "error", "trained"}``, or ``None``.
+        self.failure_report: dict[str, Any] | None = None
 
     # -- lifecycle -------------------------------------------------------------------------------------
 
@@ -402,12 +411,10 @@ class Participant:
                 age = float("inf")
             if same and age < self.s.identity_wait:
                 log.info("rendezvous_run_already_finished", run_id=run, finished_s_ago=round(age, 1))
-                raise RendezvousClosed(f"rendezvous of run {run!r} is closed (the job finished)")
-            step = closed.get("step")
-            at = f" at step {step}" if isinstance(step, int) else ""
-            when = _when(closed.get("time"))
+                raise RendezvousClosed(finished_line(run, closed))
             raise RunRefused(
-                f"run {run} finished{at}{when}; start a new run with another run id "
+                f"run {run} finished{_at_step(closed)}{_when(closed.get('time'))}; start a new run with "
+                "another run id "
                 f"(to continue from its checkpoint: {forward})"
             )
         why = str(closed.get("message") or reason or "failed")
@@ -463,7 +470,16 @@ class Participant:
             else:
                 try:
                     d = json.loads(kv.value)
-                    joiner = Joiner(node, int(d["target"]), str(d.get("reason", "start")), kv.create_revision)
+                    code = d.get("exit_code")
+                    joiner = Joiner(
+                        node,
+                        int(d["target"]),
+                        str(d.get("reason", "start")),
+                        kv.create_revision,
+                        exit_code=code if isinstance(code, int) and not isinstance(code, bool) else None,
+                        error=str(d.get("error") or "")[:2000],
+                        trained=d.get("trained") is True,
+                    )
                 except (ValueError, KeyError, TypeError):
                     joiner = None
                 self._join_cache[node] = (kv.mod_revision, joiner)
@@ -493,9 +509,29 @@ class Participant:
                 joins=joins,
                 max_nodes=self.s.max_nodes,
             )
+            if n > 0 and self._hold_for_startup_failures(live, joins):
+                return 0
             if n > 0 and self._waiting_cause is None:
                 self._waiting_cause = self._classify(rec, live, joins, local_failure=False)
             return n
+
+    def _hold_for_startup_failures(self, live: set[str], joins: dict[str, Joiner]) -> bool:
+        """Whether to leave this node's workers alone a moment longer although members re-joined.
+
+        When every member that re-joined did so because its workers failed before any step (a report for
+        ``decide.identical_startup_failure``), this node's workers, started at the same time, are likely
+        about to fail the same way: stopping them first would hide that, and the run would spend its
+        failure budget on restarts that cannot help. So for :data:`STARTUP_REPORT_GRACE` seconds after the
+        first such join is seen, it is not acted on; a lost member or any other joiner is acted on at once.
+        """
+        if self.round is None or any(m not in live for m in self.members):
+            return False
+        waiting = [j for j in joins.values() if j.target > self.round and j.node_id != self.node_id]
+        if not waiting or not all(is_startup_report(j) and j.node_id in self.members for j in waiting):
+            return False
+        now = time.monotonic()
+        first = min(self._report_seen.setdefault((j.node_id, j.target), now) for j in waiting)
+        return now - first < STARTUP_REPORT_GRACE
 
     def _classify(
         self, rec: RoundRecord | None, live: set[str], joins: dict[str, Joiner], *, local_failure: bool
@@ -648,7 +684,7 @@ class Participant:
             raise FailureBudgetExhausted(str(closed.get("message") or "failure budget exhausted"))
         if closed.get("reason") == "failed":
             raise JobFailed(f"run {self.s.run_id} failed: {closed.get('message') or 'a worker failed'}")
-        raise RendezvousClosed(f"rendezvous of run {self.s.run_id!r} is closed (the job finished)")
+        raise RendezvousClosed(finished_line(self.s.run_id, closed))
 
     def _put_join(self, target: int, reason: str) -> None:
         lost_since = self.round is not None and self.lease.losses != self._losses_at_round
@@ -656,7 +692,10 @@ class Participant:
             # etcd dropped this node's lease after its round closed: the peers re-formed without it and
             # spent one failure on that; its own workers failing as a consequence is the same failure.
             reason = "rejoin"
-        self._join_value = json.dumps({"target": target, "reason": reason, "time": time.time()}).encode()
+        join: dict[str, Any] = {"target": target, "reason": reason, "time": time.time()}
+        if reason == "failure" and self.failure_report:
+            join.update(self.failure_report)
+        self._join_value = json.dumps(join).encode()
         log.info("rendezvous_join", node=self.node_id, target_round=target, reason=reason)
         self.etcd.put(self.prefix + "join/" + self.node_id, self._join_value, self.lease.lease_id)
 
@@ -680,6 +719,14 @@ class Participant:
             cmp_mod(self.prefix + "round", attempt.previous_revision),
             cmp_version(self.prefix + "closed", 0),
         ]
+        startup = identical_startup_failure(previous, attempt.joins.values())
+        if startup is not None:  # no restart can help: the run fails, no failure budget spent
+            mark = {"reason": "failed", "message": startup, "by": self.node_id, "time": time.time()}
+            ok, _ = self.etcd.txn(compare, [op_put(self.prefix + "closed", json.dumps(mark).encode())])
+            if ok:
+                log.error("identical_startup_failure", run_id=self.s.run_id, error=startup)
+                self._expire_record()
+            return ok
         if failure and used + 1 > self.s.failure_budget:
             msg = (
                 f"failure budget exhausted for run {self.s.run_id!r}: {used + 1} failures, budget "
@@ -781,6 +828,19 @@ class Participant:
                     self.etcd.txn([cmp_mod(kv.key, kv.mod_revision)], [op_put(kv.key, kv.value, lease)])
         except EtcdError as exc:
             log.warning("run_record_expiry_failed", run_id=self.s.run_id, error=str(exc))
+
+
+def finished_line(run_id: str, closed: dict[str, Any]) -> str:
+    """What a node of a finished run says as it leaves (exit 0): the run, its last step, and when."""
+    return (
+        f"run {run_id} finished{_at_step(closed)}{_when(closed.get('time'))}; this node has nothing left "
+        "to do"
+    )
+
+
+def _at_step(closed: dict[str, Any]) -> str:
+    step = closed.get("step")
+    return f" at step {step}" if isinstance(step, int) and not isinstance(step, bool) else ""
 
 
 def _when(t: Any) -> str:

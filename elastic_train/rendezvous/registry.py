@@ -19,8 +19,11 @@ from collections.abc import Callable
 from typing import NoReturn
 
 from torch.distributed.elastic.rendezvous.api import (
+    RendezvousClosedError,
     RendezvousConnectionError,
+    RendezvousGracefulExitError,
     RendezvousHandler,
+    RendezvousInfo,
     RendezvousParameters,
 )
 
@@ -56,6 +59,55 @@ def _one_line_errors(create: Creator) -> Creator:
             _exit_with_one_line(exc, 1)
 
     return wrapper
+
+
+class ClosedRunExits(RendezvousHandler):
+    """torch's DynamicRendezvousHandler, except that a node finding the rendezvous closed leaves with one line
+    and status 0 (:class:`RunFinished`) instead of a traceback.
+
+    torch 2.13's agent returns ``None`` on the ``RendezvousGracefulExitError`` that handler raises for a
+    node on its redundancy list (the launcher then fails on ``result.is_failed()``), and lets the
+    ``RendezvousClosedError`` of a late node escape as a traceback. Everything else is the wrapped handler's.
+    """
+
+    def __init__(self, inner: RendezvousHandler) -> None:
+        self.inner = inner
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        try:
+            return self.inner.next_rendezvous()
+        except (RendezvousClosedError, RendezvousGracefulExitError):
+            from elastic_train.rendezvous.errors import RunFinished
+
+            line = (
+                f"rendezvous of run {self.inner.get_run_id()} is closed (its job ended); this node has "
+                "nothing left to do"
+            )
+            sys.stderr.write(f"elastic-train: {line}\n")
+            sys.stderr.flush()
+            raise RunFinished(line) from None
+
+    def get_backend(self) -> str:
+        return self.inner.get_backend()
+
+    def get_run_id(self) -> str:
+        return self.inner.get_run_id()
+
+    @property
+    def use_agent_store(self) -> bool:
+        return self.inner.use_agent_store
+
+    def is_closed(self) -> bool:
+        return self.inner.is_closed()
+
+    def set_closed(self) -> None:
+        self.inner.set_closed()
+
+    def num_nodes_waiting(self) -> int:
+        return self.inner.num_nodes_waiting()
+
+    def shutdown(self) -> bool:
+        return self.inner.shutdown()
 
 
 def create_etcd3_handler(params: RendezvousParameters) -> RendezvousHandler:
@@ -98,14 +150,26 @@ def create_etcd3_dynamic_handler(params: RendezvousParameters) -> RendezvousHand
     return create_handler(store, backend, params)
 
 
+def torchrun_etcd3_dynamic_handler(params: RendezvousParameters) -> RendezvousHandler:
+    """:func:`create_etcd3_dynamic_handler` as torchrun gets it: a closed rendezvous is one line, status 0."""
+    return ClosedRunExits(create_etcd3_dynamic_handler(params))
+
+
+# One creator per backend for the life of the process: torch's registry refuses a second registration of a
+# name with a creator that compares unequal (it logs a ValueError), and it registers the entry points again
+# each time it is asked to (torch's own out-of-tree plugin test does).
+_ETCD3 = _one_line_errors(create_etcd3_handler)
+_ETCD3_DYNAMIC = _one_line_errors(torchrun_etcd3_dynamic_handler)
+
+
 def etcd3() -> Creator:
-    """Entry point ``etcd3``."""
-    return _one_line_errors(create_etcd3_handler)
+    """Entry point ``etcd3`` (the same creator on every call)."""
+    return _ETCD3
 
 
 def etcd3_dynamic() -> Creator:
-    """Entry point ``etcd3-dynamic``."""
-    return _one_line_errors(create_etcd3_dynamic_handler)
+    """Entry point ``etcd3-dynamic`` (the same creator on every call)."""
+    return _ETCD3_DYNAMIC
 
 
 __all__ = ["DYNAMIC_KEYS", "etcd3", "etcd3_dynamic"]

@@ -207,7 +207,8 @@ class LeaseKeeper:
                 took = time.monotonic() - t0
                 if left > 0:
                     self.last_ok = time.monotonic()
-                if took > self.interval / 2 and not self._slow_warned:
+                # After failures the call included reconnecting (a cut healing, etcd back): not slowness.
+                if took > self.interval / 2 and not failures and not self._slow_warned:
                     self._slow_warned = True
                     log.warning(
                         "lease_keepalive_slow",

@@ -4,6 +4,7 @@ checkpoint manager's two tiers, with the progress events ``elastic-train local``
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -13,6 +14,7 @@ import torch.distributed as dist
 
 from elastic_train.checkpoint.config import CheckpointConfig
 from elastic_train.log import get_logger
+from elastic_train.train.env import mark_trained
 from elastic_train.train.errors import NotStateful, TrainingError
 from elastic_train.train.events import EventWriter
 from elastic_train.train.group import World, current_world
@@ -134,6 +136,7 @@ class Checkpointer:
         #: Where the restored state came from (``memory``, ``durable``, ``resume_from``), None when fresh.
         self.source: str | None = None
         self._restored = False
+        self._trained_marked = False
         self._reported: Any = None
         self._last_commit = time.perf_counter()
         # With a manager that can copy the optimizer's tensors while the next step computes (its step
@@ -167,6 +170,8 @@ class Checkpointer:
             return 0
         self.load(restored.state)
         self.source = restored.source
+        if self.step > 0:
+            self._mark_trained()
         sampler = self.state.sampler
         epoch = sampler.epoch if sampler is not None else None
         log.info("training_resumed", step=self.step, source=restored.source, epoch=epoch)
@@ -212,7 +217,14 @@ class Checkpointer:
         """
         samples = self.advance()
         self.save(loss=loss, samples=samples)
+        if not self._trained_marked:
+            self._mark_trained()
         return self.step
+
+    def _mark_trained(self) -> None:
+        """Once: tell the agent this run has trained (a later failure is not one at start-up)."""
+        self._trained_marked = True
+        mark_trained(os.environ)
 
     def advance(self) -> int:
         """The first half of :meth:`commit`: count the step and move the sampler past it; returns its size."""

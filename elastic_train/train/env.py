@@ -2,13 +2,25 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from elastic_train.envvars import ENV_ROUND  # the global round, set by the etcd3 handler in the agent
+from elastic_train.envvars import ENV_OUTCOME_DIR, ENV_ROUND, OUTCOME_TRAINED
 from elastic_train.errors import ConfigError
 
-__all__ = ["WorkerEnv"]
+__all__ = ["WorkerEnv", "mark_trained"]
+
+
+def mark_trained(environ: Mapping[str, str]) -> None:
+    """Tell this worker's agent that the run has trained a step (a failure from now on is not a start-up
+    failure; see docs/operating.md). A no-op outside an ``etcd3`` agent; best effort."""
+    directory = environ.get(ENV_OUTCOME_DIR)
+    if not directory:
+        return
+    with contextlib.suppress(OSError):
+        os.close(os.open(os.path.join(directory, OUTCOME_TRAINED), os.O_WRONLY | os.O_CREAT, 0o644))
 
 
 @dataclass(frozen=True, slots=True)

@@ -41,6 +41,7 @@ def env(**extra: str) -> dict[str, str]:
     base = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     for key in ("ELASTIC_TRAIN_EVENTS", "ELASTIC_TRAIN_AUDIT_DIR", "RANK"):
         base.pop(key, None)
+    base["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))  # gate
     return {**base, **extra}
 
 
@@ -89,7 +90,11 @@ def test_local_entry_kill_and_join(tmp_path: Path, reference: dict[str, torch.Te
         "--audit", str(tmp_path / "audit"), "--summary", str(summary_path), "--timeout", "400",
         "--entry", str(SLOW_SCRIPT), "0.3", *ARGS, "--checkpoint", str(tmp_path / "ck"),
     ]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=500)
+    hold = tmp_path / "hold"  # at world 2 the job waits for the joiner before its last steps, however slow
+    hold.write_text(f"2 {STEPS - 10}")  # the joiner's start-up on a loaded machine
+    proc = subprocess.run(
+        cmd, cwd=tmp_path, env=env(HOLD=str(hold)), capture_output=True, text=True, timeout=500
+    )
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-2000:]}"
     summary = json.loads(summary_path.read_text())
     assert summary["succeeded"] and summary["completed_steps"] == STEPS
@@ -111,6 +116,7 @@ class Agents:
     def __init__(self, tmp: Path, endpoint: str, reaper: Any, run_id: str) -> None:
         self.tmp, self.endpoint, self.reaper, self.run_id = tmp, endpoint, reaper, run_id
         self.events = tmp / "events.jsonl"
+        self.hold = tmp / "hold"  # the file gate of slow_own_loop.py
         self.procs: list[subprocess.Popen[bytes]] = []
 
     def start(self, nodes: str = "2:3") -> subprocess.Popen[bytes]:
@@ -124,6 +130,7 @@ class Agents:
         variables = env(
             ELASTIC_TRAIN_EVENTS=str(self.events),
             ELASTIC_TRAIN_AUDIT_DIR=str(self.tmp / "audit"),
+            HOLD=str(self.hold),
         )
         proc = self.reaper.popen(cmd, cwd=self.tmp, stdout=log, stderr=subprocess.STDOUT, env=variables)
         self.procs.append(proc)
@@ -145,10 +152,12 @@ def test_plain_torchrun_agents_kill_and_join(
     for _ in range(3):
         job.start()
     job.wait_step(3, 5)
+    job.hold.write_text(f"2 {STEPS - 10}")  # at world 2 the job waits for the joiner before its last steps
     job.kill(job.procs[2])
     shrunk = job.wait_step(2, 1)
     job.start()
     job.wait_step(3, shrunk["step"] + 1)
+    job.hold.unlink()
     for agent in job.procs[:2] + job.procs[3:]:
         assert agent.wait(timeout=300) == 0, f"agent failed; logs in {tmp_path}"
 

@@ -35,7 +35,7 @@ rendezvous:
   settle: 1.0
 train:
   task: tests.fault_task:build
-  task_args: {{n_samples: 96, step_delay: 0.15}}
+  task_args: {{n_samples: 96, step_delay: 0.15, hold: "{hold}"}}
   steps: {steps}
   global_batch: 10
   micro_batch: 4
@@ -73,7 +73,8 @@ class ElasticJob:
     def __init__(self, tmp: Path, endpoint: str, reaper: Any) -> None:
         self.tmp, self.reaper = tmp, reaper
         self.config = tmp / "job.yaml"
-        self.config.write_text(JOB.format(endpoint=endpoint, steps=STEPS, ckpt=tmp / "ck"))
+        self.hold = tmp / "hold"
+        self.config.write_text(JOB.format(endpoint=endpoint, steps=STEPS, ckpt=tmp / "ck", hold=self.hold))
         self.events = tmp / "events.jsonl"
         self.agents: list[subprocess.Popen] = []
 
@@ -125,10 +126,12 @@ def test_kill_and_join_keep_weights_and_exactly_once(tmp_path: Path, etcd_server
     for _ in range(3):
         job.start_agent()
     job.wait_step(3, 5)
+    job.hold.write_text(f"2 {STEPS - 10}")  # at world 2 the job waits for the joiner before step 51
     kill_tree(job.agents[2].pid)  # the agent and its workers (in their own session)
     shrunk = job.wait_step(2, 1)
     job.start_agent()
     job.wait_step(3, shrunk["step"] + 1)
+    job.hold.unlink()
     for agent in job.agents[:2] + job.agents[3:]:
         assert agent.wait(timeout=180) == 0, f"agent failed; logs in {tmp_path}"
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.fault_task import FAULT_EXIT_CODE, PlannedFault, parse_faults, planned_steps
+from tests.fault_task import FAULT_EXIT_CODE, PlannedFault, held, parse_faults, planned_steps
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -81,3 +81,14 @@ def test_step_delay_slows_every_step_and_changes_no_number() -> None:
     _, weights = three_steps()
     assert slow >= 0.3
     assert all(torch.equal(a, b) for a, b in zip(slow_weights, weights, strict=True))
+
+
+def test_the_hold_gate_holds_only_its_world_size_past_its_step(tmp_path: Path) -> None:
+    gate = tmp_path / "hold"
+    assert not held(str(gate), world_size=2, step=99)  # no gate
+    gate.write_text("2 50")
+    assert held(str(gate), world_size=2, step=51)
+    assert not held(str(gate), world_size=2, step=50)
+    assert not held(str(gate), world_size=3, step=51)
+    gate.write_text("2")  # being written: not a gate yet
+    assert not held(str(gate), world_size=2, step=51)

@@ -1,0 +1,36 @@
+"""The text of ``elastic-train status``: a lost member is flagged only while the run lives."""
+
+from __future__ import annotations
+
+from elastic_train.cli.status import render
+from elastic_train.rendezvous.status import JobStatus, Member
+
+
+def status(state: str, alive: tuple[bool, ...], **kw: object) -> JobStatus:
+    members = [Member(node=f"n{i}", addr=f"10.0.0.{i + 1}", rank=i, alive=a) for i, a in enumerate(alive)]
+    return JobStatus(
+        run_id="job-42", round=3, state=state, members=members, world_size=len(members), failure_budget=10,
+        **kw,  # type: ignore[arg-type]
+    )  # fmt: skip
+
+
+def test_a_running_run_flags_its_lost_member() -> None:
+    lines = render(status("restarting", (True, False)))
+    assert "  rank 0: n0 10.0.0.1" in lines
+    assert "  rank 1: n1 10.0.0.2  (lost)" in lines
+    assert "waiting: none" in lines
+
+
+def test_a_finished_run_lists_its_last_round_without_calling_it_lost() -> None:
+    lines = render(status("finished", (False, False), closed=True, finished_step=40, closed_at=86400.0))
+    assert lines[0] == "run job-42: finished at step 40 on 1970-01-02 00:00:00 UTC, round 3"
+    assert "last round (world size 2; its nodes have left):" in lines
+    assert "  rank 0: n0 10.0.0.1" in lines and "  rank 1: n1 10.0.0.2" in lines
+    assert not any("(lost)" in ln or ln.startswith("waiting:") for ln in lines), lines
+
+
+def test_failed_and_stopped_runs_call_no_member_lost() -> None:
+    for state in ("failed", "stopped"):
+        lines = render(status(state, (False,), closed=state == "failed", message="bad task args"))
+        assert "  rank 0: n0 10.0.0.1" in lines
+        assert not any("(lost)" in ln for ln in lines), lines
