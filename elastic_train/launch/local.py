@@ -47,7 +47,9 @@ STATUS_INTERVAL = 0.1
 LEADER_DOWN_SECONDS = 3.0
 #: Seconds two of three etcd members stay stopped (``etcd-quorum-loss``).
 QUORUM_LOSS_SECONDS = 4.0
-#: Seconds a ``partition-etcd`` fault cuts the node off from etcd before it heals (default).
+#: A ``partition-etcd`` fault heals once the others trained this many seconds without the node ...
+PARTITION_AFTER_RESUME = 2.0
+#: ... or after this many seconds at most (default of ``LocalOptions.partition_s``).
 PARTITION_SECONDS = 12.0
 
 
@@ -73,7 +75,8 @@ class LocalOptions:
     etcd_members: int = 1
     """Members of the job's etcd: 1, or 3/5 for a cluster (the nodes get the endpoint list)."""
     partition_s: float = PARTITION_SECONDS
-    """Seconds a ``partition-etcd`` fault lasts before it heals."""
+    """Most seconds a ``partition-etcd`` fault lasts (it heals sooner, once the others trained without the
+    node for :data:`PARTITION_AFTER_RESUME` seconds)."""
     entry: list[str] | None = None
     """A user's own torchrun script instead of the built-in worker: ``[SCRIPT, ARGS...]`` or
     ``["-m", MODULE, ARGS...]`` (``elastic-train run --entry``); its audit directory comes from
@@ -249,8 +252,9 @@ class LocalJob:
         node.stopped = False
 
     def _partition_etcd(self, record: FaultRecord, node: Node) -> None:
-        """Silence the node's links to etcd for ``partition_s`` seconds; record when its workers were gone
-        (``workers_gone_s``) and when the cut healed (``healed_s``), both from the cut."""
+        """Silence the node's links to etcd until the others trained without it for a while (at most
+        ``partition_s`` seconds); record when its workers were gone (``workers_gone_s``) and when the cut
+        healed (``healed_s``), both from the cut."""
         workers = [p for p in tree(node.proc.pid)[1:] if _is_worker(p)]
         record.extra["pids"] = [p.pid for p in workers]
         for link in node.links:
@@ -265,11 +269,15 @@ class LocalJob:
         threading.Thread(target=watch, name="partition-watch", daemon=True).start()
 
         def heal() -> None:
+            trained_without = 0.0 if record.resumed_at is None else time.time() - record.resumed_at
+            if trained_without < PARTITION_AFTER_RESUME and time.monotonic() - cut < self.opts.partition_s:
+                self._after(0.1, heal)
+                return
             for link in node.links:
                 link.heal()
             record.extra["healed_s"] = round(time.monotonic() - cut, 3)
 
-        self._after(self.opts.partition_s, heal)
+        self._after(0.1, heal)
 
     def _add_node(self, record: FaultRecord, _node: Node | None) -> None:
         record.extra["new_node"] = self.start_node().index

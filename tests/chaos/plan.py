@@ -87,8 +87,6 @@ def make_plan(seed: int, spec: PlanSpec) -> list[Fault]:
         kinds.append(COLLISION_KINDS[step % len(COLLISION_KINDS)])  # one weight for both collision kinds
         if can_lose:
             kinds += ["kill-node", "hang-node", "kill-during-checkpoint"]
-            if not cut and step < spec.steps // 2:  # one cut per run, early enough to heal before the end
-                kinds.append("partition-etcd")
         if can_add:
             kinds += ["add-node", "add-node"]
         kind = rng.choice(kinds)

@@ -79,13 +79,13 @@ def markdown(results: list[dict[str, Any]], *, command: str) -> str:
             "newest checkpoint corrupted on disk, storage failing for 3 s. Odd seeds run on a 3-member etcd "
             "(column `etcd`) and open with an etcd fault: the leader killed (restarted 3 s later) or two of "
             "three members stopped for 4 s (no quorum), instead of a restart. Seeds 2, 6, 10 … open with "
-            "`partition-etcd`: one node's etcd traffic silently dropped (held, no reset) for 6 s, then "
-            "healed. Invariants checked after each run: "
+            "`partition-etcd`: one node's etcd traffic silently dropped (held, no reset) until the others "
+            "trained without it for 2 s (at most 12 s), then healed. Invariants checked after each run: "
             "finished; every sample of each epoch trained exactly once (audit files); no resume from a "
             "corrupted checkpoint; every committed checkpoint verifies and the corrupted ones are reported; "
             "final weights equal the fault-free run within 1e-5 relative; no process of the job left; no "
             "shared-memory snapshot left; a partitioned node's workers gone within TTL + 1.5 s of the cut, "
-            "the others training without it within TTL + 6 s, the node back and ending with the job, no "
+            "the others training without it within TTL + 8 s, the node back and ending with the job, no "
             "traceback (`partition_fenced`); the newest checkpoint is the last world's (`no_stale_newest`).",
             "",
             "```",

@@ -22,7 +22,7 @@ import pytest
 from elastic_train.config import load_job_config
 from elastic_train.etcd.client import connect
 from elastic_train.launch.faults import Fault
-from elastic_train.launch.local import PARTITION_SECONDS, LocalJob, LocalOptions
+from elastic_train.launch.local import LocalJob, LocalOptions
 from elastic_train.procs import tree
 from elastic_train.rendezvous.fence import FENCE_GRACE, KILL_GRACE
 from elastic_train.train.events import read_events
@@ -142,7 +142,7 @@ def test_elastic_train_run_node_cut_off_from_etcd_is_fenced_and_rejoins(tmp_path
     assert record.extra["workers_gone_s"] <= GONE_WITHIN, record.to_json()
     assert record.resumed_world_size == 2 and record.resumed_at is not None and record.fired_at is not None
     assert record.resumed_at - record.fired_at <= TTL + 8, record.to_json()
-    assert record.extra["healed_s"] >= PARTITION_SECONDS - 0.5
+    assert record.extra["healed_s"] >= record.to_json()["resumed_s"]  # type: ignore[operator]
     events = read_events(os.path.join(job.opts.workdir, "events.jsonl"))
     healed_at = record.fired_at + float(record.extra["healed_s"])  # type: ignore[arg-type]
     assert any(e["event"] == "step" and e["world_size"] == 3 and e["time"] > healed_at for e in events)
