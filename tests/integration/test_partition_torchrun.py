@@ -147,5 +147,7 @@ def test_elastic_train_run_node_cut_off_from_etcd_is_fenced_and_rejoins(tmp_path
     healed_at = record.fired_at + float(record.extra["healed_s"])  # type: ignore[arg-type]
     assert any(e["event"] == "step" and e["world_size"] == 3 and e["time"] > healed_at for e in events)
     assert job.final_status is not None and job.final_status.failures_used == 1
-    for n in job.nodes:
-        assert "Traceback" not in Path(n.log_path).read_text(errors="replace"), n.log_path
+    for n in job.nodes:  # the agents print none (a worker whose peers reset it may: torch's own report)
+        lines = Path(n.log_path).read_text(errors="replace").splitlines()
+        agent_lines = [line for line in lines if not line.startswith("[rank")]
+        assert not [line for line in agent_lines if "Traceback" in line], n.log_path
