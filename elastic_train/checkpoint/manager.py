@@ -154,6 +154,9 @@ class CheckpointManager:
         StorageError: the URL's filesystem cannot be opened (e.g. ``s3://`` without ``elastic-train[s3]``).
     """
 
+    #: :meth:`save` takes a function returning a :class:`Flat` (``TrainState.snapshot``, a planned state).
+    planned_snapshots = True
+
     def __init__(
         self,
         cfg: CheckpointConfig,
@@ -202,6 +205,7 @@ class CheckpointManager:
         self._closed = False
         self._writer: threading.Thread | None = None
         self._attached: list[_Attachment] = []
+        self._defer_cache: tuple[Any, int, frozenset[int]] | None = None
 
     @property
     def coordinated(self) -> bool:
@@ -382,11 +386,12 @@ class CheckpointManager:
             sends.popleft().wait()
 
     # -- save --------------------------------------------------------------------------------------------
-    def save(self, step: int, state: Mapping[str, Any] | Callable[[], Mapping[str, Any]]) -> None:
+    def save(self, step: int, state: Mapping[str, Any] | Callable[[], Mapping[str, Any] | Flat]) -> None:
         """Call after every optimizer step (on every rank): memory tier and, when due, a durable checkpoint.
 
         ``state`` may be a function returning it: it is then called only when a snapshot or a checkpoint
-        is due at this step.
+        is due at this step. The function may return the state already flattened (a :class:`Flat`, e.g.
+        :meth:`elastic_train.TrainState.snapshot`, planned once and reused while its structure holds).
 
         Raises:
             WriteFailed: a previous durable write failed (``on_error`` retry after its retries, or fatal).
@@ -398,11 +403,14 @@ class CheckpointManager:
         dur_due = self._durable_due(step)
         if not (mem_due or dur_due):
             return
-        flat = flatten(state() if callable(state) else state)
+        started = time.perf_counter()
+        got = state() if callable(state) else state
+        flat = got if isinstance(got, Flat) else flatten(got)
         slot = None
         if self.memory is not None:
             defer = frozenset() if self.memory.inline(flat) else self._deferrable(flat)
             slot = self.memory.save(step, flat, defer=defer)
+            self.memory.stats.add_save(time.perf_counter() - started)
             if dur_due:  # the writer reads the slot: its copy must be complete
                 self.memory.wait_idle()
                 self.memory.raise_error()
@@ -443,6 +451,15 @@ class CheckpointManager:
         """Indices of the tensors of ``flat`` that only an attached optimizer's step changes."""
         if not self._attached:
             return frozenset()
+        # A planned snapshot hands over the same specs while its tensors are the same: decided once per plan.
+        cached = self._defer_cache
+        if cached is not None and cached[0] is flat.specs and cached[1] == len(self._attached):
+            return cached[2]
+        defer = self._owned_by_optimizers(flat)
+        self._defer_cache = (flat.specs, len(self._attached), defer)
+        return defer
+
+    def _owned_by_optimizers(self, flat: Flat) -> frozenset[int]:
         owned: set[int] = set()
         for opt in (a.optimizer for a in self._attached):
             for group in opt.param_groups:

@@ -39,8 +39,12 @@ class Manager(Protocol):
         """Collective: the newest valid state anywhere (``.step``, ``.state``, ``.source``) or ``None``."""
         ...
 
-    def save(self, step: int, state: Callable[[], Mapping[str, Any]]) -> None:
-        """Snapshot and/or checkpoint ``state()`` when due at ``step`` (it is built only then)."""
+    def save(self, step: int, state: Callable[[], Any]) -> None:
+        """Snapshot and/or checkpoint ``state()`` when due at ``step`` (it is built only then).
+
+        ``state`` returns the state's mapping, or, for a manager whose ``planned_snapshots`` is True, the
+        state already flattened (:meth:`TrainState.snapshot`).
+        """
         ...
 
     def finalize(self, step: int, state: Mapping[str, Any]) -> Any: ...
@@ -238,7 +242,9 @@ class Checkpointer:
         step = self.step
         for hook in self.hooks:
             hook(step)
-        self.manager.save(step, self.state.state_dict)
+        # A manager that takes a flattened state gets the planned one (no state dicts built per step).
+        planned = getattr(self.manager, "planned_snapshots", False) is True
+        self.manager.save(step, self.state.snapshot if planned else self.state.state_dict)
         self._report_commit()
         if self.events.enabled:
             now = time.perf_counter()
