@@ -403,14 +403,14 @@ class CheckpointManager:
         dur_due = self._durable_due(step)
         if not (mem_due or dur_due):
             return
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.thread_time()
         got = state() if callable(state) else state
         flat = got if isinstance(got, Flat) else flatten(got)
         slot = None
         if self.memory is not None:
             defer = frozenset() if self.memory.inline(flat) else self._deferrable(flat)
             slot = self.memory.save(step, flat, defer=defer)
-            self.memory.stats.add_save(time.perf_counter() - started)
+            self.memory.stats.add_save(time.perf_counter() - started, time.thread_time() - cpu)
             if dur_due:  # the writer reads the slot: its copy must be complete
                 self.memory.wait_idle()
                 self.memory.raise_error()

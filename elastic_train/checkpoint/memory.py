@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import json
 import mmap
+import operator
 import os
 import re
 import struct
@@ -137,22 +138,31 @@ class Held:
 
 @dataclass(slots=True)
 class SaveStats:
-    """What snapshots cost the training thread so far (seconds, summed over ``saves``)."""
+    """What snapshots cost the training thread so far (seconds, summed over ``saves``).
+
+    Wall time includes waiting (for a core, the interpreter lock, the previous seal); the thread's CPU time
+    is the work itself, which is what a shared machine's load does not inflate.
+    """
 
     saves: int = 0
     save_s: float = 0.0
-    """Inside :meth:`CheckpointManager.save` (reading the state included)."""
+    """Wall time inside :meth:`CheckpointManager.save` (reading the state included)."""
+    save_cpu_s: float = 0.0
+    """The training thread's CPU time inside it."""
     copy_s: float = 0.0
-    """The part of it spent copying tensors into the slot (the rest is Python)."""
+    """Wall time of it spent copying tensors into the slot."""
+    copy_cpu_s: float = 0.0
+    """CPU time of the copies."""
 
-    def add_save(self, seconds: float) -> None:
+    def add_save(self, seconds: float, cpu_seconds: float) -> None:
         self.saves += 1
         self.save_s += seconds
+        self.save_cpu_s += cpu_seconds
 
     @property
     def python_s(self) -> float:
-        """Seconds per save on the training thread other than copying tensors."""
-        return (self.save_s - self.copy_s) / self.saves if self.saves else 0.0
+        """CPU seconds per save on the training thread other than copying tensors."""
+        return (self.save_cpu_s - self.copy_cpu_s) / self.saves if self.saves else 0.0
 
 
 def _dumps(v: Any) -> bytes:
@@ -238,8 +248,9 @@ class MemorySnapshot:
         self._pinned: set[int] = set()
         self.sealed_step: int | None = None
         self._error: BaseException | None = None
-        #: Per slot: the copy lists of the current layout (specs object, deferred set, now, later).
-        self._routes: dict[int, tuple[Any, Any, list[int], list[int]]] = {}
+        #: Per slot: the copy lists of the current layout (specs object, deferred set, route).
+        self._routes: dict[int, tuple[Any, Any, Any]] = {}
+        self._gpu: tuple[Any, list[int]] | None = None
         #: Per slot: the layout whose tensor specs are written at the start of its metadata.
         self._meta_prefix: dict[int, str] = {}
         self.stats = SaveStats()
@@ -433,7 +444,7 @@ class MemorySnapshot:
         if dests is None:
             dests = self._dests[slot] = destinations(flat.specs, self.data(slot, flat.nbytes))
         event = None
-        on_gpu = [i for i, t in enumerate(flat.tensors) if t.is_cuda and dests[i] is not None]
+        on_gpu = self._on_gpu(flat, dests)
         if on_gpu:
             event = self._copy_from_gpu(flat, dests, on_gpu, defer)
             later: list[int] = []
@@ -447,12 +458,13 @@ class MemorySnapshot:
         else:
             # A small state is copied here whole: waking the copier thread for its copies (and, on a
             # machine whose cores all train, waiting for it to be scheduled) costs more than the copies.
-            now, later = self._route(slot, flat, defer if background and not self.inline(flat) else ())
+            small = flat.nbytes <= INLINE_BYTES  # (no CUDA tensor here)
+            now, later, now_dests, pick = self._route(slot, flat, defer if background and not small else ())
             if now:
-                t0 = time.perf_counter()
-                tensors = flat.tensors
-                torch._foreach_copy_([dests[i] for i in now], [tensors[i] for i in now])  # type: ignore[misc]
+                t0, c0 = time.perf_counter(), time.thread_time()
+                torch._foreach_copy_(now_dests, pick(flat.tensors))
                 self.stats.copy_s += time.perf_counter() - t0
+                self.stats.copy_cpu_s += time.thread_time() - c0
         self._seq += 1
         self._slot_seq[slot] = self._seq
         device = flat.tensors[on_gpu[0]].device if on_gpu else None
@@ -472,16 +484,35 @@ class MemorySnapshot:
             self._cond.notify_all()
         return slot
 
-    def _route(self, slot: int, flat: Flat, defer: Container[int]) -> tuple[list[int], list[int]]:
-        """Indices of the tensors copied now and of those the copier copies, kept per slot and layout."""
+    def _route(
+        self, slot: int, flat: Flat, defer: Container[int]
+    ) -> tuple[list[int], list[int], list[Any], Any]:
+        """The tensors copied now and those the copier copies, kept per slot and layout: (indices now,
+        indices later, destinations now, a function picking the sources now from ``flat.tensors``)."""
         cached = self._routes.get(slot)
         if cached is not None and cached[0] is flat.specs and (cached[1] is defer or cached[1] == defer):
-            return cached[2], cached[3]
+            return cached[2]
         dests = self._dests[slot]
         now = [i for i, d in enumerate(dests) if d is not None and i not in defer]
         later = [i for i, d in enumerate(dests) if d is not None and i in defer]
-        self._routes[slot] = (flat.specs, defer, now, later)
-        return now, later
+        take = operator.itemgetter(*now) if len(now) > 1 else None
+
+        def pick(ts: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+            return list(take(ts)) if take is not None else [ts[i] for i in now]
+
+        route = (now, later, [dests[i] for i in now], pick)
+        self._routes[slot] = (flat.specs, defer, route)
+        return route
+
+    def _on_gpu(self, flat: Flat, dests: list[torch.Tensor | None]) -> list[int]:
+        """Indices of the CUDA tensors of ``flat`` (decided once per specs object: a planned snapshot's
+        tensors keep their device while its plan holds)."""
+        cached = self._gpu
+        if cached is not None and cached[0] is flat.specs:
+            return cached[1]
+        on_gpu = [i for i, t in enumerate(flat.tensors) if t.is_cuda and dests[i] is not None]
+        self._gpu = (flat.specs, on_gpu)
+        return on_gpu
 
     @staticmethod
     def inline(flat: Flat) -> bool:

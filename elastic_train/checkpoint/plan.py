@@ -75,7 +75,7 @@ class _PlanWalker(Walker):
 
     def add(self, t: torch.Tensor, path: str) -> int:
         i = super().add(t, path)
-        self.signature.append(self.places[-1])
+        self.signature.append((*self.places[-1], t.is_cuda))  # the copy is routed by device, once per plan
         return i
 
     def other(self, v: Any, path: str) -> Any:

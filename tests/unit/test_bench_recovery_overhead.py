@@ -74,20 +74,31 @@ def test_recovery_target_compares_restore_with_bytes_over_bandwidth() -> None:
     assert recovery.targets(runs, bandwidth=1e9)[0]["status"] == "missed"
 
 
-def test_overhead_targets_use_the_all_in_figure_for_long_steps() -> None:
-    def run(name: str, plain: float, loop: float, allin: float) -> dict:
+def test_overhead_targets_hold_long_steps_to_3_short_ones_to_5_percent_and_the_python_to_0_2_ms() -> None:
+    def run(name: str, plain: float, loop: float, allin: float, floor: float, python: float | None) -> dict:
         return {
             "config": name,
             "state_mb": 38.0,
             "plain_step_s": plain,
             "loop_ratio": loop,
             "allin_ratio": allin,
+            "copy_floor_ratio": floor,
+            "snapshot_python_s": python,
         }
 
-    runs = [run("17ms", 0.017, 1.01, 1.08), run("200ms", 0.2, 1.0, 1.02), run("1s", 1.0, 0.99, 1.04)]
-    big, small, loop = overhead.targets(runs)
+    runs = [
+        run("17ms", 0.017, 1.01, 1.045, 1.02, 0.15e-3),
+        run("200ms", 0.2, 1.0, 1.02, 1.01, 0.18e-3),
+        run("1s", 1.0, 0.99, 1.04, 1.035, None),
+    ]
+    big, small, python, loop = overhead.targets(runs)
     assert big["status"] == "missed" and "+4.00%" in big["figure"] and "17ms" not in big["figure"]
-    assert small["status"] == "reported" and "+8.00%" in small["figure"]
+    assert "1s (38 MB): +4.00% (copy floor 3.5%)" in big["figure"] and "1s: the copy floor" in big["why"]
+    assert small["status"] == "met" and "+4.50% (copy floor 2.0%)" in small["figure"]
+    assert python["status"] == "met" and python["figure"] == "17ms: 0.150 ms, 200ms: 0.180 ms"
     assert loop["status"] == "met"
     runs[2]["allin_ratio"] = 1.03
-    assert overhead.targets(runs)[0]["status"] == "met"
+    runs[0]["allin_ratio"] = 1.051
+    runs[1]["snapshot_python_s"] = 0.21e-3
+    big, small, python, _ = overhead.targets(runs)
+    assert (big["status"], small["status"], python["status"]) == ("met", "missed", "missed")
