@@ -31,7 +31,7 @@ import threading
 import time
 import zlib
 from collections.abc import Container
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import psutil
@@ -138,31 +138,25 @@ class Held:
 
 @dataclass(slots=True)
 class SaveStats:
-    """What snapshots cost the training thread so far (seconds, summed over ``saves``).
+    """What each snapshot costs the training thread, recorded only when ``record`` is set (a benchmark).
 
-    Wall time includes waiting (for a core, the interpreter lock, the previous seal); the thread's CPU time
-    is the work itself, which is what a shared machine's load does not inflate.
+    Per save: the time inside :meth:`CheckpointManager.save` (reading the state included) other than the
+    tensor copies into the slot, as the thread's CPU time (the work itself, which waiting for a core on a
+    busy machine does not inflate) and as wall time (waits for a core, the interpreter lock or the previous
+    seal included).
     """
 
-    saves: int = 0
-    save_s: float = 0.0
-    """Wall time inside :meth:`CheckpointManager.save` (reading the state included)."""
-    save_cpu_s: float = 0.0
-    """The training thread's CPU time inside it."""
+    record: bool = False
+    python_cpu_s: list[float] = field(default_factory=list)
+    python_wall_s: list[float] = field(default_factory=list)
     copy_s: float = 0.0
-    """Wall time of it spent copying tensors into the slot."""
+    """Wall seconds of the current save's copies (while recording)."""
     copy_cpu_s: float = 0.0
-    """CPU time of the copies."""
 
-    def add_save(self, seconds: float, cpu_seconds: float) -> None:
-        self.saves += 1
-        self.save_s += seconds
-        self.save_cpu_s += cpu_seconds
-
-    @property
-    def python_s(self) -> float:
-        """CPU seconds per save on the training thread other than copying tensors."""
-        return (self.save_cpu_s - self.copy_cpu_s) / self.saves if self.saves else 0.0
+    def add_save(self, wall_s: float, cpu_s: float) -> None:
+        self.python_wall_s.append(wall_s - self.copy_s)
+        self.python_cpu_s.append(cpu_s - self.copy_cpu_s)
+        self.copy_s = self.copy_cpu_s = 0.0
 
 
 def _dumps(v: Any) -> bytes:
@@ -460,11 +454,13 @@ class MemorySnapshot:
             # machine whose cores all train, waiting for it to be scheduled) costs more than the copies.
             small = flat.nbytes <= INLINE_BYTES  # (no CUDA tensor here)
             now, later, now_dests, pick = self._route(slot, flat, defer if background and not small else ())
-            if now:
+            if now and self.stats.record:
                 t0, c0 = time.perf_counter(), time.thread_time()
                 torch._foreach_copy_(now_dests, pick(flat.tensors))
                 self.stats.copy_s += time.perf_counter() - t0
                 self.stats.copy_cpu_s += time.thread_time() - c0
+            elif now:
+                torch._foreach_copy_(now_dests, pick(flat.tensors))
         self._seq += 1
         self._slot_seq[slot] = self._seq
         device = flat.tensors[on_gpu[0]].device if on_gpu else None

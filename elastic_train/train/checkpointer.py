@@ -162,7 +162,15 @@ class Checkpointer:
             StateMismatch: it does not fit the optimizer, the dataset or an extra object.
             CheckpointError: storage failure or an unreadable ``resume_from``.
         """
-        restored = self.manager.restore(model=self.state.model.state_dict())
+        model = self.state.model.state_dict()
+        if getattr(self.manager, "planned_snapshots", False) is True:
+            # Restored bytes land in the parameters and optimizer buffers themselves where they fit: no
+            # snapshot copy may still be reading them.
+            if isinstance(self.manager, Fenced):
+                self.manager.fence()
+            restored = self.manager.restore(model=model, into=self.state.restore_targets)  # type: ignore[call-arg]
+        else:
+            restored = self.manager.restore(model=model)
         self._restored = True
         self._last_commit = time.perf_counter()
         if restored is None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from operator import attrgetter
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -14,7 +14,7 @@ from elastic_train.train.errors import NotStateful, StateMismatch
 from elastic_train.train.sampler import ElasticBatchSampler, ElasticSampler
 
 if TYPE_CHECKING:
-    from elastic_train.checkpoint.codec import Flat
+    from elastic_train.checkpoint.codec import Flat, TensorSpec
 
 
 class Stateful(Protocol):
@@ -269,6 +269,21 @@ class TrainState:
         if self.extra:
             state["objects"] = {name: obj.state_dict() for name, obj in self.extra.items()}
         return self._planner.flat(state)
+
+    def restore_targets(self, specs: Sequence[TensorSpec]) -> list[torch.Tensor | None]:
+        """For each tensor of a restored state, the live tensor :meth:`load_state_dict` would put it into
+        (a parameter or buffer of the model, an existing optimizer buffer), or None.
+
+        A restore writes the bytes straight into those whose dtype and shape match (see
+        ``CheckpointManager.restore(into=...)``), so loading the state copies nothing more for them.
+        """
+        live: dict[str, torch.Tensor] = {f"/model/{k}": v for k, v in self.model.state_dict().items()}
+        if self.optimizer is not None and isinstance(self.optimizer, torch.optim.Optimizer):
+            for index, per_param in self.optimizer.state_dict()["state"].items():
+                for key, value in per_param.items():
+                    if isinstance(value, torch.Tensor):
+                        live[f"/optimizer/state/{index}/{key}"] = value
+        return [live.get(s.path) for s in specs]
 
     def state_dict(self) -> dict[str, Any]:
         """The checkpoint state; tensors are referenced, not copied (the checkpoint manager copies them)."""
