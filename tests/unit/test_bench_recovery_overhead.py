@@ -66,12 +66,24 @@ def test_breakdown_reports_a_fault_that_never_recovered() -> None:
     }
 
 
-def test_recovery_target_compares_restore_with_bytes_over_bandwidth() -> None:
-    runs = [{"state_mb": 100, "faults": {"kill-node": {"restore": 0.3, "state_bytes": 200_000_000}}}]
-    (t,) = recovery.targets(runs, bandwidth=1e9)  # ideal 0.2 s
-    assert t["status"] == "met" and "1.5x" in t["figure"]
-    runs[0]["faults"]["kill-node"]["restore"] = 0.5
-    assert recovery.targets(runs, bandwidth=1e9)[0]["status"] == "missed"
+def test_recovery_targets_hold_one_receiver_from_100_mb_to_1_3x_and_0_9x_of_the_link() -> None:
+    def fault(restore: float, nbytes: int, broadcast: float) -> dict:
+        return {"restore": restore, "state_bytes": nbytes, "broadcast_s": broadcast}
+
+    runs = [
+        {"state_mb": 10, "faults": {"kill-node": fault(0.05, 10_000_000, 0.02)}},
+        {"state_mb": 100, "faults": {"kill-node": fault(0.12, 100_000_000, 0.105),
+                                     "add-node": fault(0.5, 100_000_000, 0.4)}},
+        {"state_mb": 1000, "faults": {"kill-node": fault(1.25, 1_000_000_000, 1.08)}},
+    ]  # fmt: skip
+    whole, rate = recovery.targets(runs, bandwidth=1e9)  # ideal: 0.1 s and 1 s
+    assert whole["status"] == "met" and "100 MB kill-node: 0.12 s = 1.20x" in whole["figure"]
+    assert "10 MB" not in whole["figure"] and "add-node: 0.50 s = 5.00x" in whole["why"]
+    assert rate["status"] == "met" and "1000 MB: 0.93x" in rate["figure"]
+    runs[2]["faults"]["kill-node"] = fault(1.4, 1_000_000_000, 1.2)
+    whole, rate = recovery.targets(runs, bandwidth=1e9)
+    assert (whole["status"], rate["status"]) == ("missed", "missed")
+    assert [t["status"] for t in recovery.targets([], bandwidth=1e9)] == ["not measured", "not measured"]
 
 
 def test_overhead_targets_hold_long_steps_to_3_short_ones_to_5_percent_and_the_python_to_0_2_ms() -> None:
