@@ -403,7 +403,9 @@ class CheckpointManager:
         flat = got if isinstance(got, Flat) else flatten(got)
         slot = None
         if self.memory is not None:
-            defer = frozenset() if self.memory.inline(flat) else self._deferrable(flat)
+            # Which tensors the copier may copy later is decided once per plan; a small state is copied
+            # whole inside the memory tier's save anyway.
+            defer = self._deferrable(flat)
             slot = self.memory.save(step, flat, defer=defer)
             if timed:
                 self.memory.stats.add_save(time.perf_counter() - started, time.thread_time() - cpu)
