@@ -45,9 +45,9 @@ TARGET = 1.3
 RATE_TARGET = 0.9
 #: The targets hold from this state size on (below, the restore's fixed part dominates).
 MIN_MB = 100.0
-#: Bytes of memory one worker needs per byte of state: the model, three shared-memory slots, a restore buffer
-#: and the snapshot a new worker maps, with margin.
-MEMORY_FACTOR = 5.5
+#: Bytes of memory one worker needs per byte of state: the model, three shared-memory slots and the snapshot
+#: a new worker maps, with margin (a restored state lands in the model itself, without a buffer of its own).
+MEMORY_FACTOR = 4.5
 #: Memory left to the rest of the machine when deciding whether a size fits.
 HEADROOM = 4 << 30
 PHASES = ("detect", "rendezvous", "worker_start", "restore", "first_step")
