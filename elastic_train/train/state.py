@@ -88,7 +88,16 @@ class _ModelPart:
         # Every registry a state dict is read from: a new, removed or replaced parameter, buffer or
         # submodule (or a hook) changes a length or an identity here.
         self._dicts = [
-            d for m in modules for d in (m._parameters, m._buffers, m._modules, m._non_persistent_buffers_set)
+            d
+            for m in modules
+            for d in (
+                m._parameters,
+                m._buffers,
+                m._modules,
+                m._non_persistent_buffers_set,
+                m._state_dict_hooks,
+                m._state_dict_pre_hooks,
+            )
         ]
         self._lens = list(map(len, self._dicts))
         self._members = [m.__dict__[k] for m in modules for k in ("_parameters", "_buffers", "_modules")]

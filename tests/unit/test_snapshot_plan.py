@@ -197,6 +197,19 @@ def test_a_replaced_parameter_and_a_new_buffer_are_seen(mgr):
     assert "seen" in json.dumps(ts.snapshot().skeleton["model"])
 
 
+def test_a_state_dict_hook_registered_later_is_honoured():
+    model, opt, sched, ts = make()
+    train_step(model, opt, sched)
+    ts.snapshot()
+
+    def renamed(module, state, prefix, local_metadata):
+        return {("hooked." + k): v for k, v in state.items()}
+
+    model._register_state_dict_hook(renamed)
+    as_flattened(ts)
+    assert all(k.startswith("hooked.") for k in ts.snapshot().skeleton["model"])
+
+
 def test_a_model_with_a_custom_state_dict_is_read_every_step():
     class Extra(torch.nn.Linear):
         def get_extra_state(self):
