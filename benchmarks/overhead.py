@@ -37,6 +37,10 @@ from dataclasses import dataclass
 from typing import Any
 
 TARGET = 1.03
+#: All-in ratio of the short (~17 ms) step, where a snapshot's fixed costs weigh most.
+SHORT_TARGET = 1.05
+#: Seconds of Python per snapshot on the training thread (everything in save but the tensor copies).
+PYTHON_TARGET_S = 0.2e-3
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +61,10 @@ CONFIGS = {
     "1s": Config("1s", {"width": 256, "layers": 4}, 240, 12, 2),
     "1s-150MB": Config("1s-150MB", {"width": 512, "layers": 4}, 64, 12, 2),
 }
+
+
+#: The configurations held to the short-step bar (about 17 ms on an idle 2-core machine).
+SHORT_CONFIGS = frozenset({"17ms"})
 
 
 class _NoCheckpoint:
@@ -144,22 +152,22 @@ def _worker(rank: int, args: argparse.Namespace, cfg: Config, port: int, out: st
     )
     loop, allin = trainer(_NoCheckpoint()), trainer(manager)
 
-    def step_of(t: Trainer, checkpointer: Any) -> Any:
+    def step_of(t: Trainer) -> Any:
         def run() -> None:
-            t.train_step()
-            checkpointer.save(t.step, t.state)  # as Trainer.run: the state is built when due
+            result = t.train_step()
+            # As Trainer.run: the checkpointer hands the manager the planned snapshot of the state.
+            t.ckpt.save(loss=result.loss, samples=result.samples, epoch=result.epoch)
 
         return run
 
-    loops = [
-        ("plain", plain_step),
-        ("loop", step_of(loop, loop.checkpointer)),
-        ("allin", step_of(allin, manager)),
-    ]
+    loops = [("plain", plain_step), ("loop", step_of(loop)), ("allin", step_of(allin))]
     times: dict[str, list[float]] = {name: [] for name, _ in loops}
     for _ in range(args.warmup):
         for _, fn in loops:
             fn()
+    assert manager.memory is not None
+    stats = manager.memory.stats
+    stats.record = True  # per save: the training thread's time in save other than the tensor copies
     for block in range(cfg.blocks):
         k = block % len(loops)  # rotate the order: each loop runs first, middle and last equally often
         for name, fn in loops[k:] + loops[:k]:
@@ -169,13 +177,18 @@ def _worker(rank: int, args: argparse.Namespace, cfg: Config, port: int, out: st
                 fn()
             dist.barrier()
             times[name].append((time.perf_counter() - t) / cfg.block_steps)
+    python = list(zip(stats.python_cpu_s, stats.python_wall_s, strict=True))
     flat = flatten(allin.state())
     state_bytes = flat.nbytes
     floor = copy_floor(flat)
     manager.close(release_memory=True)
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, python)
     if rank == 0:
         with open(out, "w") as f:
-            json.dump({"times": times, "state_bytes": state_bytes, "copy_floor_s": floor}, f)
+            json.dump(
+                {"times": times, "state_bytes": state_bytes, "copy_floor_s": floor, "python_s": gathered}, f
+            )
     held.clear()  # DDP's reducers must go before the process group does
     loop.unwrap()
     allin.unwrap()
@@ -191,15 +204,19 @@ def copy_floor(flat: Any, repeats: int = 15) -> float:
     """
     import torch
 
-    from elastic_train.checkpoint.codec import copy_into
+    from elastic_train.checkpoint.codec import destinations
     from elastic_train.checkpoint.memory import checksum
 
     buf = torch.empty(flat.nbytes, dtype=torch.uint8)
-    copy_into(flat, buf)  # first touch of the pages
+    pairs = [
+        (d, t) for d, t in zip(destinations(flat.specs, buf), flat.tensors, strict=True) if d is not None
+    ]
+    dests, tensors = [d for d, _ in pairs], [t for _, t in pairs]
+    torch._foreach_copy_(dests, tensors)  # first touch of the pages
     runs = []
-    for _ in range(repeats):
+    for _ in range(repeats):  # as the memory tier does it: one foreach copy, then xxh3 over the bytes
         t = time.perf_counter()
-        copy_into(flat, buf)
+        torch._foreach_copy_(dests, tensors)
         checksum(memoryview(buf.numpy()))
         runs.append(time.perf_counter() - t)
     return statistics.median(runs)
@@ -235,6 +252,15 @@ def measure(args: argparse.Namespace, cfg: Config) -> dict[str, Any]:
         f"  copy floor     : {got['copy_floor_s'] * 1e3:9.2f} ms per snapshot = "
         f"{floor / med['plain'] * 100:.2f}% of the plain step (copy + hash of the state; no idle core here)"
     )
+    saves = [x for per_rank in got["python_s"] for x in per_rank]
+    python_s = statistics.median(c for c, _ in saves) if saves else None
+    python_wall_s = statistics.median(w for _, w in saves) if saves else None
+    if python_s is not None and python_wall_s is not None:
+        print(
+            f"  snapshot Python: {python_s * 1e3:9.3f} ms CPU per save on the training thread, no copies "
+            f"({python_wall_s * 1e3:.3f} ms wall; median of {len(saves)} saves x ranks; "
+            f"target <= {PYTHON_TARGET_S * 1e3:.1f} ms)"
+        )
     for name, label in (("loop", "loop alone"), ("allin", "all-in")):
         print(
             f"  {label:<15}: {med[name] * 1e3:9.2f} ms  ratio {ratio[name]:.4f} "
@@ -257,32 +283,60 @@ def measure(args: argparse.Namespace, cfg: Config) -> dict[str, Any]:
         "allin_ratio": ratio["allin"],
         "copy_floor_s": got["copy_floor_s"],
         "copy_floor_ratio": 1 + floor / med["plain"],
+        "snapshot_python_s": python_s,
+        "snapshot_python_wall_s": python_wall_s,
         "pair_ratios": pairs,
         "block_times": times,
     }
 
 
 def targets(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The overhead targets (report.py renders them as they are)."""
+    """The overhead targets (report.py renders them as they are).
+
+    All-in (the memory tier snapshotting every step, as users run by default): <= 3% for steps of 100 ms
+    and more, <= 5% for the short step; each figure with its copy floor beside it (one copy and hash of the
+    state as a share of the step: what the snapshot takes from training where no core is idle). The Python
+    part of a snapshot on the training thread: <= 0.2 ms. The loop alone: <= 3%.
+    """
+
+    def pct(x: float) -> str:
+        return f"{(x - 1) * 100:+.2f}%"
 
     def fig(r: dict[str, Any], key: str) -> str:
-        return f"{r['config']} ({r['state_mb']:.0f} MB): {(r[key] - 1) * 100:+.2f}%"
+        out = f"{r['config']} ({r['state_mb']:.0f} MB): {pct(r[key])}"
+        if key == "allin_ratio" and r.get("copy_floor_ratio"):
+            out += f" (copy floor {(r['copy_floor_ratio'] - 1) * 100:.1f}%)"
+        return out
 
     out = []
     # The loop alone takes no snapshot: the spread of its ratio over the configurations is this run's noise.
     spread = [(r["loop_ratio"] - 1) * 100 for r in runs]
     noise = f"loop-alone ratios span {min(spread):+.1f}% to {max(spread):+.1f}% in this run" if runs else ""
-    big = [r for r in runs if r["plain_step_s"] >= 0.1]
-    small = [r for r in runs if r["plain_step_s"] < 0.1]
-    floors = [
-        f"{r['config']} {(r['copy_floor_ratio'] - 1) * 100:.1f}%" for r in runs if r.get("copy_floor_ratio")
-    ]
-    floor = (
-        "copy floor (one copy + hash of the state, taken from training where no core is idle): "
-        + ", ".join(floors)
-        if floors
-        else ""
-    )
+
+    # A configuration is short or long by its name where it has one of ours (a loaded machine stretches every
+    # step), else by its measured plain step.
+    def short(r: dict[str, Any]) -> bool:
+        return r["config"] in SHORT_CONFIGS if r["config"] in CONFIGS else r["plain_step_s"] < 0.1
+
+    big = [r for r in runs if not short(r)]
+    small = [r for r in runs if short(r)]
+
+    def why(rs: list[dict[str, Any]], bar: float) -> str:
+        over = [r for r in rs if r["allin_ratio"] > bar]
+        if not over:
+            return ""
+        near = [
+            r["config"]
+            for r in over
+            if r.get("copy_floor_ratio") and r["allin_ratio"] - r["copy_floor_ratio"] <= bar - 1
+        ]
+        parts = (
+            [f"{', '.join(near)}: the copy floor takes most of it (no idle core for the copier)"]
+            if near
+            else []
+        )
+        return "; ".join([*parts, noise])
+
     if big:
         worst = max(r["allin_ratio"] for r in big)
         out.append(
@@ -291,18 +345,30 @@ def targets(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "threshold": "<= 3% (all-in)",
                 "figure": ", ".join(fig(r, "allin_ratio") for r in big),
                 "status": "met" if worst <= TARGET else "missed",
-                "why": "" if worst <= TARGET else "; ".join(x for x in (floor, noise) if x),
+                "why": why(big, TARGET),
             }
         )
-    for r in small:
-        ok = r["allin_ratio"] <= TARGET
+    if small:
+        worst = max(r["allin_ratio"] for r in small)
         out.append(
             {
-                "name": f"per-step overhead, {r['config']} config (charlm {r['state_mb']:.0f} MB), all-in",
-                "threshold": "smallest achievable (reported; <= 3% met)",
-                "figure": fig(r, "allin_ratio") + f"; loop alone {(r['loop_ratio'] - 1) * 100:+.2f}%",
-                "status": "met" if ok else "reported",
-                "why": "" if ok else f"bounded by building and flattening the state each step; {noise}",
+                "name": "per-step overhead over plain DDP, memory tier included, short steps",
+                "threshold": "<= 5% (all-in)",
+                "figure": ", ".join(fig(r, "allin_ratio") for r in small),
+                "status": "met" if worst <= SHORT_TARGET else "missed",
+                "why": why(small, SHORT_TARGET),
+            }
+        )
+    timed = [r for r in runs if r.get("snapshot_python_s") is not None]
+    if timed:
+        worst_s = max(r["snapshot_python_s"] for r in timed)
+        out.append(
+            {
+                "name": "Python part of a snapshot on the training thread, per step",
+                "threshold": "<= 0.2 ms",
+                "figure": ", ".join(f"{r['config']}: {r['snapshot_python_s'] * 1e3:.3f} ms" for r in timed),
+                "status": "met" if worst_s <= PYTHON_TARGET_S else "missed",
+                "why": "" if worst_s <= PYTHON_TARGET_S else noise,
             }
         )
     if runs:
@@ -384,6 +450,10 @@ def main(argv: list[str] | None = None) -> int:
                     "loop %": (r["loop_ratio"] - 1) * 100,
                     "all-in ms": r["allin_step_s"] * 1e3,
                     "all-in %": (r["allin_ratio"] - 1) * 100,
+                    "copy floor %": (r["copy_floor_ratio"] - 1) * 100,
+                    "snapshot Python ms": r["snapshot_python_s"] * 1e3
+                    if r["snapshot_python_s"] is not None
+                    else None,
                     "blocks": f"{r['blocks']}x{r['block_steps']}",
                 }
                 for r in runs

@@ -12,8 +12,9 @@ JSON logs each fault's time to training again is split into:
 - ``first step``: → the first optimizer step of the new round completes.
 
 The loopback TCP bandwidth is measured in the same run (two sockets, 256 MiB per repeat); the target is
-restore <= 1.5 x (state bytes / that bandwidth). A size whose processes and snapshots would not fit in the
-free memory is skipped with the reason.
+restore <= 1.3 x (state bytes / that bandwidth) with one receiver from 100 MB on, and the state received at
+>= 0.9 x that bandwidth. A size whose processes and snapshots would not fit in the free memory is skipped with
+the reason.
 
     PYTHONPATH=. .venv/bin/python benchmarks/recovery.py --json recovery.json
     PYTHONPATH=. .venv/bin/python benchmarks/recovery.py --sizes 10 --quick
@@ -39,10 +40,14 @@ import psutil
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-TARGET = 1.5
-#: Bytes of memory one worker needs per byte of state: the model, three shared-memory slots, a restore buffer
-#: and the snapshot a new worker maps, with margin.
-MEMORY_FACTOR = 5.5
+TARGET = 1.3
+#: Received bytes per second over the loopback bandwidth, one receiver.
+RATE_TARGET = 0.9
+#: The targets hold from this state size on (below, the restore's fixed part dominates).
+MIN_MB = 100.0
+#: Bytes of memory one worker needs per byte of state: the model, three shared-memory slots and the snapshot
+#: a new worker maps, with margin (a restored state lands in the model itself, without a buffer of its own).
+MEMORY_FACTOR = 4.5
 #: Memory left to the rest of the machine when deciding whether a size fits.
 HEADROOM = 4 << 30
 PHASES = ("detect", "rendezvous", "worker_start", "restore", "first_step")
@@ -196,27 +201,47 @@ def run_size(mb: float, args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
 
 def targets(runs: list[dict[str, Any]], bandwidth: float) -> list[dict[str, Any]]:
-    parts, worst = [], 0.0
+    """The restore targets: with one receiver (kill -9 → world 2) and at least :data:`MIN_MB` of state, the
+    whole restore (find and verify the newest snapshot, receive, load into model and optimizer) within
+    :data:`TARGET` x state bytes / loopback bandwidth, and the state received at >= :data:`RATE_TARGET` x
+    that bandwidth. Other sizes and the join (world 3: two hops through the same two cores) are reported."""
+    name = "restore vs state size / loopback bandwidth, one receiver"
+    rate_name = "receive rate of the restored state, one receiver"
+    rows, rates, others = [], [], []
     for r in runs:
         for kind, b in (r.get("faults") or {}).items():
-            if b.get("state_bytes") and b.get("restore") is not None:
-                ideal = b["state_bytes"] / bandwidth
-                ratio = b["restore"] / ideal
-                worst = max(worst, ratio)
-                parts.append(f"{r['state_mb']:g} MB {kind}: {b['restore']:.2f} s = {ratio:.1f}x")
-    if not parts:
-        return [
-            {"name": "restore/broadcast vs state size / loopback bandwidth", "threshold": f"<= {TARGET}x"}
-        ]
-    return [
+            if not b.get("state_bytes") or b.get("restore") is None:
+                continue
+            ideal = b["state_bytes"] / bandwidth
+            ratio = b["restore"] / ideal
+            text = f"{r['state_mb']:g} MB {kind}: {b['restore']:.2f} s = {ratio:.2f}x"
+            if kind == "kill-node" and r["state_mb"] >= MIN_MB:
+                rows.append((ratio, text))
+                if b.get("broadcast_s"):
+                    rate = b["state_bytes"] / b["broadcast_s"] / bandwidth
+                    rates.append((rate, f"{r['state_mb']:g} MB: {rate:.2f}x ({b['broadcast_s']:.2f} s)"))
+            else:
+                others.append(text)
+    threshold = f"<= {TARGET}x, >= {MIN_MB:g} MB (loopback {bandwidth / 1e6:.0f} MB/s)"
+    out = [
         {
-            "name": "restore/broadcast vs state size / loopback bandwidth",
-            "threshold": f"<= {TARGET}x (loopback {bandwidth / 1e6:.0f} MB/s)",
-            "figure": ", ".join(parts),
-            "status": "met" if worst <= TARGET else "missed",
-            "why": "" if worst <= TARGET else "see the recovery section",
-        }
+            "name": name,
+            "threshold": threshold,
+            "figure": ", ".join(t for _, t in rows) or "not measured",
+            "status": ("met" if max(x for x, _ in rows) <= TARGET else "missed") if rows else "not measured",
+            "why": ("also measured: " + ", ".join(others)) if others else "",
+        },
+        {
+            "name": rate_name,
+            "threshold": f">= {RATE_TARGET}x loopback bandwidth, >= {MIN_MB:g} MB",
+            "figure": ", ".join(t for _, t in rates) or "not measured",
+            "status": ("met" if min(x for x, _ in rates) >= RATE_TARGET else "missed")
+            if rates
+            else "not measured",
+            "why": "bytes / (decision agreed -> every byte landed in its tensor)",
+        },
     ]
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -642,6 +642,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="",
         help="extra arguments for rendezvous.py, e.g. '--repeats 5 --cap 120'",
     )
+    p.add_argument(
+        "--overhead-args", default="", help="extra arguments for overhead.py, e.g. '--configs 17ms,200ms'"
+    )
+    p.add_argument("--recovery-args", default="", help="extra arguments for recovery.py, e.g. '--sizes 100'")
     args = p.parse_args(argv)
     if args.keep_others and not args.only:
         p.error("--keep-others needs --only")
@@ -690,7 +694,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 runs.append(RunRecord(name, "absent", detail=problem))
             continue
-        extra = shlex.split(args.rendezvous_args) if name == "rendezvous" else []
+        extra = shlex.split(getattr(args, f"{name}_args", "") or "")
         rec = run_benchmark(name, path, quick=args.quick, timeout=timeout, extra=extra)
         runs.append(rec)
         docs[name], problem = load_doc(name, path)

@@ -345,6 +345,10 @@ class OverheadRun(_Model):
     """Seconds to copy and hash the state once (what a snapshot costs where no core is idle)."""
     copy_floor_ratio: float | None = None
     """1 + that copy per snapshot step / the plain step: the all-in ratio's floor on such a machine."""
+    snapshot_python_s: float | None = None
+    """CPU seconds per snapshot on the training thread other than copying tensors (median over blocks)."""
+    snapshot_python_wall_s: float | None = None
+    """The same in wall time (waits for a core, the interpreter lock or the previous seal included)."""
 
 
 class OverheadDoc(_Model):

@@ -126,7 +126,8 @@ TARGETS: tuple[TargetSpec, ...] = (
         why="the background writer keeps up with the disk and with torch's own checkpointing",
     ),
     TargetSpec(
-        "per-step overhead over plain DDP", "overhead", "<= 3%", (),
+        "per-step overhead over plain DDP", "overhead",
+        "<= 3% (>= 100 ms steps), <= 5% (17 ms); snapshot Python <= 0.2 ms", (),
         why="elastic training costs a training step almost nothing",
     ),
     TargetSpec(
@@ -134,7 +135,8 @@ TARGETS: tuple[TargetSpec, ...] = (
         why="a Lightning script keeps the guarantees and the recovery speed of the own loop",
     ),
     TargetSpec(
-        "restore/broadcast vs state size / loopback bandwidth", "recovery", "<= 1.5x", (),
+        "restore/broadcast vs state size / loopback bandwidth", "recovery",
+        "<= 1.3x, one receiver, >= 100 MB", (),
         why="a recovery moves the state about once at network speed",
     ),
 )  # fmt: skip

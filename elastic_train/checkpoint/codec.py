@@ -102,11 +102,13 @@ class Flat:
     specs: tuple[TensorSpec, ...]
     tensors: tuple[torch.Tensor, ...]
     nbytes: int
+    layout: str = ""
+    """The layout key when the producer knows it already (a planned snapshot); computed otherwise."""
 
     @property
     def layout_key(self) -> str:
         """Digest of the tensor layout; equal keys mean one pre-allocated buffer fits both states."""
-        return layout_key(self.specs)
+        return self.layout or layout_key(self.specs)
 
 
 def layout_key(specs: tuple[TensorSpec, ...] | list[TensorSpec]) -> str:
@@ -129,35 +131,60 @@ def flatten(state: Any) -> Flat:
     Raises:
         CheckpointError: a value is neither a tensor, an array nor JSON-able (the message names its path).
     """
-    tensors: list[torch.Tensor] = []
-    specs: list[TensorSpec] = []
-    offset = 0
+    walker = Walker()
+    skeleton = walker.enc(state, "")
+    specs = walker.specs()
+    return Flat(skeleton, specs, tuple(walker.tensors), walker.offset)
+
+
+class Walker:
+    """One walk of a state: the skeleton it returns, the tensors in order and what places them.
+
+    ``places`` holds (path, dtype name, shape, nbytes) per tensor; :meth:`specs` lays them out. The
+    snapshot plan (:mod:`elastic_train.checkpoint.plan`) walks with a subclass that reuses the skeletons of
+    parts whose structure did not change.
+    """
+
+    __slots__ = ("offset", "places", "tensors")
+
+    def __init__(self) -> None:
+        self.tensors: list[torch.Tensor] = []
+        self.places: list[tuple[str, str, tuple[int, ...], int]] = []
+        self.offset = 0
+
+    def specs(self) -> tuple[TensorSpec, ...]:
+        """The tensors' specs: each at the next 64-byte aligned offset, in walk order."""
+        out = []
+        offset = 0
+        for path, name, shape, nbytes in self.places:
+            out.append(TensorSpec(path, name, shape, offset, nbytes))
+            offset += (nbytes + ALIGN - 1) // ALIGN * ALIGN
+        self.offset = offset
+        return tuple(out)
 
     # Called once per tensor at every snapshot: each attribute read here costs the loop on every step.
-    def add(t: torch.Tensor, path: str) -> int:
-        nonlocal offset
+    def add(self, t: torch.Tensor, path: str) -> int:
         name = _NAMES.get(t.dtype)
         if name is None or t.layout is not torch.strided:
             if t.layout is not torch.strided or t.is_quantized:
                 raise CheckpointError(f"state at {path or '/'}: only dense tensors can be checkpointed")
             raise CheckpointError(f"state at {path or '/'}: dtype {t.dtype} is not supported")
-        nbytes = t.nbytes
-        specs.append(TensorSpec(path, name, tuple(t.shape), offset, nbytes))
-        tensors.append(t.detach() if t.requires_grad else t)
-        offset += (nbytes + ALIGN - 1) // ALIGN * ALIGN
-        return len(tensors) - 1
+        self.places.append((path, name, tuple(t.shape), t.nbytes))
+        self.tensors.append(t.detach() if t.requires_grad else t)
+        return len(self.tensors) - 1
 
-    def enc(v: Any, path: str) -> Any:
+    def enc(self, v: Any, path: str) -> Any:
         if isinstance(v, torch.Tensor):
-            return {_TENSOR: add(v, path)}
+            return {_TENSOR: self.add(v, path)}
         if isinstance(v, np.ndarray):
-            return {_NDARRAY: add(torch.from_numpy(np.ascontiguousarray(v)), path)}
+            return {_NDARRAY: self.add(torch.from_numpy(np.ascontiguousarray(v)), path)}
         if isinstance(v, np.generic):
             return v.item()
         if v is None or isinstance(v, (bool, int, float, str)):
             return v
         if isinstance(v, (bytes, bytearray)):
             return {_BYTES: base64.b64encode(bytes(v)).decode()}
+        enc = self.enc
         if isinstance(v, tuple):
             if _PLAIN.issuperset(map(type, v)):  # e.g. Python's RNG state: 625 ints, every step
                 return {_TUPLE: list(v)}
@@ -175,10 +202,10 @@ def flatten(state: Any) -> Flat:
                     raise CheckpointError(f"state at {path or '/'}: dict key {k!r} is not JSON-able")
                 pairs.append([enc(k, path), enc(x, f"{path}/{k}")])
             return {_DICT: pairs}
-        raise CheckpointError(f"state at {path or '/'}: cannot checkpoint a {type(v).__name__}")
+        return self.other(v, path)
 
-    skeleton = enc(state, "")
-    return Flat(skeleton, tuple(specs), tuple(tensors), offset)
+    def other(self, v: Any, path: str) -> Any:
+        raise CheckpointError(f"state at {path or '/'}: cannot checkpoint a {type(v).__name__}")
 
 
 def destinations(specs: tuple[TensorSpec, ...], buf: torch.Tensor) -> list[torch.Tensor | None]:

@@ -15,11 +15,10 @@ so ranks stay in step — skipping would need a collective vote).
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from elastic_train.agentlink import CURRENT, STALE, AgentLink
-from elastic_train.checkpoint import durable
+from elastic_train.checkpoint import durable, transfer
 from elastic_train.checkpoint.codec import (
     Flat,
     TensorSpec,
@@ -108,8 +107,8 @@ class RestoreDecision:
 
 
 #: Bytes per broadcast (or chain hop) of a restored state, and sends in flight at once.
-BROADCAST_BUCKET = 8 << 20
-BROADCAST_WINDOW = 4
+BROADCAST_BUCKET = transfer.BUCKET
+BROADCAST_WINDOW = transfer.WINDOW
 #: Attempts for the final checkpoint (whatever ``on_error`` says): it is the job's result.
 FINAL_ATTEMPTS = 8
 
@@ -168,6 +167,10 @@ class CheckpointManager:
         StorageError: the URL's filesystem cannot be opened (e.g. ``s3://`` without ``elastic-train[s3]``).
     """
 
+    #: :meth:`save` takes a function returning a :class:`Flat` (``TrainState.snapshot``, a planned state)
+    #: and :meth:`restore` the live tensors to restore into (``into=``).
+    planned_snapshots = True
+
     def __init__(
         self,
         cfg: CheckpointConfig,
@@ -223,18 +226,29 @@ class CheckpointManager:
         self._closed = False
         self._writer: threading.Thread | None = None
         self._attached: list[_Attachment] = []
+        self._defer_cache: tuple[Any, int, frozenset[int]] | None = None
 
     @property
     def coordinated(self) -> bool:
         return self._io is not None
 
     # -- restore -----------------------------------------------------------------------------------------
-    def restore(self, model: Mapping[str, Any] | None = None) -> Restored | None:
+    def restore(
+        self,
+        model: Mapping[str, Any] | None = None,
+        *,
+        into: Callable[[Sequence[TensorSpec]], Sequence[torch.Tensor | None]] | None = None,
+    ) -> Restored | None:
         """Collective: find the newest valid state (memory on any rank, durable, then ``cfg.resume_from``).
 
         Args:
             model: the current model's ``state_dict()``; when given, a checkpoint of a different model raises
                 :class:`ModelMismatch` (on every rank) instead of failing later in ``load_state_dict``.
+            into: given the restored state's tensor specs, the live tensors the state will be loaded into
+                (None where there is none), e.g. :meth:`elastic_train.TrainState.restore_targets`. A tensor
+                of the spec's dtype and shape (contiguous, on the CPU, not requiring grad) receives the
+                restored bytes directly and is the one the returned state holds; it is overwritten as the
+                bytes arrive, so after an error it may hold part of the restored state.
 
         Returns:
             The state, the same on every rank, or None when there is none anywhere.
@@ -268,33 +282,22 @@ class CheckpointManager:
             return None
         source, step, holder = decision.chosen.source, decision.chosen.step, decision.chosen.holder
         src_rank = 0 if holder is None else holder  # only a memory snapshot has a holder
-        copier: threading.Thread | None = None
         if self.rank == src_rank:
             if source == "memory":
                 assert held is not None and self.memory is not None and held.step == step
-                # Broadcast straight from the slot; the holder's own copy is made meanwhile (the slot is
-                # rewritten by later snapshots, the returned state must outlive them).
-                view = self.memory.data(held.slot, held.nbytes)
-                own = torch.empty_like(view)
-                copier = threading.Thread(target=own.copy_, args=(view,), name="ckpt-restore-copy")
-                copier.start()
-                loaded = (held.skeleton, list(held.specs), view)
+                # Sent straight from the slot (no copy first); the slot is rewritten by later snapshots,
+                # so the holder's own state lands in live tensors or a buffer of its own meanwhile.
+                loaded = (held.skeleton, list(held.specs), self.memory.data(held.slot, held.nbytes))
             assert loaded is not None
         found = time.perf_counter()
-        if self.coordinated:
-            loaded = self._broadcast_payload(loaded, src_rank)
-        sent = time.perf_counter()
-        if copier is not None:
-            copier.join()
-            assert loaded is not None
-            loaded = (loaded[0], loaded[1], own)
-        assert loaded is not None
-        skeleton, specs, buf = loaded
-        if model is not None:
+        skeleton, specs, nbytes = self._agree_meta(loaded, src_rank)
+        if model is not None:  # before a byte lands anywhere
             why = describe_mismatch(fingerprint_from_specs(specs), model_fingerprint({"model": model}) or [])
             if why:
                 raise ModelMismatch(f"checkpoint at step {step} ({source}) is from a different model: {why}")
-        state = unflatten(skeleton, [tensor_at(buf, s) for s in specs])
+        tensors, live = self._land(loaded, specs, nbytes, src_rank, source, into)
+        sent = time.perf_counter()
+        state = unflatten(skeleton, tensors)
         self._last_durable_time = time.monotonic()
         if source == "durable":
             self._durable_ok_step = step
@@ -303,9 +306,10 @@ class CheckpointManager:
             source=source,
             step=step,
             holder=holder,
-            bytes=int(buf.numel()),
+            bytes=nbytes,
+            live_bytes=live,  # landed straight in the tensors the state is loaded into
             find_s=round(found - started, 4),  # newest snapshot verified, decision agreed
-            broadcast_s=round(sent - found, 4),
+            broadcast_s=round(sent - found, 4),  # sent, received and landed
             seconds=round(time.perf_counter() - started, 4),
         )
         return Restored(
@@ -364,65 +368,60 @@ class CheckpointManager:
         dist.all_gather_object(out, obj, group=group or self._ctl)
         return out
 
-    def _broadcast_payload(self, loaded: Any, src: int) -> Any:
+    def _agree_meta(self, loaded: Any, src: int) -> tuple[Any, list[TensorSpec], int]:
+        """(skeleton, specs, bytes) of the state ``src`` holds, on every rank."""
+        if not self.coordinated:
+            skeleton, specs, buf = loaded
+            return skeleton, list(specs), int(buf.numel())
         meta: list[Any] = [None]
         if self.rank == src:
             skeleton, specs, buf = loaded
             meta = [(skeleton, [s.to_json() for s in specs], int(buf.numel()))]
         dist.broadcast_object_list(meta, src=self._global(src), group=self._ctl)
         skeleton, spec_json, nbytes = meta[0]
-        if self.rank != src:
-            buf = torch.empty(nbytes, dtype=torch.uint8)
-        if self.world_size > 2:
-            self._chain(buf, src)
-        else:
-            self._broadcast_buckets(buf, src)
-        return skeleton, [TensorSpec.from_json(s) for s in spec_json], buf
+        return skeleton, [TensorSpec.from_json(s) for s in spec_json], nbytes
 
-    def _broadcast_buckets(self, buf: torch.Tensor, src: int) -> None:
-        """One receiver: a broadcast per bucket, a few in flight (the sends of one overlap the receive-side
-        copies of the next, and no rank needs a second buffer of the whole state)."""
-        nbytes = int(buf.numel())
-        pending: collections.deque[Any] = collections.deque()
-        for start in range(0, nbytes, BROADCAST_BUCKET):
-            bucket = buf[start : start + BROADCAST_BUCKET]
-            pending.append(dist.broadcast(bucket, src=self._global(src), group=self._ctl, async_op=True))
-            if len(pending) >= BROADCAST_WINDOW:
-                pending.popleft().wait()
-        while pending:
-            pending.popleft().wait()
+    def _land(
+        self, loaded: Any, specs: list[TensorSpec], nbytes: int, src: int, source: str, into: Any
+    ) -> tuple[list[torch.Tensor], int]:
+        """Move the state from ``src`` to every rank; returns this rank's tensors and the bytes that landed
+        in live tensors (see :mod:`elastic_train.checkpoint.transfer`)."""
+        buf = loaded[2] if self.rank == src else None
+        if buf is not None and source != "memory":
+            # A checkpoint read from storage is this rank's own buffer: its tensors are views into it.
+            if self.coordinated:
+                transfer.send(buf, **self._peers(src))
+            return [tensor_at(buf, s) for s in specs], 0
+        landing = transfer.Landing(specs, into(specs) if into is not None else None)
+        if buf is None:
+            transfer.receive(nbytes, landing, **self._peers(src))
+            return landing.tensors, landing.live
+        # The holder of a memory snapshot: its own state lands while the slot's bytes are sent.
+        copier = threading.Thread(target=landing.land_all, args=(buf,), name="ckpt-restore-copy")
+        copier.start()
+        try:
+            if self.coordinated:
+                transfer.send(buf, **self._peers(src))
+        finally:
+            copier.join()
+        return landing.tensors, landing.live
 
-    def _chain(self, buf: torch.Tensor, src: int) -> None:
-        """Two or more receivers: a pipelined chain ``src → src+1 → … → src-1`` in buckets.
-
-        gloo's broadcast sends the whole state from the source to each receiver in turn, so a join at world 3
-        moved twice the state through the holder's link (restore 2.4x state/bandwidth). Along a chain every
-        rank receives bucket k from its predecessor and forwards it while bucket k+1 arrives: the state
-        crosses each link once and the time is about one state's transfer plus one bucket per hop.
-        """
-        nbytes, world = int(buf.numel()), self.world_size
-        order = [(src + i) % world for i in range(world)]
-        pos = order.index(self.rank)
-        prev = self._global(order[pos - 1]) if pos > 0 else None
-        nxt = self._global(order[pos + 1]) if pos + 1 < world else None
-        sends: collections.deque[Any] = collections.deque()
-        for tag, start in enumerate(range(0, nbytes, BROADCAST_BUCKET)):
-            bucket = buf[start : start + BROADCAST_BUCKET]
-            if prev is not None:
-                dist.recv(bucket, src=prev, group=self._ctl, tag=tag)
-            if nxt is not None:
-                sends.append(dist.isend(bucket, dst=nxt, group=self._ctl, tag=tag))
-                if len(sends) >= BROADCAST_WINDOW:
-                    sends.popleft().wait()
-        while sends:
-            sends.popleft().wait()
+    def _peers(self, src: int) -> dict[str, Any]:
+        return {
+            "src": src,
+            "world": self.world_size,
+            "rank": self.rank,
+            "group": self._ctl,
+            "glob": self._global,
+        }
 
     # -- save --------------------------------------------------------------------------------------------
-    def save(self, step: int, state: Mapping[str, Any] | Callable[[], Mapping[str, Any]]) -> None:
+    def save(self, step: int, state: Mapping[str, Any] | Callable[[], Mapping[str, Any] | Flat]) -> None:
         """Call after every optimizer step (on every rank): memory tier and, when due, a durable checkpoint.
 
         ``state`` may be a function returning it: it is then called only when a snapshot or a checkpoint
-        is due at this step.
+        is due at this step. The function may return the state already flattened (a :class:`Flat`, e.g.
+        :meth:`elastic_train.TrainState.snapshot`, planned once and reused while its structure holds).
 
         Raises:
             WriteFailed: a previous durable write failed (``on_error`` retry after its retries, or fatal).
@@ -435,11 +434,18 @@ class CheckpointManager:
         dur_due = self._durable_due(step)
         if not (mem_due or dur_due):
             return
-        flat = flatten(state() if callable(state) else state)
+        timed = self.memory is not None and self.memory.stats.record
+        started, cpu = (time.perf_counter(), time.thread_time()) if timed else (0.0, 0.0)
+        got = state() if callable(state) else state
+        flat = got if isinstance(got, Flat) else flatten(got)
         slot = None
         if self.memory is not None:
-            defer = frozenset() if self.memory.inline(flat) else self._deferrable(flat)
+            # Which tensors the copier may copy later is decided once per plan; a small state is copied
+            # whole inside the memory tier's save anyway.
+            defer = self._deferrable(flat)
             slot = self.memory.save(step, flat, defer=defer)
+            if timed:
+                self.memory.stats.add_save(time.perf_counter() - started, time.thread_time() - cpu)
             if dur_due:  # the writer reads the slot: its copy must be complete
                 self.memory.wait_idle()
                 self.memory.raise_error()
@@ -480,6 +486,15 @@ class CheckpointManager:
         """Indices of the tensors of ``flat`` that only an attached optimizer's step changes."""
         if not self._attached:
             return frozenset()
+        # A planned snapshot hands over the same specs while its tensors are the same: decided once per plan.
+        cached = self._defer_cache
+        if cached is not None and cached[0] is flat.specs and cached[1] == len(self._attached):
+            return cached[2]
+        defer = self._owned_by_optimizers(flat)
+        self._defer_cache = (flat.specs, len(self._attached), defer)
+        return defer
+
+    def _owned_by_optimizers(self, flat: Flat) -> frozenset[int]:
         owned: set[int] = set()
         for opt in (a.optimizer for a in self._attached):
             for group in opt.param_groups:

@@ -23,13 +23,15 @@ from __future__ import annotations
 import contextlib
 import json
 import mmap
+import operator
 import os
 import re
 import struct
 import threading
+import time
 import zlib
 from collections.abc import Container
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import psutil
@@ -135,6 +137,63 @@ class Held:
 
 
 @dataclass(slots=True)
+class SaveStats:
+    """What each snapshot costs the training thread, recorded only when ``record`` is set (a benchmark).
+
+    Per save: the time inside :meth:`CheckpointManager.save` (reading the state included) other than the
+    tensor copies into the slot, as the thread's CPU time (the work itself, which waiting for a core on a
+    busy machine does not inflate) and as wall time (waits for a core, the interpreter lock or the previous
+    seal included).
+    """
+
+    record: bool = False
+    python_cpu_s: list[float] = field(default_factory=list)
+    python_wall_s: list[float] = field(default_factory=list)
+    copy_s: float = 0.0
+    """Wall seconds of the current save's copies (while recording)."""
+    copy_cpu_s: float = 0.0
+
+    def add_save(self, wall_s: float, cpu_s: float) -> None:
+        self.python_wall_s.append(wall_s - self.copy_s)
+        self.python_cpu_s.append(cpu_s - self.copy_cpu_s)
+        self.copy_s = self.copy_cpu_s = 0.0
+
+
+def _dumps(v: Any) -> bytes:
+    return json.dumps(v, separators=(",", ":"), allow_nan=True).encode()
+
+
+class _SkeletonJson:
+    """The JSON of skeletons whose big parts are the same objects step after step (a planned snapshot's
+    model and optimizer state): the text of a dict seen at the previous step is reused, the rest encoded.
+    Skeletons are never changed in place once handed to a save."""
+
+    def __init__(self) -> None:
+        self._last: dict[int, tuple[Any, bytes]] = {}
+        self._now: dict[int, tuple[Any, bytes]] = {}
+
+    def dumps(self, skeleton: Any) -> bytes:
+        self._now = {}
+        text = self._enc(skeleton, 0)
+        self._last = self._now
+        return text
+
+    def _enc(self, v: Any, depth: int) -> bytes:
+        if type(v) is not dict:
+            return _dumps(v)
+        hit = self._last.get(id(v))
+        if hit is not None and hit[0] is v:
+            self._now[id(v)] = hit
+            return hit[1]
+        if depth < 2:  # the top level and the parts (e.g. optimizer → state): the cached pieces
+            text = b"{" + b",".join(_dumps(k) + b":" + self._enc(x, depth + 1) for k, x in v.items()) + b"}"
+        else:
+            text = _dumps(v)
+        self._now[id(v)] = (v, text)
+        return text
+
+
+@dataclass(slots=True)
 class _CopyJob:
     """One snapshot being written: what is left to copy, then to seal."""
 
@@ -183,6 +242,13 @@ class MemorySnapshot:
         self._pinned: set[int] = set()
         self.sealed_step: int | None = None
         self._error: BaseException | None = None
+        #: Per slot: the copy lists of the current layout (specs object, deferred set, route).
+        self._routes: dict[int, tuple[Any, Any, Any]] = {}
+        self._gpu: tuple[Any, list[int]] | None = None
+        #: Per slot: the layout whose tensor specs are written at the start of its metadata.
+        self._meta_prefix: dict[int, str] = {}
+        self.stats = SaveStats()
+        self._skeleton_json = _SkeletonJson()
 
     # -- lifecycle -------------------------------------------------------------------------------------
     def _allocate(self, flat: Flat, meta_len: int) -> None:
@@ -243,6 +309,8 @@ class MemorySnapshot:
 
     def _unmap(self) -> None:
         self._specs = None
+        self._routes = {}
+        self._meta_prefix = {}
         self._unpin_host_memory()
         self._buf = None
         self._dests = {}
@@ -339,14 +407,20 @@ class MemorySnapshot:
         self.wait_idle()  # the previous snapshot is sealed (normally long before the next step ends)
         if self._mm is None:
             self._open_existing()
-        # Comparing the specs is cheaper than their digest (a snapshot of a restarted worker has only that).
-        same = self._mm is not None and (
-            flat.specs == self._specs if self._specs is not None else flat.layout_key == self._layout
-        )
-        if not same or self._meta_need > self._meta_cap:
-            self._allocate(flat, max(self._meta_need, len(self._meta(flat, flat.layout_key))))
+        if flat.specs is not self._specs or self._mm is None:
+            # Comparing the specs is cheaper than their digest (a restarted worker's snapshot has only that);
+            # a planned snapshot hands over the very same specs object while its layout holds.
+            same = self._mm is not None and (
+                flat.specs == self._specs if self._specs is not None else flat.layout_key == self._layout
+            )
+            if not same:
+                self._allocate(flat, max(self._meta_need, len(self._meta(flat, flat.layout_key))))
+                self._meta_need = 0
+            self._specs = flat.specs
+            self._routes = {}
+        if self._meta_need > self._meta_cap:
+            self._allocate(flat, self._meta_need)
             self._meta_need = 0
-        self._specs = flat.specs
         with self._cond:
             while True:
                 # The oldest slot that is neither the newest snapshot nor pinned by a durable write: with
@@ -363,20 +437,30 @@ class MemorySnapshot:
         dests = self._dests.get(slot)
         if dests is None:
             dests = self._dests[slot] = destinations(flat.specs, self.data(slot, flat.nbytes))
-        later: list[int] = []
         event = None
-        on_gpu = [i for i, t in enumerate(flat.tensors) if t.is_cuda and dests[i] is not None]
-        if not on_gpu and self.inline(flat):
-            background = False
+        on_gpu = self._on_gpu(flat, dests)
         if on_gpu:
             event = self._copy_from_gpu(flat, dests, on_gpu, defer)
-        for i, (dst, src) in enumerate(zip(dests, flat.tensors, strict=True)):
-            if dst is None or src.is_cuda:
-                continue
-            if i in defer and background:
-                later.append(i)
-            else:
-                dst.copy_(src)
+            later: list[int] = []
+            for i, (dst, src) in enumerate(zip(dests, flat.tensors, strict=True)):
+                if dst is None or src.is_cuda:
+                    continue
+                if i in defer and background:
+                    later.append(i)
+                else:
+                    dst.copy_(src)
+        else:
+            # A small state is copied here whole: waking the copier thread for its copies (and, on a
+            # machine whose cores all train, waiting for it to be scheduled) costs more than the copies.
+            small = flat.nbytes <= INLINE_BYTES  # (no CUDA tensor here)
+            now, later, now_dests, pick = self._route(slot, flat, defer if background and not small else ())
+            if now and self.stats.record:
+                t0, c0 = time.perf_counter(), time.thread_time()
+                torch._foreach_copy_(now_dests, pick(flat.tensors))
+                self.stats.copy_s += time.perf_counter() - t0
+                self.stats.copy_cpu_s += time.thread_time() - c0
+            elif now:
+                torch._foreach_copy_(now_dests, pick(flat.tensors))
         self._seq += 1
         self._slot_seq[slot] = self._seq
         device = flat.tensors[on_gpu[0]].device if on_gpu else None
@@ -386,30 +470,70 @@ class MemorySnapshot:
             self._copy(job)
             self._seal(job)
             return slot
+        # The seal (metadata, checksums, header) always runs on the copier thread: it costs the training
+        # thread nothing, and the slot is not valid before it is done.
         with self._cond:
-            self._job, self._copying, self._sealing = job, True, slot
+            self._job, self._copying, self._sealing = job, bool(later), slot
             if self._worker is None or not self._worker.is_alive():
                 self._worker = threading.Thread(target=self._work, name="ckpt-memory-copy", daemon=True)
                 self._worker.start()
             self._cond.notify_all()
         return slot
 
+    def _route(
+        self, slot: int, flat: Flat, defer: Container[int]
+    ) -> tuple[list[int], list[int], list[Any], Any]:
+        """The tensors copied now and those the copier copies, kept per slot and layout: (indices now,
+        indices later, destinations now, a function picking the sources now from ``flat.tensors``)."""
+        cached = self._routes.get(slot)
+        if cached is not None and cached[0] is flat.specs and (cached[1] is defer or cached[1] == defer):
+            return cached[2]
+        dests = self._dests[slot]
+        now = [i for i, d in enumerate(dests) if d is not None and i not in defer]
+        later = [i for i, d in enumerate(dests) if d is not None and i in defer]
+        take = operator.itemgetter(*now) if len(now) > 1 else None
+
+        def pick(ts: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+            return list(take(ts)) if take is not None else [ts[i] for i in now]
+
+        route = (now, later, [dests[i] for i in now], pick)
+        self._routes[slot] = (flat.specs, defer, route)
+        return route
+
+    def _on_gpu(self, flat: Flat, dests: list[torch.Tensor | None]) -> list[int]:
+        """Indices of the CUDA tensors of ``flat`` (decided once per specs object: a planned snapshot's
+        tensors keep their device while its plan holds)."""
+        cached = self._gpu
+        if cached is not None and cached[0] is flat.specs:
+            return cached[1]
+        on_gpu = [i for i, t in enumerate(flat.tensors) if t.is_cuda and dests[i] is not None]
+        self._gpu = (flat.specs, on_gpu)
+        return on_gpu
+
     @staticmethod
     def inline(flat: Flat) -> bool:
-        """Whether :meth:`save` copies and seals ``flat`` itself (a small state, with no CUDA tensor).
+        """Whether :meth:`save` copies all of ``flat`` itself (a small state, with no CUDA tensor).
 
-        Waking the copier thread (and, on a machine whose cores are all busy training, waiting for it to be
-        scheduled) costs more than copying and hashing a few MiB.
+        Waking the copier thread for the copies (and, on a machine whose cores are all busy training,
+        waiting for it to be scheduled) costs more than copying a few MiB. The seal runs on the copier
+        thread either way.
         """
         return flat.nbytes <= INLINE_BYTES and not any(t.is_cuda for t in flat.tensors)
 
-    def _meta(self, flat: Flat, key: str) -> bytes:
-        # The specs only change with the layout: their JSON is built once per layout, the skeleton's per step.
+    def _meta_parts(self, flat: Flat, key: str) -> tuple[bytes, bytes]:
+        """The slot's metadata as (prefix, rest): ``{"specs":[…],"skeleton":…}``, cut after the specs.
+
+        The specs only change with the layout: their JSON is built once per layout (and written once per
+        slot), the skeleton's per step.
+        """
         if self._specs_json[0] != key:
             specs = json.dumps([s.to_json() for s in flat.specs], separators=(",", ":"))
-            self._specs_json = (key, specs.encode())
-        skeleton = json.dumps(flat.skeleton, separators=(",", ":"), allow_nan=True).encode()
-        return b'{"skeleton":' + skeleton + b',"specs":' + self._specs_json[1] + b"}"
+            self._specs_json = (key, b'{"specs":' + specs.encode() + b',"skeleton":')
+        return self._specs_json[1], self._skeleton_json.dumps(flat.skeleton) + b"}"
+
+    def _meta(self, flat: Flat, key: str) -> bytes:
+        prefix, rest = self._meta_parts(flat, key)
+        return prefix + rest
 
     def _copy_from_gpu(
         self, flat: Flat, dests: list[torch.Tensor | None], on_gpu: list[int], defer: Container[int]
@@ -484,10 +608,9 @@ class MemorySnapshot:
     @staticmethod
     def _copy(job: _CopyJob) -> None:
         """The deferred CPU copies (GPU copies run on the side stream meanwhile)."""
-        for i in job.later:
-            dst = job.dests[i]
-            assert dst is not None
-            dst.copy_(job.flat.tensors[i])
+        if job.later:
+            dests, tensors = job.dests, job.flat.tensors
+            torch._foreach_copy_([dests[i] for i in job.later], [tensors[i] for i in job.later])  # type: ignore[misc]
 
     def _seal(self, job: _CopyJob) -> None:
         """Write the metadata, checksum data and metadata, then publish the header (the slot is valid)."""
@@ -495,20 +618,24 @@ class MemorySnapshot:
             assert self._mm is not None
             if job.event is not None:
                 job.event.synchronize()
-            meta = self._meta(job.flat, self._layout)  # save re-allocates for any other layout
-            if len(meta) > self._meta_cap:
+            prefix, rest = self._meta_parts(job.flat, self._layout)  # save re-allocates for another layout
+            meta_len = len(prefix) + len(rest)
+            if meta_len > self._meta_cap:
                 # Left unsealed (the previous snapshot stays the valid one); the next save makes room.
-                log.warning("memory_snapshot_meta_grew", path=self.path, step=job.step, bytes=len(meta))
-                self._meta_need = 2 * len(meta)
+                log.warning("memory_snapshot_meta_grew", path=self.path, step=job.step, bytes=meta_len)
+                self._meta_need = 2 * meta_len
                 return
             base = self._slot_base(job.slot)
-            self._mm[base + PAGE : base + PAGE + len(meta)] = meta
+            if self._meta_prefix.get(job.slot) != self._layout:  # what changed: the skeleton, every step
+                self._mm[base + PAGE : base + PAGE + len(prefix)] = prefix
+                self._meta_prefix[job.slot] = self._layout
+            self._mm[base + PAGE + len(prefix) : base + PAGE + meta_len] = rest
             mv = memoryview(self._mm)
-            sum_meta = checksum(mv[base + PAGE : base + PAGE + len(meta)])
+            sum_meta = checksum(mv[base + PAGE : base + PAGE + meta_len])
             start = base + PAGE + self._meta_cap
             sum_data = checksum(mv[start : start + job.flat.nbytes])
             del mv
-            header = _SLOT.pack(VALID, job.step, job.seq, sum_data, sum_meta, len(meta), job.flat.nbytes)
+            header = _SLOT.pack(VALID, job.step, job.seq, sum_data, sum_meta, meta_len, job.flat.nbytes)
             self._mm[base + _SLOT.size : base + _SLOT.size + 4] = _SLOT_CRC.pack(zlib.crc32(header))
             self._mm[base : base + _SLOT.size] = header
             self.sealed_step = job.step

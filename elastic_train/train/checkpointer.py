@@ -41,8 +41,12 @@ class Manager(Protocol):
         """Collective: the newest valid state anywhere (``.step``, ``.state``, ``.source``) or ``None``."""
         ...
 
-    def save(self, step: int, state: Callable[[], Mapping[str, Any]]) -> None:
-        """Snapshot and/or checkpoint ``state()`` when due at ``step`` (it is built only then)."""
+    def save(self, step: int, state: Callable[[], Any]) -> None:
+        """Snapshot and/or checkpoint ``state()`` when due at ``step`` (it is built only then).
+
+        ``state`` returns the state's mapping, or, for a manager whose ``planned_snapshots`` is True, the
+        state already flattened (:meth:`TrainState.snapshot`).
+        """
         ...
 
     def finalize(self, step: int, state: Mapping[str, Any]) -> Any: ...
@@ -161,7 +165,15 @@ class Checkpointer:
             StateMismatch: it does not fit the optimizer, the dataset or an extra object.
             CheckpointError: storage failure or an unreadable ``resume_from``.
         """
-        restored = self.manager.restore(model=self.state.model.state_dict())
+        model = self.state.model.state_dict()
+        if getattr(self.manager, "planned_snapshots", False) is True:
+            # Restored bytes land in the parameters and optimizer buffers themselves where they fit: no
+            # snapshot copy may still be reading them.
+            if isinstance(self.manager, Fenced):
+                self.manager.fence()
+            restored = self.manager.restore(model=model, into=self.state.restore_targets)  # type: ignore[call-arg]
+        else:
+            restored = self.manager.restore(model=model)
         self._restored = True
         self._last_commit = time.perf_counter()
         if restored is None:
@@ -250,7 +262,9 @@ class Checkpointer:
         step = self.step
         for hook in self.hooks:
             hook(step)
-        self.manager.save(step, self.state.state_dict)
+        # A manager that takes a flattened state gets the planned one (no state dicts built per step).
+        planned = getattr(self.manager, "planned_snapshots", False) is True
+        self.manager.save(step, self.state.snapshot if planned else self.state.state_dict)
         self._report_commit()
         if self.events.enabled:
             now = time.perf_counter()

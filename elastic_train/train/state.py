@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import Any, Protocol
+from collections.abc import Callable, Mapping, Sequence
+from operator import attrgetter
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from elastic_train.checkpoint.plan import Fixed, Planner
 from elastic_train.train import rng
 from elastic_train.train.errors import NotStateful, StateMismatch
 from elastic_train.train.sampler import ElasticBatchSampler, ElasticSampler
+
+if TYPE_CHECKING:
+    from elastic_train.checkpoint.codec import Flat, TensorSpec
 
 
 class Stateful(Protocol):
@@ -33,6 +38,158 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
             model = model._orig_mod
         else:
             return model
+
+
+_shape = attrgetter("shape")
+_dtype = attrgetter("dtype")
+_ptr = torch.Tensor.data_ptr
+
+
+def _marks(tensors: list[torch.Tensor]) -> tuple[list[int], list[int], list[Any], list[Any]]:
+    """Identity, storage, shape and dtype of each tensor: what must not change under a planned snapshot."""
+    return (
+        list(map(id, tensors)),
+        list(map(_ptr, tensors)),
+        list(map(_shape, tensors)),
+        list(map(_dtype, tensors)),
+    )
+
+
+class _ModelPart:
+    """The model's tensors for a planned snapshot, re-read only when the module tree changes.
+
+    A module whose state dict is not its plain parameters and persistent buffers (a custom
+    ``state_dict``/``_save_to_state_dict``, extra state, state-dict hooks) is read from ``state_dict()`` at
+    every step instead.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.key = 0
+        self.plain = False
+        self._refresh()
+
+    def _refresh(self) -> None:
+        self.key += 1
+        Module = torch.nn.Module
+        modules = list(self.model.modules())
+        self.plain = all(
+            type(m).state_dict is Module.state_dict
+            and type(m)._save_to_state_dict is Module._save_to_state_dict
+            and type(m).get_extra_state is Module.get_extra_state
+            and not m._state_dict_hooks
+            and not m._state_dict_pre_hooks
+            for m in modules
+        )
+        live = list(self.model.state_dict(keep_vars=True).values())
+        if not self.plain or not all(isinstance(t, torch.Tensor) for t in live):
+            self.plain = False  # read from state_dict() at every step
+            return
+        # Every registry a state dict is read from: a new, removed or replaced parameter, buffer or
+        # submodule (or a hook) changes a length or an identity here.
+        self._dicts = [
+            d
+            for m in modules
+            for d in (
+                m._parameters,
+                m._buffers,
+                m._modules,
+                m._non_persistent_buffers_set,
+                m._state_dict_hooks,
+                m._state_dict_pre_hooks,
+            )
+        ]
+        self._lens = list(map(len, self._dicts))
+        self._members = [m.__dict__[k] for m in modules for k in ("_parameters", "_buffers", "_modules")]
+        self._ids = [id(v) for d in self._members for v in d.values()]
+        self._live = live
+        self._marks = _marks(live)
+        self.fixed = Fixed(self.key, [t.detach() for t in live], self.model.state_dict)
+
+    def part(self) -> Any:
+        if not self.plain:
+            return self.model.state_dict()
+        if (
+            list(map(len, self._dicts)) != self._lens
+            or [id(v) for d in self._members for v in d.values()] != self._ids
+            or _marks(self._live) != self._marks
+        ):
+            self._refresh()
+            if not self.plain:
+                return self.model.state_dict()
+        return self.fixed
+
+
+class _OptimizerPart:
+    """A ``torch.optim.Optimizer``'s state for a planned snapshot: the per-parameter tensors are fixed
+    (re-read when a parameter, a group or a state entry appears, goes or is replaced), the param groups'
+    hyper-parameters are read at every step (a scheduler changes them)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.opt = optimizer
+        self.key = 0
+        self.plain = False
+        self._refresh()
+
+    def _refresh(self) -> None:
+        self.key += 1
+        opt = self.opt
+        base = torch.optim.Optimizer
+        dicts = list(opt.state.values())
+        tensors = [v for d in dicts for v in d.values()]
+        self.plain = (
+            type(opt).state_dict is base.state_dict
+            and not opt._optimizer_state_dict_pre_hooks
+            and not opt._optimizer_state_dict_post_hooks
+            and all(isinstance(t, torch.Tensor) for t in tensors)
+            and all(isinstance(p, torch.Tensor) for p in opt.state)
+        )
+        if not self.plain:  # read from state_dict() at every step
+            return
+        # The index lists of the packed param groups, as Optimizer.state_dict numbers the parameters.
+        mapping: dict[int, int] = {}
+        self._indices = []
+        for g in opt.param_groups:
+            for p in g["params"]:
+                mapping.setdefault(id(p), len(mapping))
+            self._indices.append([mapping[id(p)] for p in g["params"]])
+        self._params = [id(p) for g in opt.param_groups for p in g["params"]]
+        self._groups = len(opt.param_groups)
+        self._keys = list(map(id, opt.state))
+        self._dict_ids = list(map(id, dicts))
+        self._dicts = dicts
+        self._lens = list(map(len, dicts))
+        self._tensors = tensors
+        # Identity and storage: an optimizer's own buffers are replaced (load_state_dict), not reshaped.
+        self._marks = list(map(id, tensors)), list(map(_ptr, tensors))
+        self.fixed = Fixed(self.key, tensors, lambda: self.opt.state_dict()["state"])
+
+    def _same(self) -> bool:
+        opt = self.opt
+        return (
+            len(opt.param_groups) == self._groups
+            and [id(p) for g in opt.param_groups for p in g["params"]] == self._params
+            and list(map(id, opt.state)) == self._keys
+            and list(map(id, opt.state.values())) == self._dict_ids
+            and list(map(len, self._dicts)) == self._lens
+            and self._same_tensors()
+        )
+
+    def _same_tensors(self) -> bool:
+        tensors = [v for d in self._dicts for v in d.values()]
+        return list(map(id, tensors)) == self._marks[0] and list(map(_ptr, tensors)) == self._marks[1]
+
+    def part(self) -> Any:
+        if not self.plain or not self._same():
+            self._refresh()
+            if not self.plain:
+                return self.opt.state_dict()
+        groups = []
+        for g, indices in zip(self.opt.param_groups, self._indices, strict=True):
+            packed = {k: v for k, v in g.items() if k != "params"}
+            packed["params"] = indices
+            groups.append(packed)
+        return {"state": self.fixed, "param_groups": groups}
 
 
 class TrainState:
@@ -85,6 +242,57 @@ class TrainState:
         self.step = 0
         #: Facts about the group that saved the state (``world_size``, ``round``), stored as ``extra``.
         self.meta: dict[str, Any] = {}
+        self._planner: Planner | None = None
+        self._parts: tuple[_ModelPart, _OptimizerPart | None] | None = None
+
+    def snapshot(self) -> Flat:
+        """The checkpoint state flattened, as ``flatten(self.state_dict())`` but planned: the model's and the
+        optimizer's tensors are re-read only when their structure changes (see
+        :mod:`elastic_train.checkpoint.plan`), which keeps a snapshot's Python per step small.
+
+        Raises:
+            CheckpointError: the state holds something that cannot be checkpointed.
+        """
+        if self._planner is None or self._parts is None:
+            self._planner = Planner()
+            opt = self.optimizer
+            plain_opt = isinstance(opt, torch.optim.Optimizer)
+            self._parts = (_ModelPart(self.model), _OptimizerPart(opt) if plain_opt else None)  # type: ignore[arg-type]
+        model, opt_part = self._parts
+        state: dict[str, Any] = {
+            "model": model.part(),
+            "optimizer": (
+                opt_part.part()
+                if opt_part is not None
+                else self.optimizer.state_dict()
+                if self.optimizer is not None
+                else None
+            ),
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "scaler": None,
+            "sampler": self.sampler.state_dict() if self.sampler is not None else None,
+            "rng": rng.capture(),
+            "step": self.step,
+            "extra": dict(self.meta),
+        }
+        if self.extra:
+            state["objects"] = {name: obj.state_dict() for name, obj in self.extra.items()}
+        return self._planner.flat(state)
+
+    def restore_targets(self, specs: Sequence[TensorSpec]) -> list[torch.Tensor | None]:
+        """For each tensor of a restored state, the live tensor :meth:`load_state_dict` would put it into
+        (a parameter or buffer of the model, an existing optimizer buffer), or None.
+
+        A restore writes the bytes straight into those whose dtype and shape match (see
+        ``CheckpointManager.restore(into=...)``), so loading the state copies nothing more for them.
+        """
+        live: dict[str, torch.Tensor] = {f"/model/{k}": v for k, v in self.model.state_dict().items()}
+        if self.optimizer is not None and isinstance(self.optimizer, torch.optim.Optimizer):
+            for index, per_param in self.optimizer.state_dict()["state"].items():
+                for key, value in per_param.items():
+                    if isinstance(value, torch.Tensor):
+                        live[f"/optimizer/state/{index}/{key}"] = value
+        return [live.get(s.path) for s in specs]
 
     def state_dict(self) -> dict[str, Any]:
         """The checkpoint state; tensors are referenced, not copied (the checkpoint manager copies them)."""

@@ -66,28 +66,53 @@ def test_breakdown_reports_a_fault_that_never_recovered() -> None:
     }
 
 
-def test_recovery_target_compares_restore_with_bytes_over_bandwidth() -> None:
-    runs = [{"state_mb": 100, "faults": {"kill-node": {"restore": 0.3, "state_bytes": 200_000_000}}}]
-    (t,) = recovery.targets(runs, bandwidth=1e9)  # ideal 0.2 s
-    assert t["status"] == "met" and "1.5x" in t["figure"]
-    runs[0]["faults"]["kill-node"]["restore"] = 0.5
-    assert recovery.targets(runs, bandwidth=1e9)[0]["status"] == "missed"
+def test_recovery_targets_hold_one_receiver_from_100_mb_to_1_3x_and_0_9x_of_the_link() -> None:
+    def fault(restore: float, nbytes: int, broadcast: float) -> dict:
+        return {"restore": restore, "state_bytes": nbytes, "broadcast_s": broadcast}
+
+    runs = [
+        {"state_mb": 10, "faults": {"kill-node": fault(0.05, 10_000_000, 0.02)}},
+        {"state_mb": 100, "faults": {"kill-node": fault(0.12, 100_000_000, 0.105),
+                                     "add-node": fault(0.5, 100_000_000, 0.4)}},
+        {"state_mb": 1000, "faults": {"kill-node": fault(1.25, 1_000_000_000, 1.08)}},
+    ]  # fmt: skip
+    whole, rate = recovery.targets(runs, bandwidth=1e9)  # ideal: 0.1 s and 1 s
+    assert whole["status"] == "met" and "100 MB kill-node: 0.12 s = 1.20x" in whole["figure"]
+    assert "10 MB" not in whole["figure"] and "add-node: 0.50 s = 5.00x" in whole["why"]
+    assert rate["status"] == "met" and "1000 MB: 0.93x" in rate["figure"]
+    runs[2]["faults"]["kill-node"] = fault(1.4, 1_000_000_000, 1.2)
+    whole, rate = recovery.targets(runs, bandwidth=1e9)
+    assert (whole["status"], rate["status"]) == ("missed", "missed")
+    assert [t["status"] for t in recovery.targets([], bandwidth=1e9)] == ["not measured", "not measured"]
 
 
-def test_overhead_targets_use_the_all_in_figure_for_long_steps() -> None:
-    def run(name: str, plain: float, loop: float, allin: float) -> dict:
+def test_overhead_targets_hold_long_steps_to_3_short_ones_to_5_percent_and_the_python_to_0_2_ms() -> None:
+    def run(name: str, plain: float, loop: float, allin: float, floor: float, python: float | None) -> dict:
         return {
             "config": name,
             "state_mb": 38.0,
             "plain_step_s": plain,
             "loop_ratio": loop,
             "allin_ratio": allin,
+            "copy_floor_ratio": floor,
+            "snapshot_python_s": python,
         }
 
-    runs = [run("17ms", 0.017, 1.01, 1.08), run("200ms", 0.2, 1.0, 1.02), run("1s", 1.0, 0.99, 1.04)]
-    big, small, loop = overhead.targets(runs)
+    runs = [
+        run("17ms", 0.017, 1.01, 1.045, 1.02, 0.15e-3),
+        run("200ms", 0.2, 1.0, 1.02, 1.01, 0.18e-3),
+        run("1s", 1.0, 0.99, 1.04, 1.035, None),
+    ]
+    big, small, python, loop = overhead.targets(runs)
     assert big["status"] == "missed" and "+4.00%" in big["figure"] and "17ms" not in big["figure"]
-    assert small["status"] == "reported" and "+8.00%" in small["figure"]
+    assert "1s (38 MB): +4.00% (copy floor 3.5%)" in big["figure"] and "1s: the copy floor" in big["why"]
+    assert small["status"] == "met" and "+4.50% (copy floor 2.0%)" in small["figure"]
+    assert python["status"] == "met" and python["figure"] == "17ms: 0.150 ms, 200ms: 0.180 ms"
     assert loop["status"] == "met"
     runs[2]["allin_ratio"] = 1.03
-    assert overhead.targets(runs)[0]["status"] == "met"
+    runs[0]["allin_ratio"] = 1.051
+    runs[1]["snapshot_python_s"] = 0.21e-3
+    big, small, python, _ = overhead.targets(runs)
+    assert (big["status"], small["status"], python["status"]) == ("met", "missed", "missed")
+    runs[0]["plain_step_s"] = 0.25  # a loaded machine stretches the short step: it stays a short one
+    assert "17ms" in overhead.targets(runs)[1]["figure"]

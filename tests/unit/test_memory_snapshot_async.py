@@ -330,14 +330,91 @@ def test_trainer_attaches_its_optimizer_and_resumes_from_the_async_snapshot(memd
         assert torch.equal(second.model.state_dict()[key], value), key
 
 
-def test_small_cpu_states_are_copied_and_sealed_inside_save(memdir, tmp_path, monkeypatch):
+def test_small_cpu_states_are_copied_inside_save_and_sealed_by_the_copier(memdir, tmp_path, monkeypatch):
+    """Below INLINE_BYTES save copies every tensor itself; the checksums are computed on the copier thread,
+    and the slot is not valid before they are."""
     monkeypatch.setattr(memory_mod, "INLINE_BYTES", 4 << 20)
+    release, entered = threading.Event(), threading.Event()
+    original = MemorySnapshot._seal
+
+    def held_seal(self, job):
+        entered.set()
+        assert release.wait(30), "seal never released"
+        original(self, job)
+
+    monkeypatch.setattr(MemorySnapshot, "_seal", held_seal)
     model, opt = trained()
     m = manager(memdir, tmp_path)
     m.attach(opt)
+    expected = clone(state_of(model, opt, 1))
     m.save(1, lambda: state_of(model, opt, 1))
-    assert m.memory is not None and m.memory._worker is None and m.memory.sealed_step == 1
+    assert m.memory is not None and entered.wait(10)
+    assert m.memory.sealed_step is None and MemorySnapshot(memdir, "run", 0).newest_valid() is None
+    m.fence()  # nothing left to copy: the optimizer may step while the seal runs
+    step(model, opt)
+    release.set()
+    m.memory.wait_idle()
+    assert m.memory.sealed_step == 1
     m.close()
+    got_step, got = snapshot(memdir)
+    assert (
+        got_step == 1
+        and same(got["model"], expected["model"])
+        and same(got["optimizer"], expected["optimizer"])
+    )
+
+
+_SEAL_CRASHER = textwrap.dedent(
+    """
+    import sys, time
+    import torch
+    from elastic_train.checkpoint import CheckpointConfig, CheckpointManager
+    from elastic_train.checkpoint.memory import MemorySnapshot
+
+    memdir, url = sys.argv[1], sys.argv[2]
+    original = MemorySnapshot._seal
+
+    def stalled(self, job):  # every byte of step 2 is copied; the test kills us before its seal
+        if job.step == 2:
+            assert not job.later
+            print("copied", flush=True)
+            time.sleep(60)
+        original(self, job)
+
+    MemorySnapshot._seal = stalled
+    params = [torch.full((1000,), float(i)) for i in range(8)]
+    cfg = CheckpointConfig(url=url, every_steps=0, memory_every_steps=1, memory_dir=memdir)
+    m = CheckpointManager(cfg, "run", rank=0, world_size=1, local_rank=0)
+    m.save(1, lambda: {"params": params, "step": 1})
+    for p in params:
+        p.sub_(1)
+    m.save(2, lambda: {"params": params, "step": 2})
+    time.sleep(60)
+    """
+)
+
+
+def test_kill_after_the_copy_before_the_seal_leaves_the_previous_step_valid(
+    memdir, tmp_path, reaper, monkeypatch
+):
+    """A slot whose bytes are all copied but whose checksums are not yet written is never restored."""
+    monkeypatch.setenv(memory_mod.ENV_SHM_OWNER, str(os.getpid()))
+    proc = reaper.popen(
+        [sys.executable, "-c", _SEAL_CRASHER, memdir, str(tmp_path / "c")],
+        stdout=subprocess.PIPE,
+        env={**os.environ, memory_mod.ENV_SHM_OWNER: str(os.getpid())},
+    )
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.strip() == b"copied":
+            break
+    else:
+        pytest.fail(f"the snapshot process ended (exit {proc.wait()}) before its copy")
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(10)
+    got_step, got = snapshot(memdir)
+    assert got_step == 1
+    assert all(torch.equal(t, torch.full((1000,), float(i))) for i, t in enumerate(got["params"]))
 
 
 def test_a_durable_checkpoint_waits_for_the_copy_it_reads(memdir, tmp_path, gate):

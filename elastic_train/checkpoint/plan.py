@@ -1,0 +1,141 @@
+"""A snapshot whose structure is planned once: each later step only reads what changes.
+
+Building a training state's dicts and flattening them (a skeleton, a spec per tensor, their layout) is the
+same work at every step for a state whose structure never changes, and at ~100+ tensors it costs the loop
+about a millisecond of Python per step. A :class:`Planner` walks a state in which the bulky parts (the
+model's tensors, the optimizer's per-parameter state) are :class:`Fixed`: their owner hands over the live
+tensors and a *key* that it changes whenever the part's structure changes. While every key and every other
+tensor's place is what it was, the previous step's specs, layout and skeleton of those parts are reused as
+they are: the step costs a walk over the small values (step, data cursor, RNG states, hyper-parameters),
+which change, and the list of tensors to copy. Anything else (a new key, a new param group, an optimizer
+buffer that appears, a scheduler whose state grows) builds a new plan from the parts' full state dicts.
+
+A :class:`Fixed` part's full state is also walked when it is first seen, and it is only cached when the
+tensors its owner hands over are exactly the ones its state dict holds (same storage, shape and dtype, in
+order); otherwise the part is read from its state dict every step. A wrong key therefore costs speed, and
+only a key that stays equal while the structure changes could place a tensor wrongly: owners derive their
+keys from identities, data pointers, shapes and dtypes (see ``elastic_train/train/state.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from elastic_train.checkpoint.codec import Flat, TensorSpec, Walker, layout_key
+from elastic_train.log import get_logger
+
+log = get_logger(__name__)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Fixed:
+    """A part of a state whose structure its owner vouches for.
+
+    Equal ``key``s (``==``) promise the same skeleton and the same tensors in ``tensors`` (same objects or
+    storage, order, shapes, dtypes): only their values change between steps.
+    """
+
+    key: Any
+    tensors: Sequence[torch.Tensor]
+    """The part's tensors in the order its state dict holds them (detached: nothing records autograd)."""
+    build: Callable[[], Any]
+    """The part's full state (its ``state_dict()``), walked when the part is planned."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Part:
+    key: Any
+    base: int
+    skeleton: Any
+    places: list[tuple[str, str, tuple[int, ...], int]]
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    signature: list[Any]
+    specs: tuple[TensorSpec, ...]
+    nbytes: int
+    layout: str
+
+
+class _PlanWalker(Walker):
+    __slots__ = ("fresh", "parts", "signature")
+
+    def __init__(self, parts: dict[str, _Part]) -> None:
+        super().__init__()
+        self.parts = parts
+        #: Per Fixed part (path, key, first tensor index), per other tensor its place: equal signatures,
+        #: equal layouts.
+        self.signature: list[Any] = []
+        self.fresh: dict[str, _Part] = {}
+
+    def add(self, t: torch.Tensor, path: str) -> int:
+        i = super().add(t, path)
+        self.signature.append((*self.places[-1], t.is_cuda))  # the copy is routed by device, once per plan
+        return i
+
+    def other(self, v: Any, path: str) -> Any:
+        if not isinstance(v, Fixed):
+            return super().other(v, path)
+        base = len(self.tensors)
+        part = self.parts.get(path)
+        if (
+            part is not None
+            and part.key == v.key
+            and part.base == base
+            and len(v.tensors) == len(part.places)
+        ):
+            self.tensors.extend(v.tensors)
+            self.places.extend(part.places)
+            self.signature.append((path, v.key, base))
+            self.fresh[path] = part
+            return part.skeleton
+        # Planned from the full state; the owner's tensors must be exactly the ones it holds.
+        mark = len(self.signature)
+        skeleton = self.enc(v.build(), path)
+        built = self.tensors[base:]
+        if len(built) == len(v.tensors) and all(
+            a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.dtype == b.dtype
+            for a, b in zip(built, v.tensors, strict=True)
+        ):
+            del self.signature[mark:]
+            self.signature.append((path, v.key, base))
+            self.fresh[path] = _Part(v.key, base, skeleton, self.places[base:])
+        else:  # read from its state dict at every step (its places are in the signature)
+            log.debug("snapshot_part_unplanned", path=path)
+        return skeleton
+
+
+class Planner:
+    """Flattens a state containing :class:`Fixed` parts, reusing the last plan while the structure holds.
+
+    Not thread-safe: one training loop uses it.
+    """
+
+    def __init__(self) -> None:
+        self._parts: dict[str, _Part] = {}
+        self._plan: _Plan | None = None
+        #: Plans built so far (the first snapshot's included).
+        self.plans = 0
+
+    def flat(self, state: Any) -> Flat:
+        """``state`` flattened: the same skeleton, specs and tensors as :func:`~codec.flatten` of the state
+        with each :class:`Fixed` part replaced by its ``build()``.
+
+        Raises:
+            CheckpointError: a value cannot be checkpointed (the message names its path).
+        """
+        walker = _PlanWalker(self._parts)
+        skeleton = walker.enc(state, "")
+        self._parts = walker.fresh
+        plan = self._plan
+        if plan is None or walker.signature != plan.signature:
+            specs = walker.specs()
+            plan = self._plan = _Plan(walker.signature, specs, walker.offset, layout_key(specs))
+            self.plans += 1
+            log.debug("snapshot_planned", tensors=len(specs), bytes=plan.nbytes, plans=self.plans)
+        return Flat(skeleton, plan.specs, tuple(walker.tensors), plan.nbytes, plan.layout)

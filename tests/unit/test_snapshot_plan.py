@@ -1,0 +1,250 @@
+"""The planned snapshot: built once, reused while the structure holds, re-planned (never copied wrong) when
+it changes: a new param group, optimizer state that appears late, a scheduler whose state grows, replaced
+tensors."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from elastic_train.checkpoint import CheckpointConfig, CheckpointManager
+from elastic_train.checkpoint.codec import flatten
+from elastic_train.train import rng
+from elastic_train.train.state import TrainState
+
+
+def equal(a: object, b: object) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, np.ndarray):
+        return isinstance(b, np.ndarray) and np.array_equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and list(a) == list(b) and all(equal(a[k], b[k]) for k in a)
+    if isinstance(a, list | tuple):
+        return type(a) is type(b) and len(a) == len(b) and all(equal(x, y) for x, y in zip(a, b, strict=True))  # type: ignore[arg-type]
+    return a == b
+
+
+def cloned(state: object) -> object:
+    if isinstance(state, torch.Tensor):
+        return state.clone()
+    if isinstance(state, np.ndarray):
+        return state.copy()
+    if isinstance(state, dict):
+        return {k: cloned(v) for k, v in state.items()}
+    if isinstance(state, list | tuple):
+        return type(state)(cloned(v) for v in state)
+    return state
+
+
+def as_flattened(ts: TrainState) -> None:
+    """The planned snapshot is exactly the flattened state dict: skeleton, specs and tensor values."""
+    planned, plain = ts.snapshot(), flatten(ts.state_dict())
+    assert planned.specs == plain.specs and planned.nbytes == plain.nbytes
+    assert planned.layout_key == plain.layout_key
+    # The RNG states are taken anew by each call: compare everything else exactly.
+    a, b = dict(planned.skeleton), dict(plain.skeleton)
+    assert a.pop("rng").keys() == b.pop("rng").keys()
+    assert json.dumps(a) == json.dumps(b)
+    for spec, x, y in zip(planned.specs, planned.tensors, plain.tensors, strict=True):
+        if not spec.path.startswith("/rng"):
+            assert torch.equal(x, y), spec.path
+
+
+class LateBuffer(torch.optim.Optimizer):
+    """SGD that creates a second buffer per parameter only at its third step."""
+
+    def __init__(self, params, lr: float = 0.1) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state[p]
+                state["n"] = state.get("n", torch.zeros(())) + 1
+                if state["n"] >= 3:
+                    buf = state.setdefault("avg", torch.zeros_like(p))
+                    buf.mul_(0.5).add_(p)
+                p.add_(p.grad, alpha=-group["lr"])
+
+
+class Growing:
+    """A scheduler-like object whose state grows at every step."""
+
+    def __init__(self) -> None:
+        self.history: list[float] = []
+
+    def step(self, value: float) -> None:
+        self.history.append(value)
+
+    def state_dict(self) -> dict:
+        return {"history": list(self.history), "last": torch.tensor(self.history[-1:] or [0.0])}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.history = list(state["history"])
+
+
+def make(opt_kind: str = "adam") -> tuple[torch.nn.Module, torch.optim.Optimizer, Growing, TrainState]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 3))
+    params = list(model[0].parameters()) + list(model[1].parameters())
+    opt: torch.optim.Optimizer = (
+        torch.optim.AdamW(params, lr=0.01) if opt_kind == "adam" else LateBuffer(params, lr=0.01)
+    )
+    sched = Growing()
+    return model, opt, sched, TrainState(model=model, optimizer=opt, scheduler=sched)
+
+
+def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Growing) -> None:
+    loss = model(torch.randn(5, 6)).square().mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    sched.step(float(loss.detach()))
+
+
+@pytest.fixture
+def mgr(memdir, tmp_path):
+    made = []
+
+    def new() -> CheckpointManager:
+        cfg = CheckpointConfig(url=str(tmp_path / "c"), memory_dir=memdir, every_steps=0)
+        m = CheckpointManager(cfg, "run", rank=0, world_size=1, local_rank=0)
+        made.append(m)
+        return m
+
+    yield new
+    for m in made:
+        m.close()
+
+
+def restored_state(new) -> tuple[int, dict]:
+    got = new().restore()
+    assert got is not None and got.source == "memory"
+    return got.step, got.state
+
+
+def test_planned_once_while_the_structure_holds_and_equal_to_the_flattened_state():
+    model, opt, sched, ts = make()
+    train_step(model, opt, sched)
+    ts.snapshot()
+    plans = ts._planner.plans  # type: ignore[union-attr]
+    for _ in range(5):
+        train_step(model, opt, sched)
+        opt.param_groups[0]["lr"] *= 0.5  # hyper-parameters are read at every step
+        as_flattened(ts)
+    # The scheduler's state grows at each step but holds one tensor of the same shape: no new plan.
+    assert ts._planner.plans == plans  # type: ignore[union-attr]
+    assert ts.snapshot().skeleton["optimizer"]["param_groups"][0]["lr"] == opt.param_groups[0]["lr"]
+
+
+@pytest.mark.parametrize("change", ["param_group", "late_state", "scheduler_grows", "data_swap", "loaded"])
+def test_a_structure_change_is_re_planned_and_restores_bit_identically(change, mgr):
+    model, opt, sched, ts = make("late" if change == "late_state" else "adam")
+    m = mgr()
+    m.attach(opt)
+    for n in range(1, 4):
+        train_step(model, opt, sched)
+        ts.step = n
+        m.save(n, ts.snapshot)
+    plans = ts._planner.plans  # type: ignore[union-attr]
+    if change == "param_group":
+        opt.add_param_group({"params": list(model[2].parameters()), "lr": 0.5})
+    elif change == "scheduler_grows":
+        sched.state_dict = lambda: {"history": list(sched.history), "extra": torch.arange(len(sched.history))}  # type: ignore[method-assign]
+    elif change == "data_swap":
+        model[0].weight.data = torch.full_like(model[0].weight, 7.0)  # same Parameter, new storage
+    elif change == "loaded":
+        opt.load_state_dict(cloned(opt.state_dict()))  # every optimizer state tensor replaced
+    for n in range(4, 7):
+        train_step(model, opt, sched)
+        ts.step = n
+        m.save(n, ts.snapshot)
+        as_flattened(ts)
+    expected = cloned(ts.state_dict())
+    m.close()
+    assert ts._planner.plans > plans or change == "loaded"  # type: ignore[union-attr]
+    step, got = restored_state(mgr)
+    assert step == 6
+    assert equal(got["model"], expected["model"])  # type: ignore[index]
+    assert equal(got["optimizer"], expected["optimizer"])  # type: ignore[index]
+    assert equal(got["scheduler"], expected["scheduler"])  # type: ignore[index]
+    if change == "late_state":
+        assert all("avg" in s for s in got["optimizer"]["state"].values())
+    if change == "param_group":
+        assert len(got["optimizer"]["param_groups"]) == 2
+    # …and it loads: a fresh set of objects takes it and continues.
+    model2, opt2, _, ts2 = make("late" if change == "late_state" else "adam")
+    if change == "param_group":
+        opt2.add_param_group({"params": list(model2[2].parameters()), "lr": 0.5})
+    ts2.load_state_dict(got)
+    assert equal(model2.state_dict(), model.state_dict())
+    assert equal(opt2.state_dict(), opt.state_dict())
+
+
+def test_a_replaced_parameter_and_a_new_buffer_are_seen(mgr):
+    model, opt, sched, ts = make()
+    train_step(model, opt, sched)
+    ts.snapshot()
+    model[2].weight = torch.nn.Parameter(torch.ones(3, 8))
+    model[2].register_buffer("seen", torch.arange(4.0))
+    as_flattened(ts)
+    assert "seen" in json.dumps(ts.snapshot().skeleton["model"])
+
+
+def test_a_state_dict_hook_registered_later_is_honoured():
+    model, opt, sched, ts = make()
+    train_step(model, opt, sched)
+    ts.snapshot()
+
+    def renamed(module, state, prefix, local_metadata):
+        return {("hooked." + k): v for k, v in state.items()}
+
+    model._register_state_dict_hook(renamed)
+    as_flattened(ts)
+    assert all(k.startswith("hooked.") for k in ts.snapshot().skeleton["model"])
+
+
+def test_a_model_with_a_custom_state_dict_is_read_every_step():
+    class Extra(torch.nn.Linear):
+        def get_extra_state(self):
+            return {"calls": self.calls}
+
+        def set_extra_state(self, state):
+            self.calls = state["calls"]
+
+    torch.manual_seed(0)
+    model = Extra(2, 2)
+    model.calls = 0
+    ts = TrainState(model=model)
+    for n in range(3):
+        model.calls = n
+        assert ts.snapshot().skeleton["model"]["_extra_state"] == {"calls": n}
+
+
+def test_numpy_rng_capture_is_exact_across_draws_and_pending_gaussians():
+    np.random.seed(1)
+    for draw in [
+        lambda: None,
+        np.random.rand,
+        np.random.randn,
+        lambda: None,
+        np.random.randn,
+        np.random.randn,
+    ]:
+        draw()
+        got = rng.capture()["numpy"]
+        name, keys, pos, has_gauss, cached = np.random.get_state()
+        assert got[0] == name and np.array_equal(got[1].numpy(), keys.astype("int64"))
+        assert (got[2], got[3], got[4]) == (pos, has_gauss, cached)
+    # Restoring puts the generator back; the next capture is of the restored state.
+    saved = rng.capture()
+    first = np.random.rand(3)
+    random.random()
+    rng.restore(saved)
+    assert np.array_equal(np.random.rand(3), first)
