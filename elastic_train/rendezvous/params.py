@@ -35,6 +35,7 @@ ETCD3_DYNAMIC = "etcd3-dynamic"
 CONF_KEYS = (
     "lease_ttl",
     "settle",
+    "join_window",
     "join_timeout",
     "failure_budget",
     "keepalive_interval",
@@ -82,6 +83,7 @@ DYNAMIC_INSTEAD = {
     "lease_ttl": "liveness is torch's heartbeat (keep_alive_interval, heartbeat_timeout)",
     "keepalive_interval": "liveness is torch's heartbeat (keep_alive_interval, heartbeat_timeout)",
     "settle": "rounds close after torch's last_call_timeout",
+    "join_window": "rounds close after torch's last_call_timeout",
     "failure_budget": "restarts are counted by torchrun's --max-restarts",
 }
 #: Default of ``state_ttl`` (etcd3-dynamic): torch's etcd-v2 backend keeps its state two hours after a write.
@@ -89,6 +91,7 @@ DEFAULT_STATE_TTL = 7200
 _FLOATS = (
     "lease_ttl",
     "settle",
+    "join_window",
     "join_timeout",
     "keepalive_interval",
     "connect_timeout",
@@ -280,6 +283,8 @@ def rdzv_conf(cfg: RendezvousConfig) -> dict[str, str]:
         "rpc_timeout": f"{cfg.rpc_timeout:g}",
         "identity_wait": f"{cfg.identity_wait:g}",
     }
+    if cfg.join_window is not None:
+        out["join_window"] = f"{cfg.join_window:g}"
     if cfg.keepalive_interval is not None:
         out["keepalive_interval"] = f"{cfg.keepalive_interval:g}"
     if cfg.user is not None:
