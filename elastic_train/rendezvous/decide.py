@@ -16,7 +16,7 @@ REASONS = ("start", "failure", "lost", "scale", "excluded")
 FAILURE_REASONS = frozenset({"failure", "lost"})
 
 #: Quiet window used instead of ``settle`` when every live node joined a round that follows an earlier one.
-ALL_JOINED_SETTLE = 0.2
+ALL_JOINED_SETTLE = 0.05
 
 
 @dataclass(frozen=True, slots=True)

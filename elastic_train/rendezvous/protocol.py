@@ -135,6 +135,8 @@ class ProtocolSettings:
     """The settings every node of the run must share (``None``: not checked)."""
     identity_wait: float = 120.0
     """Seconds a node whose identity differs from a live run's waits for that run's nodes to go away."""
+    hot: bool = True
+    """Membership changes are handled by the workers in-process where they can (:mod:`.hot`)."""
 
     @classmethod
     def from_config(cls, cfg: RendezvousConfig) -> ProtocolSettings:
@@ -150,6 +152,7 @@ class ProtocolSettings:
             failure_budget=cfg.failure_budget,
             keepalive_interval=cfg.keepalive_interval,
             identity_wait=cfg.identity_wait,
+            hot=cfg.hot,
         )
 
 
@@ -506,6 +509,12 @@ class Participant:
                 self._waiting_cause = self._classify(rec, live, joins, local_failure=False)
             return n
 
+    def lost_members(self) -> set[str]:
+        """Members of this node's round whose lease is gone."""
+        with self.view.cond:
+            live = self._live()
+            return {m for m in self.members if m not in live}
+
     def _classify(
         self, rec: RoundRecord | None, live: set[str], joins: dict[str, Joiner], *, local_failure: bool
     ) -> str:
@@ -555,7 +564,9 @@ class Participant:
             if step is not None:
                 self._etcd_step(state.deadline, self._try_close, step)
                 with self.view.cond:  # let the watch deliver the outcome before deciding again
-                    self.view.cond.wait(0.2)
+                    rec, _ = self._round_record()
+                    if rec is None or rec.round < step.target:  # not delivered while the close ran
+                        self.view.cond.wait(0.2)
 
     def _begin_join(self) -> JoinState:
         """The first target round and why this node joins; refuses a taken-over or closed run."""

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from elastic_train.checkpoint.config import CheckpointConfig
 from elastic_train.log import get_logger
+from elastic_train.train import hot
 from elastic_train.train.errors import NotStateful, TrainingError
 from elastic_train.train.events import EventWriter
 from elastic_train.train.group import World, current_world
@@ -159,6 +160,8 @@ class Checkpointer:
             CheckpointError: storage failure or an unreadable ``resume_from``.
         """
         restored = self.manager.restore(model=self.state.model.state_dict())
+        # a process that re-formed its group in-process may hold the gradients of a step that failed
+        self.state.model.zero_grad(set_to_none=True)
         self._restored = True
         self._last_commit = time.perf_counter()
         if restored is None:
@@ -238,6 +241,7 @@ class Checkpointer:
         step = self.step
         for hook in self.hooks:
             hook(step)
+        hot.boundary(step)
         self.manager.save(step, self.state.state_dict)
         self._report_commit()
         if self.events.enabled:

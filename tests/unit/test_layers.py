@@ -21,6 +21,7 @@ LAYER_OF = {
     "net": "foundation",
     "procs": "foundation",
     "envvars": "foundation",
+    "reform": "foundation",
     "version": "foundation",
     "etcd": "etcd",
     "rendezvous": "rendezvous",
