@@ -370,6 +370,20 @@ class RecoveryDoc(_Model):
     targets: list[TargetRecord]
 
 
+class HotDoc(_Model):
+    """``hot.py``: hot recovery against the restart path, paired in one run; it evaluates its own target."""
+
+    benchmark: Literal["hot"]
+    description: str
+    loadavg: list[float]
+    loadavg_end: list[float]
+    settings: dict[str, Any]
+    summary: dict[str, Any]
+    runs: list[dict[str, Any]]
+    figures: list[FigureRow]
+    targets: list[TargetRecord]
+
+
 # ------------------------------------------------------------------------------------ rdzv_latency.py
 
 
@@ -422,7 +436,7 @@ class LatencyDoc(_Model):
 
 # ------------------------------------------------------------------------------------------- reading
 
-Document = RendezvousDoc | ScaleDoc | CheckpointDoc | OverheadDoc | RecoveryDoc | LatencyDoc
+Document = RendezvousDoc | ScaleDoc | CheckpointDoc | OverheadDoc | RecoveryDoc | LatencyDoc | HotDoc
 
 #: The model of each benchmark script's document, by script name.
 MODELS: dict[str, type[Document]] = {
@@ -432,6 +446,7 @@ MODELS: dict[str, type[Document]] = {
     "overhead": OverheadDoc,
     "recovery": RecoveryDoc,
     "rdzv_latency": LatencyDoc,
+    "hot": HotDoc,
 }
 
 
