@@ -37,7 +37,16 @@ from targets import Target, median
 
 HERE = Path(__file__).resolve().parent
 #: Benchmark scripts, in the order they run and appear.
-BENCHMARKS = ("rendezvous", "rdzv_scale", "checkpoint", "overhead", "recovery", "rdzv_latency", "lightning")
+BENCHMARKS = (
+    "rendezvous",
+    "rdzv_scale",
+    "checkpoint",
+    "overhead",
+    "recovery",
+    "rdzv_latency",
+    "lightning",
+    "hot",
+)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -277,7 +286,7 @@ def render(
         *(
             f"PYTHONPATH=. .venv/bin/python benchmarks/report.py --out docs/benchmarks.md --only {name} "
             "--keep-others"
-            for name in ("overhead", "recovery", "lightning")
+            for name in ("overhead", "recovery", "lightning", "hot")
         ),
         "```",
         "",
@@ -330,7 +339,7 @@ def render(
             lines += render_checkpoint(doc)
         elif isinstance(doc, LatencyDoc) and doc.series():
             lines += render_latency(doc, images, out)
-        elif isinstance(doc, schema.OverheadDoc | schema.RecoveryDoc | schema.LightningDoc):
+        elif isinstance(doc, schema.OverheadDoc | schema.RecoveryDoc | schema.LightningDoc | schema.HotDoc):
             lines += render_figures(name, doc.description, doc.figures)
     stall_img = [p for p in images if p.name == "checkpoint-stall.png"]
     if stall_img:

@@ -387,6 +387,20 @@ class LightningDoc(_Model):
     targets: list[TargetRecord]
 
 
+class HotDoc(_Model):
+    """``hot.py``: hot recovery against the restart path, paired in one run; it evaluates its own target."""
+
+    benchmark: Literal["hot"]
+    description: str
+    loadavg: list[float]
+    loadavg_end: list[float]
+    settings: dict[str, Any]
+    summary: dict[str, Any]
+    runs: list[dict[str, Any]]
+    figures: list[FigureRow]
+    targets: list[TargetRecord]
+
+
 # ------------------------------------------------------------------------------------ rdzv_latency.py
 
 
@@ -439,7 +453,9 @@ class LatencyDoc(_Model):
 
 # ------------------------------------------------------------------------------------------- reading
 
-Document = RendezvousDoc | ScaleDoc | CheckpointDoc | OverheadDoc | RecoveryDoc | LatencyDoc | LightningDoc
+Document = (
+    RendezvousDoc | ScaleDoc | CheckpointDoc | OverheadDoc | RecoveryDoc | LatencyDoc | LightningDoc | HotDoc
+)
 
 #: The model of each benchmark script's document, by script name.
 MODELS: dict[str, type[Document]] = {
@@ -450,6 +466,7 @@ MODELS: dict[str, type[Document]] = {
     "recovery": RecoveryDoc,
     "rdzv_latency": LatencyDoc,
     "lightning": LightningDoc,
+    "hot": HotDoc,
 }
 
 

@@ -139,6 +139,10 @@ TARGETS: tuple[TargetSpec, ...] = (
         "<= 1.3x, one receiver, >= 100 MB", (),
         why="a recovery moves the state about once at network speed",
     ),
+    TargetSpec(
+        "kill -9 one node -> first step at world 2, hot recovery", "hot", "<= 0.5 s", (),
+        why="survivors keep their processes: a lost node costs one step and a fraction of a second",
+    ),
 )  # fmt: skip
 
 _ORDER: tuple[Status, ...] = ("missed", "not measured", "inconclusive")

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
         World,
         current_world,
         init,
+        run,
         shutdown,
     )
 
@@ -31,6 +32,7 @@ __all__ = [
     "__version__",
     "current_world",
     "init",
+    "run",
     "shutdown",
 ]
 

@@ -29,6 +29,7 @@ See docs/own-loop.md.
 
 from elastic_train.train.checkpointer import Checkpointer
 from elastic_train.train.group import World, current_world, init, resolve_backend, shutdown
+from elastic_train.train.hot import elastic_run as run
 from elastic_train.train.sampler import ElasticBatchSampler
 from elastic_train.train.state import Stateful, TrainState
 
@@ -41,5 +42,6 @@ __all__ = [
     "current_world",
     "init",
     "resolve_backend",
+    "run",
     "shutdown",
 ]

@@ -29,3 +29,7 @@ ENV_AUDIT_DIR = "ELASTIC_TRAIN_AUDIT_DIR"
 
 ENV_SHM_OWNER = "ELASTIC_TRAIN_SHM_OWNER"
 """PID of the process that owns this node's shared-memory snapshots (they outlive the workers, not it)."""
+
+ENV_REFORM_DIR = "ELASTIC_TRAIN_REFORM_DIR"
+"""The directory through which an agent and its workers re-form the process group in-process
+(:mod:`elastic_train.reform`); unset when hot recovery is off."""

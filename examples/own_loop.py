@@ -94,24 +94,28 @@ def main() -> None:
         persistent_workers=args.workers > 0,
     )
     state = et.TrainState(model=model, optimizer=optimizer, scheduler=scheduler, sampler=sampler)  # elastic
-    ckpt = et.Checkpointer(state, args.checkpoint, every_steps=args.checkpoint_every)  # elastic
-    ckpt.restore()  # elastic: replaces loading snapshot.pt
-    ddp = DDP(model, device_ids=world.device_ids)
 
-    for epoch in range(sampler.epoch, args.epochs):  # elastic: start at the restored epoch
-        for x, y in loader:
-            x, y = x.to(world.device), y.to(world.device)
-            loss = F.mse_loss(ddp(x), y)
-            (loss * sampler.loss_weight()).backward()  # elastic: uneven shares weigh by sample count
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            scheduler.step()
-            ckpt.commit(loss)  # elastic: replaces the every-N-epochs torch.save
-            if world.is_main and ckpt.step % 20 == 0:
-                print(f"epoch {epoch} step {ckpt.step} loss {loss.item():.5f}", flush=True)
+    def train(world: et.World) -> None:  # elastic: re-entered when the group re-forms in-process
+        with et.Checkpointer(state, args.checkpoint, every_steps=args.checkpoint_every) as ckpt:  # elastic
+            ckpt.restore()  # elastic: replaces loading snapshot.pt
+            ddp = DDP(model, device_ids=world.device_ids)
 
-    ckpt.finalize()  # elastic: the final checkpoint
-    del ddp
+            for epoch in range(sampler.epoch, args.epochs):  # elastic: start at the restored epoch
+                for x, y in loader:
+                    x, y = x.to(world.device), y.to(world.device)
+                    loss = F.mse_loss(ddp(x), y)
+                    (loss * sampler.loss_weight()).backward()  # elastic: uneven shares weigh by sample count
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+                    scheduler.step()
+                    ckpt.commit(loss)  # elastic: replaces the every-N-epochs torch.save
+                    if world.is_main and ckpt.step % 20 == 0:
+                        print(f"epoch {epoch} step {ckpt.step} loss {loss.item():.5f}", flush=True)
+
+            ckpt.finalize()  # elastic: the final checkpoint
+        del ddp
+
+    et.run(train)  # elastic: survivors of a node failure keep this process
     et.shutdown()  # elastic: replaces destroy_process_group
 
 

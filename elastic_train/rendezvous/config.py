@@ -48,6 +48,10 @@ class RendezvousConfig(EtcdConfig):
     lease_ttl/2, so that a lost keep-alive is retried, on another etcd member, before the lease expires)."""
     settle: float = 1.0
     """Seconds without a new joiner before a round with at least min_nodes closes."""
+    join_window: float | None = None
+    """Seconds after the first node asked for a follow-up round (a recovery or a resize) before the round
+    closes without live nodes that have not asked yet (default: ``settle``). Shorter: a recovery waits less
+    for a member that will not come; a member slower than the window misses the round and causes another."""
     join_timeout: float = 600.0
     """Seconds a node waits for a round to reach min_nodes before giving up."""
     failure_budget: int = 10
@@ -55,6 +59,10 @@ class RendezvousConfig(EtcdConfig):
     identity_wait: float = 120.0
     """Seconds a node whose settings differ from a live run's waits for that run's nodes to leave (a Job
     deleted moments ago) before it is refused; then it takes the run over."""
+
+    hot: bool = True
+    """Survivors of a membership change keep their worker processes and re-form the process group in-process
+    (docs/rendezvous.md, "Hot recovery"); false: every change restarts every worker."""
 
     def __post_init__(self) -> None:
         validate_run_id(self.run_id)
@@ -68,6 +76,8 @@ class RendezvousConfig(EtcdConfig):
             raise ValueError(f"lease_ttl: {self.lease_ttl} must be between 0.5 and 600 seconds")
         if not 0 <= self.settle <= 600:
             raise ValueError(f"settle: {self.settle} must be between 0 and 600 seconds")
+        if self.join_window is not None and not 0 <= self.join_window <= 600:
+            raise ValueError(f"join_window: {self.join_window} must be between 0 and 600 seconds")
         if self.join_timeout <= 0:
             raise ValueError(f"join_timeout: {self.join_timeout} must be > 0")
         if not 0 <= self.identity_wait <= 3600:

@@ -18,7 +18,7 @@ REASONS = ("start", "failure", "lost", "scale", "excluded", "rejoin")
 FAILURE_REASONS = frozenset({"failure", "lost"})
 
 #: Quiet window used instead of ``settle`` when every live node joined a round that follows an earlier one.
-ALL_JOINED_SETTLE = 0.2
+ALL_JOINED_SETTLE = 0.05
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +56,9 @@ def decide_close(
     settle: float,
     quiet_for: float,
     has_previous_round: bool,
+    gone: Iterable[str] = (),
+    join_window: float | None = None,
+    since_first_join: float = 0.0,
 ) -> Decision:
     """Decide whether the round being formed can close.
 
@@ -64,8 +67,11 @@ def decide_close(
       2. fewer than ``min_nodes``: wait.
       3. every live node joined and there was an earlier round (membership is known): close after a short
          quiet window (:data:`ALL_JOINED_SETTLE`, at most ``settle``), so a recovery or scale-up does not pay
-         the whole settle window.
-      4. otherwise close once no node joined or left for ``settle`` seconds. A node that is alive but does not
+         the whole settle window. A node known to be gone (its agent no longer accepts connections although
+         its lease has not expired yet) does not count as live.
+      4. there was an earlier round and ``join_window`` seconds passed since the first node asked for this
+         round: close; a live node that has not asked by then is left for the next round.
+      5. otherwise close once no node joined or left for ``settle`` seconds. A node that is alive but does not
          join (a hung or dying member whose lease has not expired yet) is waited for at most that long.
 
     Args:
@@ -83,10 +89,14 @@ def decide_close(
     if n < min_nodes:
         return Decision(False, settle or 0.5, "below_min_nodes")
     window = settle
-    if has_previous_round and set(live) <= joined_set:
+    if has_previous_round and set(live) - set(gone) <= joined_set:
         window = min(settle, ALL_JOINED_SETTLE)
     if quiet_for >= window:
         return Decision(True, 0.0, "settled")
+    if has_previous_round and join_window is not None:
+        if since_first_join >= join_window:
+            return Decision(True, 0.0, "join_window")
+        return Decision(False, min(window - quiet_for, join_window - since_first_join), "settling")
     return Decision(False, window - quiet_for, "settling")
 
 

@@ -33,6 +33,7 @@ import shutil
 import socket
 import sys
 import tempfile
+import threading
 from datetime import timedelta
 from typing import Any
 
@@ -49,6 +50,7 @@ from elastic_train.etcd.client import Etcd
 from elastic_train.log import bind_context, get_logger
 from elastic_train.rendezvous.errors import JobFailed, RendezvousClosed, RunFinished, RunRefused
 from elastic_train.rendezvous.fence import Fence
+from elastic_train.rendezvous.hot import HotPath
 from elastic_train.rendezvous.identity import JobIdentity, identity_from_environ, torchrun_settings
 from elastic_train.rendezvous.outcome import clear_outcomes, exit_report, read_outcomes, trained
 from elastic_train.rendezvous.protocol import Participant, ProtocolSettings, RoundResult
@@ -91,6 +93,10 @@ class Etcd3RendezvousHandler(RendezvousHandler):
             settings.identity = local_identity(settings)
         self._outcomes = tempfile.mkdtemp(prefix=f"elastic_train-outcome-{os.getpid()}-")
         os.environ[ENV_OUTCOME_DIR] = self._outcomes
+        self._join_lock = threading.Lock()
+        self._hot: HotPath | None = None
+        if settings.hot:
+            self._hot = HotPath(lambda: self.participant, self._bootstrap, self._join_lock)
 
     # -- RendezvousHandler --------------------------------------------------------------------------------
 
@@ -167,6 +173,13 @@ class Etcd3RendezvousHandler(RendezvousHandler):
         raise JobFailed(f"run {self._settings.run_id} failed: {message}")
 
     def _next_rendezvous(self) -> RendezvousInfo:
+        with self._join_lock:
+            result, info = self._join_round()
+        if self._hot is not None:
+            self._hot.started(result)
+        return info
+
+    def _join_round(self) -> tuple[RoundResult, RendezvousInfo]:
         while True:
             result = self.participant.join()
             try:
@@ -186,7 +199,7 @@ class Etcd3RendezvousHandler(RendezvousHandler):
                 master_addr=info.master_addr,
                 master_port=info.master_port,
             )
-            return RendezvousInfo(store, result.rank, result.world_size, info)
+            return result, RendezvousInfo(store, result.rank, result.world_size, info)
 
     def _bootstrap(self, result: RoundResult) -> tuple[Any, RendezvousStoreInfo]:
         rank0 = result.members[0]
@@ -224,9 +237,13 @@ class Etcd3RendezvousHandler(RendezvousHandler):
             return 0
         if self._fence is not None and self._fence.check() is not None:
             return 1  # torchrun stops the workers and re-joins (see elastic_train.rendezvous.fence)
+        if self._hot is not None and self._hot.engaged():
+            return 0  # the workers re-form in-process; the hot path's thread runs the round
         return self._participant.num_waiting()
 
     def shutdown(self) -> bool:
+        if self._hot is not None:
+            self._hot.close()
         try:
             if self._participant is not None:
                 try:

@@ -35,12 +35,14 @@ ETCD3_DYNAMIC = "etcd3-dynamic"
 CONF_KEYS = (
     "lease_ttl",
     "settle",
+    "join_window",
     "join_timeout",
     "failure_budget",
     "keepalive_interval",
     "connect_timeout",
     "rpc_timeout",
     "identity_wait",
+    "hot",
     "user",
     "password_env",
     "password_file",
@@ -82,13 +84,16 @@ DYNAMIC_INSTEAD = {
     "lease_ttl": "liveness is torch's heartbeat (keep_alive_interval, heartbeat_timeout)",
     "keepalive_interval": "liveness is torch's heartbeat (keep_alive_interval, heartbeat_timeout)",
     "settle": "rounds close after torch's last_call_timeout",
+    "join_window": "rounds close after torch's last_call_timeout",
     "failure_budget": "restarts are counted by torchrun's --max-restarts",
+    "hot": "every membership change restarts the worker group",
 }
 #: Default of ``state_ttl`` (etcd3-dynamic): torch's etcd-v2 backend keeps its state two hours after a write.
 DEFAULT_STATE_TTL = 7200
 _FLOATS = (
     "lease_ttl",
     "settle",
+    "join_window",
     "join_timeout",
     "keepalive_interval",
     "connect_timeout",
@@ -215,6 +220,11 @@ def parse_conf(
             values[name] = _number(key, raw, float)
         elif name in _INTS:
             values[name] = _number(key, raw, int)
+        elif name == "hot":
+            flag = str(raw).strip().lower()
+            if flag not in ("0", "1", "true", "false", "yes", "no", "on", "off"):
+                raise ConfigError(f"rdzv-conf: hot={raw!r} must be 1 or 0 (true or false)")
+            values[name] = flag in ("1", "true", "yes", "on")
         elif name in _TLS:
             if name in tls:
                 other = next(k for k in conf if k != key and ALIASES.get(k, k) == name)
@@ -279,7 +289,10 @@ def rdzv_conf(cfg: RendezvousConfig) -> dict[str, str]:
         "connect_timeout": f"{cfg.connect_timeout:g}",
         "rpc_timeout": f"{cfg.rpc_timeout:g}",
         "identity_wait": f"{cfg.identity_wait:g}",
+        "hot": "1" if cfg.hot else "0",
     }
+    if cfg.join_window is not None:
+        out["join_window"] = f"{cfg.join_window:g}"
     if cfg.keepalive_interval is not None:
         out["keepalive_interval"] = f"{cfg.keepalive_interval:g}"
     if cfg.user is not None:

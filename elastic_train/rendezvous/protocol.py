@@ -67,6 +67,8 @@ FOLLOWER_EVAL_INTERVAL = 0.25
 #: Seconds a node leaves its workers running after members re-joined because theirs failed before any step
 #: (their own failure, if it is the same, then reaches the round first; see ``_hold_for_startup_failures``).
 STARTUP_REPORT_GRACE = 3.0
+#: Seconds a probe of a silent member's store port waits for the connection (refused: the agent is gone).
+PROBE_TIMEOUT = 0.05
 #: Seconds a finishing node keeps trying to write the run's ``closed`` mark while etcd is unreachable.
 CLOSE_PATIENCE = 30.0
 #: Seconds a closed run's record (closed mark, identity, last round, failures) stays in etcd.
@@ -129,6 +131,9 @@ class ProtocolSettings:
     max_nodes: int
     lease_ttl: float = 3.0
     settle: float = 1.0
+    join_window: float | None = None
+    """Seconds after the first node asked for a follow-up round before it closes without the live nodes
+    that have not asked (``None``: ``settle``)."""
     join_timeout: float = 600.0
     failure_budget: int = 10
     keepalive_interval: float | None = None
@@ -136,6 +141,8 @@ class ProtocolSettings:
     """The settings every node of the run must share (``None``: not checked)."""
     identity_wait: float = 120.0
     """Seconds a node whose identity differs from a live run's waits for that run's nodes to go away."""
+    hot: bool = True
+    """Membership changes are handled by the workers in-process where they can (:mod:`.hot`)."""
 
     @classmethod
     def from_config(cls, cfg: RendezvousConfig) -> ProtocolSettings:
@@ -146,10 +153,12 @@ class ProtocolSettings:
             max_nodes=cfg.max_nodes,
             lease_ttl=cfg.lease_ttl,
             settle=cfg.settle,
+            join_window=cfg.join_window,
             join_timeout=cfg.join_timeout,
             failure_budget=cfg.failure_budget,
             keepalive_interval=cfg.keepalive_interval,
             identity_wait=cfg.identity_wait,
+            hot=cfg.hot,
         )
 
 
@@ -169,6 +178,10 @@ class JoinState:
     """Monotonic time the forming round was first seen ready to close (others step in a lease TTL later)."""
     next_eval: float = 0.0
     """Earliest monotonic time of the next evaluation of the forming round."""
+    first_join_seen: float | None = None
+    """Monotonic time this node first saw a node ask for :attr:`target` (the join window starts there)."""
+    probed: dict[str, bool] = field(default_factory=dict)
+    """Members of the last round that have not asked for :attr:`target`, probed: True when known gone."""
 
     def missed(self, latest: int) -> None:
         """Round ``latest`` closed without this node: ask for the next one, as excluded unless it was a
@@ -178,6 +191,8 @@ class JoinState:
         self.join_written = False
         self.close_due = None
         self.next_eval = 0.0
+        self.first_join_seen = None
+        self.probed = {}
 
 
 @dataclass(frozen=True, slots=True)
@@ -533,6 +548,12 @@ class Participant:
         first = min(self._report_seen.setdefault((j.node_id, j.target), now) for j in waiting)
         return now - first < STARTUP_REPORT_GRACE
 
+    def lost_members(self) -> set[str]:
+        """Members of this node's round whose lease is gone."""
+        with self.view.cond:
+            live = self._live()
+            return {m for m in self.members if m not in live}
+
     def _classify(
         self, rec: RoundRecord | None, live: set[str], joins: dict[str, Joiner], *, local_failure: bool
     ) -> str:
@@ -582,7 +603,9 @@ class Participant:
             if step is not None:
                 self._etcd_step(state.deadline, self._try_close, step)
                 with self.view.cond:  # let the watch deliver the outcome before deciding again
-                    self.view.cond.wait(0.2)
+                    rec, _ = self._round_record()
+                    if rec is None or rec.round < step.target:  # not delivered while the close ran
+                        self.view.cond.wait(0.2)
 
     def _begin_join(self) -> JoinState:
         """The first target round and why this node joins; refuses a taken-over or closed run."""
@@ -636,6 +659,8 @@ class Participant:
         """
         live = self._live()
         joins = {n: j for n, j in self._joins().items() if j.target == state.target and n in live}
+        if joins and state.first_join_seen is None:
+            state.first_join_seen = now
         decision = decide_close(
             joined=joins,
             live=live,
@@ -644,6 +669,9 @@ class Participant:
             settle=self.s.settle,
             quiet_for=now - self.view.last_change,
             has_previous_round=rec is not None,
+            gone=self._known_gone(state, rec, live, joins),
+            join_window=self.s.settle if self.s.join_window is None else self.s.join_window,
+            since_first_join=now - (state.first_join_seen or now),
         )
         order = assign_ranks(rec.members if rec else [], joins.values(), self.s.max_nodes)
         closer = not order or order[0] == self.node_id
@@ -658,6 +686,41 @@ class Participant:
             return CloseAttempt(rec, rec_rev, joins, live, state.target)
         self.view.cond.wait(min(0.5, self.s.lease_ttl))
         return None
+
+    def _known_gone(
+        self, state: JoinState, rec: RoundRecord | None, live: set[str], joins: dict[str, Joiner]
+    ) -> set[str]:
+        """Members of the last round that are live in etcd but have not asked for this round, and whose agent
+        refuses connections to its store port: the process is gone (kill -9, a crash), only its lease has not
+        expired yet. Each is probed once per target round (``view.cond`` held; a refused loopback or LAN
+        connection answers in well under a millisecond, an unanswered one gives up after
+        :data:`PROBE_TIMEOUT` and counts as alive: a stopped or unreachable node is left to the lease)."""
+        if rec is None:
+            return set()
+        for node in rec.members:
+            if node in live and node not in joins and node not in state.probed and node != self.node_id:
+                state.probed[node] = self._refuses(node)
+                if state.probed[node]:
+                    log.info("rendezvous_member_gone", node=node, round=state.target, by=self.node_id)
+        return {n for n, gone in state.probed.items() if gone and n in live and n not in joins}
+
+    def _refuses(self, node: str) -> bool:
+        """True when ``node``'s store port (from its node key) refuses a TCP connection."""
+        kv = self.view.get("nodes/" + node)
+        try:
+            d = json.loads(kv.value) if kv is not None else {}
+            addr, port = str(d["addr"]), int(d["store_port"])
+        except (ValueError, KeyError, TypeError):
+            return False
+        if port <= 0:
+            return False
+        try:
+            socket.create_connection((addr, port), timeout=PROBE_TIMEOUT).close()
+        except ConnectionRefusedError:
+            return True
+        except OSError:
+            return False
+        return False
 
     def _etcd_step(self, deadline: float, fn: Callable[..., object], *args: Any) -> bool:
         """Run one etcd write, ``fn(*args)``; on an etcd error log, pause briefly and report False (the

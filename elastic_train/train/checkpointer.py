@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from elastic_train.checkpoint.config import CheckpointConfig
 from elastic_train.log import get_logger
+from elastic_train.train import hot
 from elastic_train.train.env import mark_trained
 from elastic_train.train.errors import NotStateful, TrainingError
 from elastic_train.train.events import EventWriter
@@ -174,6 +175,8 @@ class Checkpointer:
             restored = self.manager.restore(model=model, into=self.state.restore_targets)  # type: ignore[call-arg]
         else:
             restored = self.manager.restore(model=model)
+        # a process that re-formed its group in-process may hold the gradients of a step that failed
+        self.state.model.zero_grad(set_to_none=True)
         self._restored = True
         self._last_commit = time.perf_counter()
         if restored is None:
@@ -262,6 +265,7 @@ class Checkpointer:
         step = self.step
         for hook in self.hooks:
             hook(step)
+        hot.boundary(step)
         # A manager that takes a flattened state gets the planned one (no state dicts built per step).
         planned = getattr(self.manager, "planned_snapshots", False) is True
         self.manager.save(step, self.state.snapshot if planned else self.state.state_dict)

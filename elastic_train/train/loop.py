@@ -183,15 +183,20 @@ class Trainer:
         self.ddp = ddp
         return ddp
 
-    def unwrap(self) -> None:
+    def unwrap(self, *, collect: bool = True) -> None:
         """Drop the DDP wrapper (and its reducer) while the process group still exists.
 
         A reducer that outlives ``destroy_process_group`` can abort the process when it is freed later
         (gloo: ``terminate called without an active exception``), so callers unwrap before destroying it.
+
+        Args:
+            collect: run the garbage collector now (False when ``elastic.shutdown``, which collects first,
+                destroys the group: a full collection costs tens of milliseconds, more on a busy machine).
         """
         self.ddp = None
         self._carrier = None
-        gc.collect()
+        if collect:
+            gc.collect()
 
     def _seed_step(self, step: int) -> None:
         """Seed the generators the step may draw from (dropout …) as a function of (seed, step, rank).

@@ -7,6 +7,7 @@ restore) because it is most of a recovery on small jobs.
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from elastic_train.config import JobConfig
 from elastic_train.log import get_logger
@@ -30,7 +31,7 @@ def run_worker(cfg: JobConfig, env: WorkerEnv, *, started: float) -> int:
 
     from elastic_train import elastic
     from elastic_train.checkpoint import CheckpointManager
-    from elastic_train.train import rng
+    from elastic_train.train import hot, rng
     from elastic_train.train.api import load_task
     from elastic_train.train.events import EventWriter
     from elastic_train.train.loop import Trainer
@@ -41,52 +42,61 @@ def run_worker(cfg: JobConfig, env: WorkerEnv, *, started: float) -> int:
 
         check_root(cfg.checkpoint.url, cfg.checkpoint.storage_options, probe_remote=False)
     t = time.perf_counter()
-    device = elastic.init(cfg.train.backend, env=env).device
-    timings["pg_init_s"] = time.perf_counter() - t
-    t = time.perf_counter()
-    rng.seed_all(cfg.train.seed)
-    task = load_task(cfg.train.task, cfg.train.task_args)
-    timings["task_build_s"] = time.perf_counter() - t
-    run_id = env.run_id or cfg.rendezvous.run_id
-    manager = CheckpointManager(
-        cfg.checkpoint,
-        run_id,
-        rank=env.rank,
-        world_size=env.world_size,
-        local_rank=env.local_rank,
-        group=dist.group.WORLD,
-        device=device,
-    )
-    events = EventWriter.from_env(rank=env.rank, round=env.round, world_size=env.world_size)
-    trainer = Trainer(
-        cfg.train,
-        task,
-        rank=env.rank,
-        world_size=env.world_size,
-        round=env.round,
-        device=device,
-        checkpointer=manager,
-        events=events,
-        audit_dir=cfg.train.audit_dir,
-    )
-    try:
-        t = time.perf_counter()
-        trainer.restore()
-        timings["restore_s"] = time.perf_counter() - t
-        timings["since_exec_s"] = _since_exec()
-        log.info(
-            "worker_ready",
-            backend=dist.get_backend(),
-            device=str(device),
-            **{k: round(v, 3) for k, v in timings.items()},
+    task: Any = None
+
+    def train(world: elastic.World) -> int:
+        """Everything that depends on the group, (re-)built in each group this process trains in."""
+        nonlocal task, t
+        if task is None:
+            timings["pg_init_s"] = time.perf_counter() - t
+            t = time.perf_counter()
+            rng.seed_all(cfg.train.seed)
+            task = load_task(cfg.train.task, cfg.train.task_args)
+            timings["task_build_s"] = time.perf_counter() - t
+        run_id = world.run_id if env.run_id else cfg.rendezvous.run_id
+        manager = CheckpointManager(
+            cfg.checkpoint,
+            run_id,
+            rank=world.rank,
+            world_size=world.world_size,
+            local_rank=world.local_rank,
+            group=dist.group.WORLD,
+            device=world.device,
         )
-        trainer.run()
-    except BaseException:
-        manager.close()
-        raise
+        events = EventWriter.from_env(rank=world.rank, round=world.round, world_size=world.world_size)
+        trainer = Trainer(
+            cfg.train,
+            task,
+            rank=world.rank,
+            world_size=world.world_size,
+            round=world.round,
+            device=world.device,
+            checkpointer=manager,
+            events=events,
+            audit_dir=cfg.train.audit_dir,
+        )
+        try:
+            t0 = time.perf_counter()
+            trainer.restore()
+            timings["restore_s"] = time.perf_counter() - t0
+            timings["since_exec_s"] = _since_exec()
+            log.info(
+                "worker_ready",
+                backend=dist.get_backend(),
+                device=str(world.device),
+                **{k: round(v, 3) for k, v in timings.items()},
+            )
+            trainer.run()
+        except BaseException:
+            manager.close()
+            raise
+        finally:
+            trainer.unwrap(collect=False)  # the group's shutdown collects (hot.run, elastic.shutdown)
+            trainer.sampler.close()
+            events.close()
+        return 0
+
+    try:
+        return hot.run(train, env, cfg.train.backend)
     finally:
-        trainer.unwrap()
-        trainer.sampler.close()
-        events.close()
         elastic.shutdown()
-    return 0

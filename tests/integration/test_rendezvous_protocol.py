@@ -80,6 +80,41 @@ def test_round_forms_ranks_stay_and_a_lost_node_counts_one_failure(any_etcd):
             p.leave()
 
 
+def test_a_member_whose_agent_is_gone_is_not_waited_for(etcd_server):
+    """A member killed with its agent (store port closed) while its lease lives on: the survivors' round
+    closes without it long before the settle window or the join window would let it."""
+    import socket
+
+    servers = [socket.create_server(("127.0.0.1", 0)) for _ in range(3)]
+    ps = [
+        Participant(
+            connect(etcd_server.endpoint),
+            settings(settle=30.0, lease_ttl=30.0, join_window=30.0),
+            addr="127.0.0.1",
+            store_port=srv.getsockname()[1],
+            node_id=f"n{i}",
+        )
+        for i, srv in enumerate(servers)
+    ]
+    try:
+        ps[0].s.settle = ps[1].s.settle = ps[2].s.settle = 0.3  # the first round forms quickly
+        first = join_all(ps)
+        assert {r.world_size for r in first} == {3}
+        for p in ps:
+            p.s.settle = 30.0
+        servers[2].close()  # n2's agent is gone; its lease (30 s) is not
+        started = time.monotonic()
+        again = join_all(ps[:2])
+        assert {r.world_size for r in again} == {2}
+        assert again[0].members == [m for m in first[0].members if m != "n2"]
+        assert time.monotonic() - started < 15.0  # the settle and join windows are 30 s
+    finally:
+        for p in ps:
+            p.leave()
+        for srv in servers:
+            srv.close()
+
+
 def test_failure_budget_spent_stops_every_node(etcd_server):
     ps = make(etcd_server.endpoint, 2, failure_budget=0, min_nodes=2)
     try:

@@ -22,6 +22,7 @@ LAYER_OF = {
     "procs": "foundation",
     "agentlink": "foundation",
     "envvars": "foundation",
+    "reform": "foundation",
     "version": "foundation",
     "etcd": "etcd",
     "rendezvous": "rendezvous",

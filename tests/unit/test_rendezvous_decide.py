@@ -51,6 +51,30 @@ def test_all_live_joined_uses_short_window_only_after_a_first_round():
     assert not first.close and first.wait == pytest.approx(1.0 - ALL_JOINED_SETTLE)
 
 
+def test_a_member_known_gone_is_not_waited_for():
+    # c's lease is still alive but its agent refuses connections: the survivors close after the short window
+    assert not close(["a", "b"], ["a", "b", "c"], quiet=ALL_JOINED_SETTLE).close
+    d = decide_close(
+        joined=["a", "b"], live=["a", "b", "c"], min_nodes=2, max_nodes=4, settle=1.0,
+        quiet_for=ALL_JOINED_SETTLE, has_previous_round=True, gone=["c"],
+    )  # fmt: skip
+    assert d.close and d.why == "settled"
+
+
+def test_join_window_counts_from_the_first_join_not_from_the_last_change():
+    def window(since: float, quiet: float = 0.0, prev: bool = True):
+        return decide_close(
+            joined=["a", "b"], live=["a", "b", "c"], min_nodes=2, max_nodes=4, settle=1.0,
+            quiet_for=quiet, has_previous_round=prev, join_window=0.3, since_first_join=since,
+        )  # fmt: skip
+
+    waiting = window(0.1)
+    assert not waiting.close and waiting.wait == pytest.approx(0.2)
+    assert window(0.3).close and window(0.3).why == "join_window"
+    # the first round of a job waits for the settle window: agents start with a spread
+    assert not window(5.0, quiet=0.5, prev=False).close
+
+
 def test_survivors_keep_order_and_newcomers_follow_by_arrival():
     joiners = [j("new2", rev=9), j("c"), j("a"), j("new1", rev=5)]
     assert assign_ranks(["a", "b", "c"], joiners, 8) == ["a", "c", "new1", "new2"]

@@ -1,0 +1,174 @@
+"""Hot recovery on real torchrun agents meeting through etcd3: survivors of a kill -9 and of a join keep their
+worker processes, re-form the group in-process, and the job still ends with the weights of a world-1 run
+(within 1e-5) and exactly-once data; a second node dying during the re-formation converges; ``hot: false``
+takes the restart path (new worker processes)."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from elastic_train.procs import kill_tree, signal_tree
+from elastic_train.train.audit import check_exactly_once
+from elastic_train.train.events import read_events
+from tests.integration.test_training_elastic_etcd import ROOT, STEPS, ElasticJob, env
+
+#: Steps of these jobs: enough for a joiner's agent to start (imports) on a busy machine before the end.
+HOT_STEPS = 4 * STEPS
+
+pytestmark = pytest.mark.slow
+pytest.importorskip("elastic_train.rendezvous.registry")
+
+
+def workers(agent: subprocess.Popen) -> set[int]:
+    """PIDs of an agent's worker processes (its children: plain torchrun starts workers directly)."""
+    try:
+        return {p.pid for p in psutil.Process(agent.pid).children(recursive=True)}
+    except psutil.NoSuchProcess:
+        return set()
+
+
+def events_of(job: ElasticJob, name: str) -> list[dict[str, Any]]:
+    return [e for e in read_events(str(job.events)) if e["event"] == name]
+
+
+def final_model(ckpt: Path) -> dict[str, Any]:
+    from elastic_train.checkpoint import CheckpointConfig, CheckpointManager
+
+    mgr = CheckpointManager(
+        CheckpointConfig(url=str(ckpt), memory=False), "train-elastic", rank=0, world_size=1, local_rank=0
+    )
+    restored = mgr.restore()
+    mgr.close()
+    assert restored is not None and restored.step == HOT_STEPS
+    return dict(restored.state["model"])
+
+
+def reference(job: ElasticJob, tmp: Path) -> dict[str, Any]:
+    ref = tmp / "ref"
+    ref.mkdir()
+    proc = subprocess.run(
+        [sys.executable, "-m", "elastic_train.worker", "--config", str(job.config), "--checkpoint", str(ref),
+         "--set", "train.task_args.step_delay=0"],
+        cwd=ROOT, env=env(), capture_output=True, timeout=180,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return final_model(ref)
+
+
+def hot_job(tmp: Path, endpoint: str, reaper: Any, *, hot: bool = True, max_nodes: int = 3) -> ElasticJob:
+    job = ElasticJob(tmp, endpoint, reaper)
+    text = job.config.read_text().replace("max_nodes: 3", f"max_nodes: {max_nodes}")
+    text = text.replace(f"steps: {STEPS}\n", f"steps: {HOT_STEPS}\n")
+    assert f"steps: {HOT_STEPS}" in text
+    job.config.write_text(text.replace("  settle: 1.0\n", f"  settle: 1.0\n  hot: {str(hot).lower()}\n"))
+    return job
+
+
+def wait_workers(agents: list[subprocess.Popen], timeout: float = 60.0) -> dict[int, set[int]]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = {a.pid: workers(a) for a in agents}
+        if all(found.values()):
+            return found
+        time.sleep(0.1)
+    raise AssertionError("agents without workers")
+
+
+def test_kill_and_join_keep_the_survivors_processes(tmp_path: Path, etcd_server: Any, reaper: Any) -> None:
+    job = hot_job(tmp_path, etcd_server.endpoint, reaper)
+    expected = reference(job, tmp_path)
+    for _ in range(3):
+        job.start_agent()
+    job.wait_step(3, 5)
+    survivors = job.agents[:2]
+    before = wait_workers(survivors)
+    kill_tree(job.agents[2].pid)
+    shrunk = job.wait_step(2, 1)
+    assert wait_workers(survivors) == before, "a survivor's worker was restarted"
+    job.start_agent()  # a joiner: the survivors stop at a step boundary and admit it in-process
+    job.wait_step(3, shrunk["step"] + 1)
+    assert wait_workers(survivors) == before, "a survivor's worker was restarted by the join"
+    for agent in job.agents[:2] + job.agents[3:]:
+        assert agent.wait(timeout=180) == 0, f"agent failed; logs in {tmp_path}"
+
+    rounds = {e["round"] for e in events_of(job, "step")}
+    assert len(rounds) >= 3  # the kill and the join each formed a new round
+    assert events_of(job, "done")[-1]["step"] == HOT_STEPS
+    report = check_exactly_once(str(tmp_path / "audit"), steps=HOT_STEPS)
+    assert report.ok, report.problems
+    weights = final_model(tmp_path / "ck")
+    for key, value in expected.items():
+        rel = float((weights[key] - value).norm() / value.norm())
+        assert rel < 1e-5, f"{key} differs by {rel:.2e} relative to the world-1 run"
+
+
+def test_a_second_death_during_the_re_formation_converges(
+    tmp_path: Path, etcd_server: Any, reaper: Any
+) -> None:
+    job = hot_job(tmp_path, etcd_server.endpoint, reaper, max_nodes=4)
+    for _ in range(4):
+        job.start_agent()
+    job.wait_step(4, 5)
+    survivors = job.agents[:2]
+    kill_tree(job.agents[3].pid)
+    # the survivors' workers fail at once and their agents join the next round: kill another node meanwhile
+    deadline = time.monotonic() + 30
+    logs = [tmp_path / f"agent{i}.log" for i in range(3)]
+    while not any(b"hot_round" in p.read_bytes() or b"rendezvous_join" in p.read_bytes() for p in logs):
+        assert time.monotonic() < deadline, "no re-formation started"
+        time.sleep(0.01)
+    kill_tree(job.agents[2].pid)
+    job.wait_step(2, 1)
+    for agent in survivors:
+        assert agent.wait(timeout=180) == 0, f"agent failed; logs in {tmp_path}"
+    assert events_of(job, "done")[-1]["step"] == HOT_STEPS
+    assert {e["world_size"] for e in events_of(job, "step")} >= {4, 2}
+    report = check_exactly_once(str(tmp_path / "audit"), steps=HOT_STEPS)
+    assert report.ok, report.problems
+
+
+def test_hot_off_restarts_the_workers(tmp_path: Path, etcd_server: Any, reaper: Any) -> None:
+    job = hot_job(tmp_path, etcd_server.endpoint, reaper, hot=False)
+    for _ in range(3):
+        job.start_agent()
+    job.wait_step(3, 5)
+    survivors = job.agents[:2]
+    before = wait_workers(survivors)
+    kill_tree(job.agents[2].pid)
+    job.wait_step(2, 1)
+    after = wait_workers(survivors)
+    assert all(not (before[pid] & after[pid]) for pid in before), "hot: false kept a worker process"
+    for agent in survivors:
+        assert agent.wait(timeout=180) == 0, f"agent failed; logs in {tmp_path}"
+
+
+def test_a_stopped_node_falls_back_to_the_restart_path_and_rejoins(
+    tmp_path: Path, etcd_server: Any, reaper: Any
+) -> None:
+    """SIGSTOP leaves the survivors blocked in a gloo collective that cannot be aborted in-process: their
+    agents say why and restart them; the node rejoins after SIGCONT and the job ends exactly-once."""
+    job = hot_job(tmp_path, etcd_server.endpoint, reaper)
+    for _ in range(3):
+        job.start_agent()
+    job.wait_step(3, 5)
+    frozen = job.agents[2]
+    try:
+        signal_tree(frozen.pid, signal.SIGSTOP)
+        cut = job.wait_step(2, 1)
+    finally:
+        signal_tree(frozen.pid, signal.SIGCONT)
+    job.wait_step(3, cut["step"] + 1)
+    for agent in job.agents:
+        assert agent.wait(timeout=180) == 0, f"agent failed; logs in {tmp_path}"
+    logs = b"".join((tmp_path / f"agent{i}.log").read_bytes() for i in range(2))
+    assert b"hot_fallback" in logs and b"did not reach a step boundary" in logs
+    report = check_exactly_once(str(tmp_path / "audit"), steps=HOT_STEPS)
+    assert report.ok, report.problems
