@@ -8,20 +8,20 @@ their devices, and may still publish checkpoints of a world that no longer exist
 - **The lease is gone**: etcd answered a keep-alive with "no such lease" (TTL <= 0) since the round began.
   The peers dropped this node; its workers are stopped at once.
 - **Cut off and blocked**: etcd has not confirmed the lease for ``lease_ttl + grace`` seconds (so the peers
-  may have re-formed), *and* the workers' step counters have stopped for as long: no step finished for
-  ``lease_ttl + grace`` seconds (or :data:`STALL_STEPS` step times, when that is longer: slow steps are not a
-  stall). Their collectives wait on peers that left. The workers are stopped; a fully cut node does not sit
-  in gloo's 30-minute timeout. On a full cut the collectives block at the cut, so the workers are gone about
-  ``lease_ttl + grace`` after it; on an etcd-only cut they go on until the peers re-form about a TTL after
-  the last keep-alive, and are stopped ``lease_ttl + grace`` later.
+  may have re-formed), *and* the workers' step counters have stopped: no step finished for four step times
+  (at least :data:`STALL_MIN`; before a step time is known, ``lease_ttl + grace``). Their collectives wait on
+  peers that left. The workers are stopped; a fully cut node does not sit in gloo's 30-minute timeout.
+  A cut node's peers re-form about a TTL after its last keep-alive; its steps stop then, so its workers are
+  gone about ``lease_ttl + 2 s`` after the cut.
 
 An etcd that cannot be reached is not by itself a reason: when etcd is down for everyone no new world can
 form, the collectives keep completing, and training goes on (the chaos suite's etcd restarts and quorum
-loss). A stall shorter than ``lease_ttl + grace`` during an etcd outage is not a reason either: a durable
-save that waits for the publish gate, a collection pause or a loaded host can hold a step for a second or
-two, and stopping then would turn an etcd outage into a job outage. Workers that count no steps (a script
-of one's own that does not checkpoint through elastic_train) are stopped only when the lease is found gone:
-their progress cannot be told from a stall.
+loss). What a worker waits for on its own side is progress, not a stall: a durable save waiting for the
+write before it (held up by the publish gate during an outage) beats while it waits, and the gate answers
+at once while keep-alives fail. The price of a short stall limit: a step four times slower than usual
+*during* an etcd outage stops that node, and its peers then wait for etcd like it (recovering from memory
+when etcd returns). Workers that count no steps (a script of one's own that does not checkpoint through
+elastic_train) are stopped only when the lease is found gone: their progress cannot be told from a stall.
 
 Stopping goes through torchrun's own path: :meth:`Fence.check` makes ``num_nodes_waiting()`` positive, the
 agent stops its workers with SIGTERM and re-joins (no restart of ``max_restarts`` is spent); a worker that
@@ -62,8 +62,9 @@ FENCE_GRACE = 0.5
 GATE_WAIT = 2.0
 #: Seconds a worker may take to exit after SIGTERM before the fence kills it.
 KILL_GRACE = 1.0
-#: A stall must also last this many step times, when that is longer than ``lease_ttl + grace`` (slow steps
-#: are not a stall).
+#: Seconds without a finished step that count as blocked, once a step time is known ...
+STALL_MIN = 1.0
+#: ... or this many step times, when that is longer (slow steps are not a stall).
 STALL_STEPS = 4.0
 
 
@@ -86,15 +87,15 @@ def fence_reason(
             lease fences, as an etcd outage must not stop a job whose progress cannot be seen.
         ttl: the lease TTL.
         grace: seconds past the TTL.
-        step_s: a recent step time, when known (before the round's second step it is not); a stall lasts
-            at least ``ttl + grace`` and :data:`STALL_STEPS` of these.
+        step_s: a recent step time, when known (before the round's second step it is not, and a stall
+            must last ``ttl + grace``: the first step includes start-up and restore).
     """
     if lease_lost:
         return "lease_lost"
     if stalled_s is None:
         return None
     limit = ttl + grace
-    stall_limit = limit if step_s is None else max(limit, STALL_STEPS * step_s)
+    stall_limit = limit if step_s is None else max(STALL_MIN, STALL_STEPS * step_s)
     if etcd_silent_s >= limit and stalled_s >= stall_limit:
         return "cut_off"
     return None
@@ -141,16 +142,17 @@ class Fence:
         self._fired = None
         self._procs = {}
 
-    def check(self) -> str | None:
+    def check(self, *, lease_loss_handled: bool = False) -> str | None:
         """Called every agent monitor tick while the workers run: the reason to stop them now (once), else
-        None."""
+        None. ``lease_loss_handled``: the workers re-form in-process (the hot path re-joins this node), so a
+        lease found gone is not a reason; a cut-off node whose workers are blocked still is."""
         if self._fired is not None:
             return None
         now = time.monotonic()
         self._read_progress(now)
         keeper = self.participant.lease
         reason = fence_reason(
-            lease_lost=keeper.losses != self._losses,
+            lease_lost=keeper.losses != self._losses and not lease_loss_handled,
             etcd_silent_s=now - keeper.last_ok,
             stalled_s=now - self._progress.moved_at if self._progress.counts else None,
             ttl=self.ttl,

@@ -235,9 +235,14 @@ class Etcd3RendezvousHandler(RendezvousHandler):
     def num_nodes_waiting(self) -> int:
         if self._participant is None:
             return 0
-        if self._fence is not None and self._fence.check() is not None:
-            return 1  # torchrun stops the workers and re-joins (see elastic_train.rendezvous.fence)
-        if self._hot is not None and self._hot.engaged():
+        hot = self._hot is not None and self._hot.engaged()
+        if self._fence is not None:
+            reason = self._fence.check(lease_loss_handled=hot)
+            if reason is not None:
+                if self._hot is not None:  # one path stops the workers: torchrun's
+                    self._hot.give_up(f"this node was fenced ({reason})")
+                return 1  # torchrun stops the workers and re-joins (see elastic_train.rendezvous.fence)
+        if hot:
             return 0  # the workers re-form in-process; the hot path's thread runs the round
         return self._participant.num_waiting()
 

@@ -129,7 +129,7 @@ class HotPath:
             except RunRefused:
                 return
             except Exception as exc:  # never die silently: give the change to torchrun's path
-                self._give_up(f"in-process re-formation failed: {exc!r}")
+                self.give_up(f"in-process re-formation failed: {exc!r}")
 
     def _tick(self) -> None:
         if not self.engaged():
@@ -139,7 +139,7 @@ class HotPath:
         if asked:
             dead = self._dead_workers()
             if dead:  # torchrun restarts the group when it sees them: no in-process round for the others
-                self._give_up(f"local worker(s) {sorted(dead)} exited")
+                self.give_up(f"local worker(s) {sorted(dead)} exited")
                 return
             reason = str(next(iter(asked.values())).get("reason") or "")
             self._reform(reason)
@@ -155,7 +155,7 @@ class HotPath:
             self.channel.announce(self.round)
             log.info("hot_change_announced", round=self.round, lost=sorted(lost), grace_s=grace)
         elif now - self._announced[0] > self._announced[1]:
-            self._give_up(
+            self.give_up(
                 f"workers did not reach a step boundary within {self._announced[1]:g} s of the change "
                 "(a peer that stopped leaves them blocked in a collective)"
             )
@@ -232,7 +232,8 @@ class HotPath:
         agent._store = store
         return list(workers)
 
-    def _give_up(self, reason: str) -> None:
+    def give_up(self, reason: str) -> None:
+        """Leave this change (and every later one in this round) to torchrun's restart path."""
         if self.fallback is None:
             self.fallback = reason
             self.channel.give_up(reason)

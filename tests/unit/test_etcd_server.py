@@ -132,6 +132,9 @@ def test_cluster_pause_and_resume_a_member(etcd_cluster: EtcdCluster) -> None:
     m = etcd_cluster.members[0]
     etcd_cluster.pause(0)
     try:
+        deadline = time.monotonic() + 5  # SIGSTOP is delivered asynchronously
+        while psutil.Process(m.pid).status() != psutil.STATUS_STOPPED and time.monotonic() < deadline:
+            time.sleep(0.02)
         assert psutil.Process(m.pid).status() == psutil.STATUS_STOPPED
         assert not m.healthy()
     finally:
