@@ -227,7 +227,11 @@ def test_chaos_invariants(
 
     inv["partition_fenced"], detail["partitions"] = partitions_held(job, records, cfg.rendezvous.lease_ttl)
     newest = durable.newest_valid(storage, run_path)
-    starts = durable.read_lineage(storage, run_path)
+    # where each world started: the lineage record, and each valid manifest's own (round, base) (a lineage
+    # write can fail in a storage outage)
+    entries = [e for e in durable.list_entries(storage, run_path) if e.valid]
+    known = {(e.round, e.base) for e in entries if e.round is not None and e.base is not None}
+    starts = sorted(set(durable.read_lineage(storage, run_path)) | known)
     # the newest checkpoint is the final one, of the last world that trained a step (worlds that formed at
     # the end, from the final state, train none)
     last = max((r for r, base in starts if newest is not None and base < newest.step), default=None)
