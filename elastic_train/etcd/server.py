@@ -122,6 +122,8 @@ class EmbeddedEtcd:
         # moves to other free ports (a restart keeps its ports: clients know the endpoint by then).
         self._ports_movable = not client_port and not peer_port and initial_cluster is None
         self._started = False
+        #: The signal that ended the last start attempt before etcd became healthy, if one did.
+        self.start_signal: int | None = None
         self.client_port = client_port or free_port(host)
         self.peer_port = peer_port or free_port(host)
         self.name = name
@@ -198,9 +200,11 @@ class EmbeddedEtcd:
             try:
                 self.wait_healthy(timeout)
             except EtcdError as exc:
-                if attempt == attempts or not port_taken(exc):
+                # A port taken meanwhile, or (seen once on a loaded 2-core host) an etcd killed by a signal
+                # before it wrote a line: both deserve a start on fresh ports.
+                if attempt == attempts or not (port_taken(exc) or self.start_signal is not None):
                     raise
-                log.debug("etcd_port_taken", endpoint=self.endpoint, attempt=attempt)
+                log.debug("etcd_restart", endpoint=self.endpoint, attempt=attempt, signal=self.start_signal)
                 shutil.rmtree(os.path.join(self.data_dir, "data"), ignore_errors=True)
                 self.client_port, self.peer_port = free_port(self.host), free_port(self.host)
                 continue
@@ -229,10 +233,12 @@ class EmbeddedEtcd:
             EtcdError: it exited or did not become healthy within ``timeout`` seconds (then it is stopped).
         """
         assert self.proc is not None, "etcd not started"
+        self.start_signal = None
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 code, self.proc = self.proc.returncode, None
+                self.start_signal = -code if code < 0 else None
                 raise EtcdError(f"etcd exited at start with code {code}: {self.log_tail()}")
             if self.healthy():
                 log.debug("etcd_started", endpoint=self.endpoint, pid=self.proc.pid)
