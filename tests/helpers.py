@@ -90,3 +90,23 @@ def wait_for_step(events: Path, world: int, min_step: int, timeout: float, logs:
                     return e
         time.sleep(0.2)
     raise AssertionError(f"no step >= {min_step} at world {world}; logs in {logs}")
+
+
+def worker_lines(out: Path) -> list[dict[str, Any]]:
+    """The JSON lines tests/integration/rdzv_worker.py appended to ``out`` (rank 0, one per step)."""
+    import json
+
+    if not out.exists():
+        return []
+    return [json.loads(x) for x in out.read_text().splitlines() if x.strip()]
+
+
+def wait_world(out: Path, world: int, after_round: int, timeout: float) -> dict[str, Any]:
+    """The newest rdzv_worker line (step >= 2) at world size ``world`` in a round after ``after_round``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for line in reversed(worker_lines(out)[-50:]):
+            if line["world_size"] == world and line["round"] > after_round and line["step"] >= 2:
+                return line
+        time.sleep(0.1)
+    raise AssertionError(f"no training at world {world} after round {after_round}: {worker_lines(out)[-3:]}")

@@ -11,7 +11,6 @@ failure budget, and no agent printed a traceback. Skipped, with the reason, wher
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ import pytest
 from elastic_train.etcd.server import find_etcd_binary
 from elastic_train.procs import tree
 from elastic_train.rendezvous.fence import FENCE_GRACE, KILL_GRACE
+from tests.helpers import wait_world
 from tests.netns import Topology, environ_without_proxies, namespaces_refused
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.timeout(300)]
@@ -40,22 +40,6 @@ def netns_ok() -> None:
     why = namespaces_refused()
     if why:
         pytest.skip(f"partition-full needs network namespaces: {why}")
-
-
-def steps(out: Path) -> list[dict]:
-    if not out.exists():
-        return []
-    return [json.loads(x) for x in out.read_text().splitlines() if x.strip()]
-
-
-def wait_world(out: Path, world: int, after_round: int, timeout: float) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for line in reversed(steps(out)[-50:]):
-            if line["world_size"] == world and line["round"] > after_round and line["step"] >= 2:
-                return line
-        time.sleep(0.1)
-    raise AssertionError(f"no training at world {world} after round {after_round}: {steps(out)[-3:]}")
 
 
 def in_ns(net: Topology, host: str, code: str) -> str:

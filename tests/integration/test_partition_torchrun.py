@@ -26,6 +26,7 @@ from elastic_train.launch.local import LocalJob, LocalOptions
 from elastic_train.procs import tree
 from elastic_train.rendezvous.fence import FENCE_GRACE, KILL_GRACE
 from elastic_train.train.events import read_events
+from tests.helpers import wait_world
 from tests.netproxy import LatencyProxy
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -38,22 +39,6 @@ CUT_S = 8.0
 #: see the lease expire and re-form (a TTL and a round close, 1 s), then the fence needs etcd silence and a
 #: stall of TTL + grace each, then its kill grace.
 GONE_WITHIN = TTL + 1.0 + TTL + FENCE_GRACE + KILL_GRACE
-
-
-def lines(out: Path) -> list[dict]:
-    if not out.exists():
-        return []
-    return [json.loads(x) for x in out.read_text().splitlines() if x.strip()]
-
-
-def wait_world(out: Path, world: int, after_round: int, timeout: float) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for line in reversed(lines(out)[-50:]):
-            if line["world_size"] == world and line["round"] > after_round and line["step"] >= 2:
-                return line
-        time.sleep(0.1)
-    raise AssertionError(f"no training at world {world} after round {after_round}: {lines(out)[-3:]}")
 
 
 def test_torchrun_node_cut_off_from_etcd_is_fenced_and_rejoins(etcd_server, reaper, tmp_path: Path) -> None:
