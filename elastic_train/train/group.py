@@ -163,19 +163,41 @@ def current_world() -> World:
 
 
 def shutdown() -> None:
-    """Destroy the process group (a no-op without one).
+    """Take the process group down (a no-op without one): NCCL communicators are aborted, then destroyed.
 
     Call it at the end instead of ``destroy_process_group()``, after dropping the DDP model: a DDP reducer
     freed after its group is gone can abort the process (gloo: ``terminate called without an active
     exception``); this collects such garbage first.
+
+    NCCL is aborted first because destroying a communicator finalizes it, which waits for every peer: on a
+    dead peer (the group broke, hot recovery re-forms it) it never returns, and a collective still queued on
+    the stream would spin on the device. Abort returns at once and releases the communicators; the CUDA
+    context, the device's memory and everything on it stay. At a normal end every collective has completed
+    (the loop waited on each), so the abort loses nothing. gloo is destroyed as before (its collectives fail
+    on a dead peer's closed socket instead of waiting).
     """
     global _WORLD
     import gc
 
     gc.collect()
     if dist.is_initialized():
-        dist.destroy_process_group()
+        if _backend_of_default_group() == "nccl":
+            _abort_nccl()
+        if dist.is_initialized():
+            dist.destroy_process_group()
     _WORLD = None
+
+
+def _backend_of_default_group() -> str:
+    return str(dist.get_backend()).lower()
+
+
+def _abort_nccl() -> None:
+    """Abort every NCCL communicator of this process (torch's ``_abort_process_group``: all groups, within
+    one NCCL group call so that no abort waits on another); it also unregisters the groups."""
+    from torch.distributed.distributed_c10d import _abort_process_group
+
+    _abort_process_group()
 
 
 def _install_excepthook() -> None:

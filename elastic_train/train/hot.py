@@ -9,8 +9,16 @@ again. The body rebuilds what depends on the group (DDP wrapper, checkpoint mana
 restores: every member agrees on the newest step anyone holds and a failed step is redone.
 
 What cannot be handled in-process goes the restart path (the exception propagates, the worker exits, torchrun
-restarts the group): an exception of the user's code, an NCCL error, a group that does not re-form in time,
-an agent that gave up on the in-process path (a hung peer whose collective cannot be aborted).
+restarts the group): an exception of the user's code, a CUDA error that leaves the context unusable, a group
+that does not re-form in time, an agent that gave up on the in-process path (a hung peer whose collective
+cannot be aborted). Which error is which is :func:`classify_failure`.
+
+On NCCL the same path works because the communicator is aborted, not the process: with hot recovery on,
+torch's watchdog runs in ``CleanUpOnly`` mode (``TORCH_NCCL_ASYNC_ERROR_HANDLING=2``, set here before the
+first group forms): on a peer's failure or a collective timeout it aborts the communicator and the error is
+raised on the training thread instead of taking the process down; :func:`~elastic_train.train.group.shutdown`
+aborts what is left of the group, and the next group forms on the same device (``device_id``: eager init).
+The CUDA context, the model and the optimizer state stay on the device.
 """
 
 from __future__ import annotations
@@ -18,10 +26,11 @@ from __future__ import annotations
 import gc
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
+from dataclasses import dataclass
 from typing import TypeVar
 
-from elastic_train.envvars import ENV_ROUND
+from elastic_train.envvars import ENV_REFORM_DIR, ENV_ROUND
 from elastic_train.log import get_logger
 from elastic_train.reform import Channel
 from elastic_train.train import group
@@ -43,6 +52,51 @@ _GROUP_ERROR_MARKERS = (
     "ProcessGroupGloo",
     "Socket Timeout",
 )
+#: Text of CUDA errors after which the context cannot be trusted (a sticky error: every later call on it
+#: fails, or memory may hold garbage): torch's ``CUDA error: <cudaGetErrorString>`` (c10/cuda), NCCL's
+#: ``unhandled cuda error`` / ``ncclUnhandledCudaError`` and its ``Cuda failure`` lines. Checked before the
+#: markers below: a remote error whose log mentions a CUDA failure is a CUDA failure.
+_CUDA_POISON_MARKERS = (
+    "CUDA error",  # c10::cuda: "CUDA error: an illegal memory access was encountered", "... launch failure"
+    "ncclUnhandledCudaError",  # getNcclErrorDetailStr
+    "unhandled cuda error",  # ncclGetErrorString(ncclUnhandledCudaError)
+    "Cuda failure",  # NCCL's own "Cuda failure 700 'an illegal memory access was encountered'"
+    "illegal memory access",
+    "illegal instruction",
+    "misaligned address",
+    "ECC error",  # cudaErrorECCUncorrectable: "uncorrectable ECC error encountered"
+    "unspecified launch failure",  # cudaErrorLaunchFailure
+    "device-side assert",
+)
+#: Text of NCCL errors that mean the group broke, not the device: a peer exited or its network failed
+#: (``ncclRemoteError``, older NCCL's ``ncclSystemError`` "unexpected exit of a remote peer"), the
+#: communicator was aborted (by the watchdog in ``CleanUpOnly`` mode, or by :func:`group.shutdown`), or the
+#: watchdog timed a collective out (a peer that stopped). From ProcessGroupNCCL.cpp and NCCLUtils.cpp.
+_NCCL_GROUP_MARKERS = (
+    "ncclRemoteError",
+    "remote process exited or there was a network error",  # ncclGetErrorString(ncclRemoteError)
+    "ncclSystemError",
+    "unhandled system error",  # ncclGetErrorString(ncclSystemError)
+    "communicator was aborted",  # "NCCL communicator was aborted on rank N."
+    "Watchdog caught collective operation timeout",
+    "NCCL timeout in",  # C10D_CHECK_TIMEOUT of a non-blocking NCCL call
+    "Process group watchdog thread terminated",  # the watchdog's exception, relayed
+)
+#: The NCCL watchdog mode hot recovery needs: abort the failed communicator and raise on the training thread
+#: (torch's ``ErrorHandlingMode::CleanUpOnly``); torch's default (3, ``SkipCleanUp``) takes the process down.
+NCCL_CLEAN_UP_ONLY = "2"
+ENV_NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+
+
+def nccl_error_handling(environ: MutableMapping[str, str]) -> None:
+    """Under an agent that re-forms in-process, make NCCL's watchdog abort a failed communicator and raise
+    instead of ending the process (unless the user chose a mode: then :meth:`Reformer.register` leaves NCCL
+    groups to the restart path). torch reads the variable when a group forms, so this runs at import."""
+    if environ.get(ENV_REFORM_DIR):
+        environ.setdefault(ENV_NCCL_ERROR_HANDLING, NCCL_CLEAN_UP_ONLY)
+
+
+nccl_error_handling(os.environ)
 
 
 class GroupChanged(Exception):
@@ -53,22 +107,61 @@ class ReformAbandoned(TrainingError):
     """The group could not be re-formed in-process; the worker exits and its agent restarts it."""
 
 
-def group_failure(exc: BaseException) -> str | None:
-    """Why ``exc`` means the process group broke (a reason to re-form in-process), or None when it does not
-    (a user error, an NCCL error: those take the restart path)."""
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """What a training error means for the group (:func:`classify_failure`)."""
+
+    reform: bool
+    """True: the group broke, re-form in-process; False: only a new process recovers (the restart path)."""
+    reason: str
+    """One line saying why (logged, and handed to the agent)."""
+
+
+def classify_failure(exc: BaseException) -> Failure | None:
+    """What ``exc`` (or an exception in its cause/context chain) means for the group, from its text.
+
+    A broken group (gloo: a peer's connection failed; NCCL: a peer gone, a remote error, an aborted
+    communicator, a watchdog timeout) re-forms in-process. A CUDA error that poisons the context (an illegal
+    address, a launch failure, ECC, NCCL's "unhandled cuda error") needs a new process, whatever else the text
+    says. Anything else (the user's code, an NCCL usage error) is None: not a group failure.
+    """
     if isinstance(exc, GroupChanged):
-        return "membership change announced"
+        return Failure(True, "membership change announced")
+    found: Failure | None = None
     seen: set[int] = set()
     cause: BaseException | None = exc
     while cause is not None and id(cause) not in seen:
         seen.add(id(cause))
         text = str(cause)
-        if "NCCL" in text:
-            return None
-        if isinstance(cause, RuntimeError) and any(m in text for m in _GROUP_ERROR_MARKERS):
-            return text.strip().splitlines()[0][:300] if text.strip() else type(cause).__name__
+        line = _first_line(text) or type(cause).__name__
+        if any(m in text for m in _CUDA_POISON_MARKERS):
+            return Failure(False, f"CUDA context unusable: {line}")
+        if found is None and isinstance(cause, RuntimeError):
+            if "NCCL" in text or "nccl" in text:
+                if any(m in text for m in _NCCL_GROUP_MARKERS):
+                    found = Failure(True, line)
+            elif any(m in text for m in _GROUP_ERROR_MARKERS):
+                found = Failure(True, line)
         cause = cause.__cause__ or cause.__context__
-    return None
+    return found
+
+
+def _first_line(text: str) -> str:
+    stripped = text.strip()
+    return stripped.splitlines()[0][:300] if stripped else ""
+
+
+def group_failure(exc: BaseException) -> str | None:
+    """Why ``exc`` means the process group broke (a reason to re-form in-process), or None when it does not
+    (a user error, a CUDA error that poisons the context: those take the restart path; the latter says why
+    in one ``cuda_context_lost`` event)."""
+    failure = classify_failure(exc)
+    if failure is None:
+        return None
+    if not failure.reform:
+        log.error("cuda_context_lost", reason=failure.reason, action="restart: a new process, a new context")
+        return None
+    return failure.reason
 
 
 class Reformer:
@@ -95,8 +188,22 @@ class Reformer:
         return cls(channel, env, backend)
 
     def register(self, world: group.World) -> None:
-        """Tell the agent this worker re-forms in-process (NCCL groups do not: they take the restart path)."""
-        if world.backend != "gloo":
+        """Tell the agent this worker re-forms in-process.
+
+        An NCCL group does only when torch's watchdog aborts a failed communicator and raises on the training
+        thread (``TORCH_NCCL_ASYNC_ERROR_HANDLING=2``, :func:`nccl_error_handling`); in another mode an NCCL
+        error ends the process (1, 3) or is never raised (0), and membership changes restart.
+        """
+        if world.backend == "nccl":
+            mode = os.environ.get(ENV_NCCL_ERROR_HANDLING)
+            if mode != NCCL_CLEAN_UP_ONLY:
+                log.info(
+                    "hot_recovery_off",
+                    reason=f"{ENV_NCCL_ERROR_HANDLING}={mode}: an NCCL error does not reach the training "
+                    f"thread with its communicator aborted (needs {NCCL_CLEAN_UP_ONLY}); changes restart",
+                )
+                return
+        elif world.backend != "gloo":
             log.info("hot_recovery_off", reason=f"backend {world.backend}: membership changes restart")
             return
         self.channel.register(self.env.local_rank, world.round)
