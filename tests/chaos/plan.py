@@ -47,6 +47,15 @@ def etcd_members(seed: int) -> int:
     return 3 if seed % 2 else 1
 
 
+def hot_recovery(seed: int) -> bool:
+    """Whether a chaos run has hot recovery on (``rendezvous.hot``). It is a job setting (every node of a run
+    gets the same ``--set``), so the mix is per run: two seeds in three re-form in-process (0, 2, 3, 5, 6 …),
+    the others take the restart path (1, 4, 7, 10 …). The rule is independent of :func:`etcd_members` and of
+    the partition seeds, so both paths meet each etcd fault and the partition within a dozen seeds, and
+    ``make chaos`` (seeds 0..4) runs both; seed 0 (``make test``) runs hot."""
+    return seed % 3 != 1
+
+
 def make_plan(seed: int, spec: PlanSpec) -> list[Fault]:
     """A list of faults for one chaos run; node indices follow launch order (joiners get new indices).
 

@@ -1,14 +1,21 @@
 """Chaos: real jobs (torchrun agents on etcd3, loopback) under seeded random faults, checked for invariants.
 
 Each seed runs one job through :class:`~elastic_train.launch.local.LocalJob` with a plan from
-:func:`tests.chaos.plan.make_plan` and asserts: the job finishes; every sample of each epoch trained exactly
-once (audit files); no resume ever came from a corrupted checkpoint; every committed checkpoint verifies
-(the deliberately corrupted ones are reported by verify); final weights equal a fault-free run within 1e-5
-relative; no process of the job survives it; no shared-memory snapshot is left behind; a node started with the
-job's run id but another checkpoint URL or node range is refused (exit 2, one line naming the run) and
-writes nothing; a node cut off from etcd (``partition-etcd``) has its workers stopped within TTL + 1.5 s, the
-others train without it within TTL + 8 s, it comes back and ends with the job without a traceback, and no
-checkpoint of a world that is no longer current is ever the newest.
+:func:`tests.chaos.plan.make_plan` and asserts: the job finishes by itself (before the launcher's timeout);
+every sample of each epoch trained exactly once (audit files); no resume ever came from a corrupted
+checkpoint; every committed checkpoint verifies (the deliberately corrupted ones are reported by verify);
+final weights equal a fault-free run within 1e-5 relative; no process of the job survives it; no
+shared-memory snapshot is left behind; a node started with the job's run id but another checkpoint URL or
+node range is refused (exit 2, one line naming the run) and writes nothing; a node cut off from etcd
+(``partition-etcd``) has its workers stopped within TTL + 1.5 s, the others train without it within TTL + 8 s,
+it comes back and ends with the job without a traceback, and no checkpoint of a world that is no longer
+current is ever the newest.
+
+Each seed also draws whether hot recovery is on (:func:`tests.chaos.plan.hot_recovery`). With it on, every
+invariant above holds unchanged, and ``hot_kept`` adds: across each kill -9 of a node and each join, the
+surviving nodes' worker processes are the same before the fault and once the job trains again, and every
+``hot_fallback`` an agent logged names a reason that an injected fault requires (a stopped peer, a worker
+that exited, a fenced node). With it off, no agent re-formed a group in-process.
 
 ``make test`` runs seed 0; ``make chaos SEEDS=20`` runs seeds 0..19 and prints a table.
 """
@@ -19,6 +26,8 @@ import io
 import json
 import os
 import threading
+import time
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -32,10 +41,11 @@ from elastic_train.checkpoint.storage import open_storage
 from elastic_train.config import load_job_config
 from elastic_train.launch.faults import COLLISION_KINDS, Fault, FaultRecord
 from elastic_train.launch.local import LocalJob, LocalOptions, Node
+from elastic_train.procs import tree
 from elastic_train.train.audit import check_exactly_once
 from elastic_train.train.events import read_events
 from tests.chaos.chaos_task import ENV_FLAG
-from tests.chaos.plan import PlanSpec, etcd_members, make_plan
+from tests.chaos.plan import PlanSpec, etcd_members, hot_recovery, make_plan
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -49,8 +59,37 @@ INTRUDER_WAIT = 3.0
 PARTITION_SECONDS = 12.0
 
 
-def overrides(tmp: Path, run_id: str, ckpt_url: str, max_nodes: int) -> dict[str, Any]:
+#: Faults the hot path handles in-process: the survivors' workers stay the same processes.
+HOT_HANDLED = ("kill-node", "kill-during-checkpoint", "add-node")
+#: Seconds between two looks at every node's worker processes (the pids checked by ``hot_kept``).
+PID_SAMPLE_S = 0.1
+#: Seconds after its fault within which a fallback counts as caused by it.
+FALLBACK_WINDOW_S = 30.0
+#: A ``hot_fallback`` reason (substring) → the faults that require it: (kind, on the node that logged the
+#: fallback: True; on another node: False; either: None).
+FALLBACK_CAUSES: dict[str, tuple[tuple[str, bool | None], ...]] = {
+    # survivors blocked in a collective with a peer that stopped (SIGSTOP, or cut off from etcd)
+    "did not reach a step boundary": (("hang-node", False), ("partition-etcd", False)),
+    # a worker of this node died by itself (the agent sees its pid gone, or torchrun restarted the group)
+    "exited": (("kill-worker", True),),
+    # this node lost its lease: cut off from etcd, resumed after a SIGSTOP longer than its lease, or etcd
+    # unavailable for longer than the lease
+    "was fenced": (
+        ("partition-etcd", True),
+        ("hang-node", True),
+        ("restart-etcd", None),
+        ("kill-etcd-leader", None),
+        ("etcd-quorum-loss", None),
+    ),
+}
+
+
+def overrides(
+    tmp: Path, run_id: str, ckpt_url: str, max_nodes: int, hot: bool | None = None
+) -> dict[str, Any]:
+    extra = {} if hot is None else {"rendezvous.hot": hot}
     return {
+        **extra,
         "rendezvous.run_id": run_id,
         "rendezvous.min_nodes": SPEC.min_nodes,
         "rendezvous.max_nodes": max_nodes,
@@ -159,7 +198,8 @@ def test_chaos_invariants(
         "storage-outage": storage_outage,
         "corrupt-checkpoint": corrupt,
     }
-    ov = overrides(tmp_path, run_id, ckpt_url, SPEC.max_nodes)
+    hot = hot_recovery(chaos_seed)
+    ov = overrides(tmp_path, run_id, ckpt_url, SPEC.max_nodes, hot=hot)
     cfg = load_job_config(None, ov)
     job = LocalJob(
         cfg,
@@ -170,12 +210,17 @@ def test_chaos_invariants(
         ),
     )  # fmt: skip
     job_ref["job"] = job
-    summary = job.run()
+    pids = PidSampler(job)
+    with pids:
+        summary = job.run()
     flag.unlink(missing_ok=True)
 
     inv: dict[str, bool] = {}
     detail: dict[str, Any] = {}
-    inv["finished"] = summary.succeeded and summary.completed_steps == SPEC.steps
+    # ... by itself: every node exited before the launcher's timeout stopped what was left
+    timed_out = "!! timeout" in job.opts.out.getvalue()  # type: ignore[attr-defined]
+    inv["finished"] = summary.succeeded and summary.completed_steps == SPEC.steps and not timed_out
+    detail["timed_out"] = timed_out
     audit = check_exactly_once(str(tmp_path / "audit"), steps=summary.completed_steps)
     inv["exactly_once"] = audit.ok and summary.completed_steps == SPEC.steps
     detail["audit"] = audit.problems[:5]
@@ -238,6 +283,9 @@ def test_chaos_invariants(
     inv["no_stale_newest"] = newest is not None and newest.step == SPEC.steps and newest.round == last
     detail["newest"] = (newest.path if newest else None, starts[-3:])
 
+    fallbacks, rounds = agent_events(job, "hot_fallback"), agent_events(job, "hot_round")
+    inv["hot_kept"], detail["hot"] = hot_kept(fallbacks, rounds, records, pids.samples, hot)
+
     inv["no_orphans"] = not [p.pid for p in job.known_procs.values() if _running(p)]
     inv["no_shm_leak"] = not snapshot_files(cfg.checkpoint.memory_dir, run_id)
 
@@ -245,6 +293,8 @@ def test_chaos_invariants(
         {
             "seed": chaos_seed,
             "etcd_members": etcd_members(chaos_seed),
+            "hot": hot,
+            "hot_detail": detail["hot"],
             "faults": [f.to_json() for f in records],
             "wall_s": summary.wall_s,
             "invariants": inv,
@@ -255,6 +305,168 @@ def test_chaos_invariants(
         f"seed {chaos_seed}: invariants failed: {failed}\nplan: {[f.label for f in plan]}\n"
         f"detail: {json.dumps(detail, default=str)[:2000]}\nlogs: {job.opts.workdir}"
     )
+
+
+Sample = tuple[float, dict[int, frozenset[int]]]
+"""When, and each running node's worker pids then."""
+AgentEvent = tuple[float, int, dict[str, Any]]
+"""When, on which node, and the agent's log record."""
+
+
+class PidSampler:
+    """Samples every running node's worker pids while the job runs (every :data:`PID_SAMPLE_S`), and once more
+    right before each fault is injected (its action is wrapped), so that ``hot_kept`` can compare a node's
+    workers before a fault with those once the job trains again."""
+
+    def __init__(self, job: LocalJob) -> None:
+        self.job = job
+        self.samples: list[Sample] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="pid-sampler", daemon=True)
+        for kind, action in list(job.actions.items()):
+            job.actions[kind] = self._before(action)
+
+    def _before(self, action: Any) -> Any:
+        def act(record: FaultRecord, node: Node | None) -> None:
+            self.sample()
+            action(record, node)
+
+        return act
+
+    def sample(self) -> None:
+        pids = {
+            n.index: frozenset(p.pid for p in tree(n.proc.pid)[1:] if _is_worker(p))
+            for n in list(self.job.nodes)
+            if n.proc.poll() is None and not n.stopped and not n.killed
+        }
+        self.samples.append((time.time(), pids))
+
+    def _loop(self) -> None:
+        while not self._stop.wait(PID_SAMPLE_S):
+            self.sample()
+
+    def __enter__(self) -> PidSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def _is_worker(p: Any) -> bool:
+    try:
+        return "elastic_train.worker" in p.cmdline()
+    except Exception:  # gone meanwhile: not a worker of the sample
+        return False
+
+
+def agent_events(job: LocalJob, name: str) -> list[AgentEvent]:
+    """(time, node index, record) of every ``name`` line the nodes' agents logged."""
+    out = []
+    for node in job.nodes:
+        for line in Path(node.log_path).read_text(errors="replace").splitlines():
+            if not line.startswith("{") or f'"{name}"' not in line:
+                continue
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if rec.get("event") == name and isinstance(rec.get("timestamp"), str):
+                when = datetime.fromisoformat(rec["timestamp"].replace("Z", "+00:00")).timestamp()
+                out.append((when, node.index, rec))
+    return sorted(out, key=lambda x: x[0])
+
+
+def hot_kept(
+    fallbacks: list[AgentEvent], rounds: list[AgentEvent], records: list[FaultRecord], samples: list[Sample],
+    hot: bool,
+) -> tuple[bool, dict[str, Any]]:  # fmt: skip
+    """Hot on: across each fault the hot path handles (:data:`HOT_HANDLED`), every node that was training
+    before it kept its worker pids until the job trained again, and every ``hot_fallback`` has a cause
+    (:data:`FALLBACK_CAUSES`: a fault of a kind that requires it, injected in the 30 s before, or a node
+    hung until then). Hot off: no agent formed a round in-process.
+
+    A node's workers count as "training before" when its pids were the same in every sample of the last
+    second before the fault (a node still restarting or starting its workers is not a survivor yet). A node
+    that another fault hit meanwhile (faults overlap: a joiner killed while it joins) and a node that fell
+    back in the window are not survivors: the fallback check judges those."""
+    if not hot:
+        return not rounds and not fallbacks, {"hot_rounds": len(rounds), "fallbacks": len(fallbacks)}
+    fired = [f for f in records if f.fired_at is not None]
+    kept: list[str] = []
+    broken: list[Any] = []
+    skipped: dict[str, str] = {}
+    for f in fired:
+        assert f.fired_at is not None
+        if f.kind not in HOT_HANDLED:
+            continue
+        if f.resumed_at is None:
+            skipped[f.label] = "the job did not train in a later round"
+            continue
+        start, end = f.fired_at, f.resumed_at
+        # nodes another fault hit meanwhile (a kill of a joiner, a hang) are not survivors of this one
+        hit = {
+            o.fault.node
+            for o in fired
+            if o.fault.node is not None and start - 1.0 <= (o.fired_at or 0) <= end
+        }
+        window = [pids for t, pids in samples if start - 1.0 <= t <= start]
+        after = next((pids for t, pids in samples if t >= end), None)
+        if not window or after is None:
+            skipped[f.label] = "no pid sample before or after"
+            continue
+        fell_back = {n for t, n, _ in fallbacks if start <= t <= end + 1.0}
+        survivors = {
+            n: p for n, p in window[-1].items()
+            if p and n != f.fault.node and n not in hit | fell_back and all(w.get(n) == p for w in window)
+        }  # fmt: skip
+        changed = {n: sorted(p) for n, p in survivors.items() if after.get(n) != p}
+        if changed:
+            broken.append(
+                {"fault": f.label, "before": changed, "after": {n: sorted(after.get(n, ())) for n in changed}}
+            )
+        elif survivors:
+            kept.append(f.label)
+        else:
+            skipped[f.label] = f"no node trained steadily before it (fell back: {sorted(fell_back)})"
+    unexplained = []
+    for when, node, rec in fallbacks:
+        reason = str(rec.get("reason", ""))
+        cause = next((c for marker, c in FALLBACK_CAUSES.items() if marker in reason), None)
+        if cause is None or not any(_causes(f, cause, node, when, fired) for f in fired):
+            unexplained.append({"node": node, "reason": reason[:200]})
+    detail = {
+        "kept": kept,
+        "broken": broken,
+        "skipped": skipped,
+        "fallbacks": [str(r.get("reason", ""))[:80] for _, _, r in fallbacks],
+        "unexplained": unexplained,
+        "hot_rounds": len(rounds),
+    }
+    return not broken and not unexplained, detail
+
+
+def _causes(
+    f: FaultRecord,
+    cause: tuple[tuple[str, bool | None], ...],
+    node: int,
+    when: float,
+    fired: list[FaultRecord],
+) -> bool:
+    """Whether fault ``f`` explains a fallback on ``node`` at ``when``: a kind that requires it, on the
+    right node, at most :data:`FALLBACK_WINDOW_S` before (a hung node: after it was resumed)."""
+    where = dict(cause)
+    if f.kind not in where or f.fired_at is None or f.fired_at > when:
+        return False
+    same_node = where[f.kind]
+    if same_node is not None and f.fault.node is not None and (f.fault.node == node) != same_node:
+        return False
+    since = f.fired_at
+    if f.kind == "hang-node":
+        resumed = [o.fired_at for o in fired if o.kind == "resume-node" and o.fault.node == f.fault.node]
+        since = min((t for t in resumed if t is not None and t >= f.fired_at), default=when)
+    return when - since <= FALLBACK_WINDOW_S
 
 
 def partitions_held(job: LocalJob, records: list[FaultRecord], ttl: float) -> tuple[bool, list[Any]]:

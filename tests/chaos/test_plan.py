@@ -62,3 +62,55 @@ def test_three_member_runs_open_with_an_etcd_fault() -> None:
             assert not kinds & {"kill-etcd-leader", "etcd-quorum-loss"}
         else:
             assert "restart-etcd" not in kinds
+
+
+def test_hot_recovery_mix() -> None:
+    """Both values within ``make chaos``'s default seeds, the CI seed hot, and each value meets both etcd
+    sizes and the partition seeds within a dozen seeds."""
+    from tests.chaos.plan import etcd_members, hot_recovery
+
+    assert {hot_recovery(s) for s in range(5)} == {True, False}
+    assert hot_recovery(0)
+    for hot in (True, False):
+        seeds = [s for s in range(12) if hot_recovery(s) == hot]
+        assert {etcd_members(s) for s in seeds} == {1, 3}
+        assert any(s % 4 == 2 for s in seeds), "a partition seed"
+
+
+def test_hot_kept_judges_pids_and_fallbacks() -> None:
+    """The chaos suite's ``hot_kept`` on made-up runs: a survivor restarted across a kill fails it, a kept
+    one passes; a fallback needs an injected fault that requires it, in time; hot off allows no hot round."""
+    from elastic_train.launch.faults import Fault, FaultRecord
+    from tests.chaos.test_chaos import hot_kept
+
+    def rec(kind: str, node: int | None, fired: float, resumed: float | None = None) -> FaultRecord:
+        r = FaultRecord(fault=Fault(kind=kind, step=1, node=node))
+        r.fired_at, r.resumed_at = fired, resumed
+        return r
+
+    kill = rec("kill-node", 2, 100.0, 101.0)
+    steady = [
+        (99.0 + i / 10, {0: frozenset({10}), 1: frozenset({11}), 2: frozenset({12})}) for i in range(11)
+    ]
+    kept = [*steady, (101.2, {0: frozenset({10}), 1: frozenset({11})})]
+    ok, detail = hot_kept([], [], [kill], kept, hot=True)
+    assert ok and detail["kept"] == [kill.label]
+    restarted = [*steady, (101.2, {0: frozenset({10}), 1: frozenset({21})})]
+    ok, detail = hot_kept([], [], [kill], restarted, hot=True)
+    assert not ok and detail["broken"][0]["before"] == {1: [11]}
+
+    stopped = {"reason": "workers did not reach a step boundary within 1 s of the change"}
+    hang = rec("hang-node", 2, 100.0)
+    assert hot_kept([(103.0, 0, stopped)], [], [hang], [], hot=True)[0]
+    assert not hot_kept([(103.0, 0, stopped)], [], [kill], [], hot=True)[0], "a kill requires no fallback"
+    fenced = {"reason": "this node was fenced (cut_off)"}
+    resume = rec("resume-node", 2, 150.0)
+    assert hot_kept([(152.0, 2, fenced)], [], [hang, resume], [], hot=True)[0], "the hung node, once resumed"
+    assert not hot_kept([(152.0, 1, fenced)], [], [hang, resume], [], hot=True)[0], "another node fenced"
+    exited = {"reason": "local worker(s) [0] exited"}
+    crash = rec("kill-worker", 1, 100.0)
+    assert hot_kept([(101.0, 1, exited)], [], [crash], [], hot=True)[0]
+    assert not hot_kept([(101.0, 0, exited)], [], [crash], [], hot=True)[0], "another node's worker died"
+    assert not hot_kept([(200.0, 1, exited)], [], [crash], [], hot=True)[0], "long after the fault"
+    assert not hot_kept([], [(101.0, 0, {})], [kill], [], hot=False)[0], "hot off, yet a round in-process"
+    assert hot_kept([], [], [kill], restarted, hot=False)[0]
