@@ -27,11 +27,14 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--poison", type=int, default=-1)
+    parser.add_argument(
+        "--backend", default="nccl"
+    )  # gloo: the same loop on the CPU (a check of the harness)
     args = parser.parse_args()
     env = WorkerEnv.from_environ(os.environ)
-    reformer = Reformer.from_environ(env, "nccl")
+    reformer = Reformer.from_environ(env, args.backend)
     assert reformer is not None, "no re-formation channel"
-    world = group.init("nccl", env=env)
+    world = group.init(args.backend, env=env)
     reformer.register(world)
     torch.manual_seed(0)
     model = torch.nn.Linear(256, 256, device=world.device)
@@ -45,7 +48,7 @@ def main() -> None:
             one = torch.ones(1, device=world.device)
             dist.all_reduce(one)
             size = int(one.item())
-            w = model.weight
+            w = model.weight.detach()
             line = {"step": step, "pid": os.getpid(), "world": size, "round": world.round,
                     "device": str(w.device), "ptr": w.data_ptr(), "sum": float(w.sum())}  # fmt: skip
             print(json.dumps(line), flush=True)
