@@ -3,7 +3,7 @@
 - In one process: :func:`~elastic_train.train.group.shutdown` aborts the NCCL group and the next one forms on
   the same device; the model's CUDA tensors stay where they were, untouched.
 - Across processes (>= 2 GPUs): a rank killed with SIGKILL makes the survivor's collective fail (NCCL's
-  watchdog in ``CleanUpOnly`` mode aborts the communicator and the next collective raises), they re-form
+  watchdog in ``CleanUpOnly`` mode aborts the communicator and the next collective raises); it re-forms
   in-process through the channel, keeps its pid, and its weights stay on the device at the same address.
   (The harness itself, with ``--backend gloo`` on the CPU, passes the same checks.)
 - A CUDA error that poisons the context (a device-side assertion) is not re-formed in-process: the worker says
@@ -11,7 +11,7 @@
 
 NCCL's peer-to-peer and shared-memory transports are turned off so that the ranks on one machine talk over
 sockets as ranks on different machines do: a killed peer then closes its connections and NCCL reports a
-remote error (through NVLink a dead peer is only noticed by the collective timeout).
+remote error (through NVLink a dead peer may only be noticed by the collective timeout).
 """
 
 from __future__ import annotations
