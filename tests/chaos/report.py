@@ -126,9 +126,9 @@ def markdown(results: list[dict[str, Any]], *, command: str) -> str:
             "Hot recovery (column `hot`, docs/rendezvous.md) is drawn per run, since `rendezvous.hot` is a "
             "job setting: two seeds in three run with it on (0, 2, 3, 5, 6 …), the others on the restart "
             "path (1, 4, 7, 10 …), independently of the etcd size and the partition seeds. Every invariant "
-            "above holds for both. `hot_kept` adds, with hot on: across each kill -9 of a node (also when a "
-            "checkpoint is due) and each join, every node that was training before the fault has the same "
-            "worker processes once the job trains again (pids sampled every 0.1 s and right before each "
+            "above is checked for both. `hot_kept` adds, with hot on: across each kill -9 of a node (also "
+            "when a checkpoint is due) and each join, every node that was training before the fault has the "
+            "same worker processes once the job trains again (pids sampled every 0.1 s and right before each "
             "fault; a node another fault hit meanwhile, or that fell back, is no survivor), and every "
             "`hot_fallback` an agent logged has a cause among the injected faults of the 30 s before: a "
             'stopped peer (SIGSTOP, a partition) for "did not reach a step boundary", a killed worker of '
