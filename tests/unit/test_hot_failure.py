@@ -11,6 +11,7 @@ c10's ``C10_CUDA_CHECK`` "CUDA error: <cudaGetErrorString>".
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -161,3 +162,33 @@ def test_an_nccl_group_re_forms_in_process_only_in_clean_up_only_mode(
     )  # fmt: skip
     Reformer(channel, env, "nccl").register(world)
     assert channel.ready() == ({0: 4} if registers else {})
+
+
+def test_shutdown_aborts_an_nccl_group_before_destroying_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NCCL: abort first (destroy's finalize would wait on a dead peer); gloo: destroy as before. The group
+    here is gloo; the backend it reports is what shutdown() goes by."""
+    from elastic_train.net import free_port
+    from elastic_train.train import group
+
+    calls: list[str] = []
+    real_abort = group._abort_nccl
+    for backend in ("gloo", "nccl"):
+        calls.clear()
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{free_port('127.0.0.1')}", rank=0, world_size=1
+        )
+        monkeypatch.setattr(group, "_backend_of_default_group", lambda b=backend: b)
+        monkeypatch.setattr(group, "_abort_nccl", lambda: (calls.append("abort"), real_abort()))
+        monkeypatch.setattr(dist, "destroy_process_group", _recording(calls, dist.destroy_process_group))
+        group.shutdown()
+        monkeypatch.undo()
+        assert not dist.is_initialized()
+        assert calls == (["abort"] if backend == "nccl" else ["destroy"])
+
+
+def _recording(calls: list[str], fn: Any) -> Any:
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        calls.append("destroy")
+        return fn(*args, **kwargs)
+
+    return wrapped
