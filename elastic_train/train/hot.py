@@ -8,6 +8,11 @@ waits for the next round's assignment (:mod:`elastic_train.reform`), forms the n
 again. The body rebuilds what depends on the group (DDP wrapper, checkpoint manager, sampler shares) and
 restores: every member agrees on the newest step anyone holds and a failed step is redone.
 
+A worker started on standby (its node joins a running job, :mod:`elastic_train.rendezvous.standby`) forms no
+group of the job's before ``run()``: the model, optimizer and data are built by then, so it reports ready,
+waits for the agent to admit it to the next round (the running job trains meanwhile), forms that round's
+group and calls the body, which restores from a holder of the state.
+
 What cannot be handled in-process goes the restart path (the exception propagates, the worker exits, torchrun
 restarts the group): an exception of the user's code, an NCCL error, a group that does not re-form in time,
 an agent that gave up on the in-process path (a hung peer whose collective cannot be aborted).
@@ -21,7 +26,7 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from elastic_train.envvars import ENV_ROUND
+from elastic_train.envvars import ENV_ROUND, ENV_STANDBY
 from elastic_train.log import get_logger
 from elastic_train.reform import Channel
 from elastic_train.train import group
@@ -51,6 +56,14 @@ class GroupChanged(Exception):
 
 class ReformAbandoned(TrainingError):
     """The group could not be re-formed in-process; the worker exits and its agent restarts it."""
+
+
+class RunEnded(SystemExit):
+    """The run ended before this standby worker was admitted: it exits with status 0 (its agent says why)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(0)
+        self.message = message
 
 
 def group_failure(exc: BaseException) -> str | None:
@@ -85,6 +98,8 @@ class Reformer:
         self.env = env
         self.backend = backend
         self.reformations = 0
+        #: Seconds this worker may wait for its admission when its agent started it on standby, else None.
+        self.standby: float | None = None
 
     @classmethod
     def from_environ(cls, env: WorkerEnv, backend: str = "auto") -> Reformer | None:
@@ -92,7 +107,11 @@ class Reformer:
         channel = Channel.from_environ(os.environ)
         if channel is None or not env.round_is_global:
             return None
-        return cls(channel, env, backend)
+        reformer = cls(channel, env, backend)
+        wait = os.environ.get(ENV_STANDBY)
+        if wait:
+            reformer.standby = float(wait)
+        return reformer
 
     def register(self, world: group.World) -> None:
         """Tell the agent this worker re-forms in-process (NCCL groups do not: they take the restart path)."""
@@ -113,14 +132,38 @@ class Reformer:
             ReformAbandoned: the agent gave up on the in-process path or no round came in time.
         """
         started = time.perf_counter()
-        old = self.env.round
         # the agent joins the next round while this process takes the old group down
-        self.channel.request(self.env.local_rank, old, reason)
+        self.channel.request(self.env.local_rank, self.env.round, reason)
         group.shutdown()
+        return self._form_next(reason, started, ASSIGNMENT_TIMEOUT)
+
+    def admit(self) -> WorkerEnv:
+        """A standby worker's entry into the running job: report ready (everything is built), wait for the
+        round the agent joins for this node, form its group; returns the new environment.
+
+        Raises:
+            RunEnded: the run ended before this node was admitted (exit status 0).
+            ReformAbandoned: the agent gave up on the admission, or none came in time.
+        """
+        started = time.perf_counter()
+        if dist_initialized():  # a provisional group of this node's workers, formed by the script's init()
+            group.shutdown()
+        self.channel.standby(self.env.local_rank, self.env.round)
+        try:
+            return self._form_next("admitted from standby", started, self.standby or ASSIGNMENT_TIMEOUT)
+        finally:
+            self.standby = None
+            os.environ.pop(ENV_STANDBY, None)
+
+    def _form_next(self, reason: str, started: float, timeout: float) -> WorkerEnv:
+        old = self.env.round
         down = time.perf_counter() - started
-        assignment = self.channel.wait_assignment(after=old, timeout=ASSIGNMENT_TIMEOUT)
+        assignment = self.channel.wait_assignment(after=old, timeout=timeout)
         if assignment is None:
-            why = self.channel.fallback() or f"no new round within {ASSIGNMENT_TIMEOUT:.0f} s"
+            ended = self.channel.ended()
+            if ended is not None:
+                raise RunEnded(ended)
+            why = self.channel.fallback() or f"no new round within {timeout:.0f} s"
             raise ReformAbandoned(f"the group of round {old} could not re-form in-process: {why}")
         waited = time.perf_counter() - started
         rank = assignment.rank(self.env.local_rank)
@@ -155,6 +198,12 @@ class Reformer:
         return self.env
 
 
+def dist_initialized() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
 _ACTIVE: Reformer | None = None
 
 
@@ -166,23 +215,39 @@ def boundary(step: int) -> None:
         _ACTIVE.boundary(step)
 
 
+def change_pending() -> bool:
+    """True when the agent announced that this worker's group re-forms at its next step boundary (a test's
+    gate that holds a step stops holding then); False outside :func:`run` or with hot recovery off."""
+    return _ACTIVE is not None and _ACTIVE.channel.change_after(_ACTIVE.env.round)
+
+
 def run(body: Callable[[group.World], T], env: WorkerEnv, backend: str = "auto") -> T:
     """Call ``body(world)`` in the group formed from ``env``; re-form in-process and call it again each time
     the group breaks or re-forms, when the agent re-forms in-process (else this is ``body(init(...))``).
+
+    Call it once the model, optimizer and data exist (it logs ``model_built``): a worker started on standby
+    is admitted to the running job only now, so whatever is built before costs the job nothing.
 
     ``body`` must leave nothing of the old group behind when it raises (drop its DDP wrapper, close its
     checkpoint manager): the group is destroyed before the new one forms.
 
     Raises:
         ReformAbandoned: the group could not re-form in-process (the restart path takes over).
+        RunEnded: a standby worker's run ended before it was admitted (exit status 0).
         Whatever ``body`` raises that is not a broken group.
     """
     global _ACTIVE
     reformer = Reformer.from_environ(env, backend)
-    world = group.init(backend, env=env)
+    standby = reformer is not None and reformer.standby is not None
+    log.info("model_built", standby=standby, pid=os.getpid())
     if reformer is None:
-        return body(world)
-    reformer.register(world)
+        return body(group.init(backend, env=env))
+    if reformer.standby is not None:
+        reformer.admit()
+        world = group.current_world()
+    else:
+        world = group.init(backend, env=env)
+        reformer.register(world)
     _ACTIVE = reformer
     try:
         while True:
