@@ -77,7 +77,6 @@ class Standby:
         self._wait = join_timeout + ADMIT_MARGIN
         self._generation = 0
         self._waiting = False
-        self._stop = threading.Event()
 
     def start(self) -> RendezvousInfo | None:
         """The provisional rendezvous of a standby start, or ``None``: join the next round as usual.
@@ -119,20 +118,20 @@ class Standby:
         self._participant().advertise_inproc(engaged)
         return self._waiting
 
-    def close(self) -> None:
-        self._stop.set()
-
     def _admit(self, generation: int, workers: int) -> None:
         """Wait until every local worker is built, then join the next round for them (a thread)."""
         hot, participant = self._hot, self._participant()
         started = time.monotonic()
         try:
             while len(hot.channel.standbys()) < workers:
-                if self._stop.wait(TICK) or generation != self._generation:
+                time.sleep(TICK)
+                if generation != self._generation:
                     return  # torchrun started another worker group (a standby worker died)
                 if hot.fallback is not None:
                     return
                 participant.check_open()
+            if not all(_alive(d.get("pid")) for d in hot.channel.standbys().values()):
+                return  # a worker died after it was built: torchrun restarts the group
             built = time.monotonic()
             hot.admit(f"{workers} standby worker(s) ready")
             log.info(
@@ -153,3 +152,13 @@ class Standby:
         finally:
             if generation == self._generation:
                 self._waiting = False
+
+
+def _alive(pid: Any) -> bool:
+    """Whether process ``pid`` runs (a zombie not reaped yet does not)."""
+    import psutil
+
+    try:
+        return psutil.Process(int(pid)).status() != psutil.STATUS_ZOMBIE
+    except (psutil.Error, TypeError, ValueError):
+        return False
