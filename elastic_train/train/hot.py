@@ -146,9 +146,9 @@ class Reformer:
             ReformAbandoned: the agent gave up on the admission, or none came in time.
         """
         started = time.perf_counter()
-        if dist_initialized():  # a provisional group of this node's workers, formed by the script's init()
-            group.shutdown()
         self.channel.standby(self.env.local_rank, self.env.round)
+        if dist_initialized():  # a provisional group of this node's workers (the script's init() formed it):
+            group.shutdown()  # taken down while the agent joins the round
         try:
             return self._form_next("admitted from standby", started, self.standby or ASSIGNMENT_TIMEOUT)
         finally:
