@@ -4,6 +4,8 @@ What torchrun's agent does with it (torch 2.13, ``agent/server/api.py``):
 
 - ``next_rendezvous()`` at start and on every worker-group restart; the returned store serves the agent's
   rank assignment and exit barrier; ``bootstrap_store_info`` becomes the workers' MASTER_ADDR/MASTER_PORT.
+  With hot recovery on, a node joining a running job gets a provisional round of its own instead, and its
+  workers join the job once they are built (:mod:`elastic_train.rendezvous.standby`).
 - ``num_nodes_waiting()`` every monitor tick while workers are healthy; > 0 restarts the worker group. We
   answer from the watch cache: it turns positive when a member's lease expires (kill -9, SIGSTOP), a member
   re-joins (its workers failed) or a newcomer waits.
