@@ -230,3 +230,38 @@ def hot_start(job: own.Agents) -> Any:
         return proc
 
     return start
+
+
+def test_a_joiner_waits_on_standby_only_when_every_live_member_re_forms_in_process(etcd_server: Any) -> None:
+    from elastic_train.etcd.client import connect
+    from elastic_train.rendezvous.protocol import Participant, ProtocolSettings
+
+    def node(i: int) -> Participant:
+        s = ProtocolSettings(run_id="standby-rule", min_nodes=2, max_nodes=3, lease_ttl=2.0, settle=0.3)
+        return Participant(connect(etcd_server.endpoint), s, addr="127.0.0.1", node_id=f"n{i}")
+
+    a, b, joiner = node(0), node(1), node(2)
+    try:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(2) as pool:
+            assert {r.round for r in pool.map(lambda p: p.join(), [a, b])} == {1}
+        joiner.start()
+        assert joiner.standby_round() is None  # nobody says its workers re-form in-process
+        a.advertise_inproc(True)
+        time.sleep(0.3)
+        assert joiner.standby_round() is None  # b's workers would not admit a standby node
+        b.advertise_inproc(True)
+        deadline = time.monotonic() + 10
+        while joiner.standby_round() != 1:
+            assert time.monotonic() < deadline, "the joiner never saw both members re-form in-process"
+            time.sleep(0.05)
+        b.leave()  # a member that is gone does not count
+        a.advertise_inproc(False)
+        deadline = time.monotonic() + 10
+        while joiner.standby_round() is not None:
+            assert time.monotonic() < deadline, "the joiner still waits on standby for nobody"
+            time.sleep(0.05)
+    finally:
+        for p in (a, b, joiner):
+            p.leave()
