@@ -5,7 +5,9 @@ job keeps training at its old size, and are admitted at a step boundary (real to
   made steps while the joiner built (a build made slow through ``tests/fault_task.py``), the survivors keep
   their processes, exactly-once data and the weights of a world-1 run;
 - the same with plain ``torchrun --rdzv-backend=etcd3`` agents running an own-loop script (``et.run``);
-- a standby joiner of a run that finishes before it is admitted exits 0 with one line.
+- a standby joiner of a run that finishes before it is admitted exits 0 with one line;
+- the rule (on etcd): a joiner waits on standby only while every live member of the round says that its
+  workers re-form in-process (a script without ``et.run`` would train alone in a provisional world).
 """
 
 from __future__ import annotations
