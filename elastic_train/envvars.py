@@ -33,3 +33,9 @@ ENV_SHM_OWNER = "ELASTIC_TRAIN_SHM_OWNER"
 ENV_REFORM_DIR = "ELASTIC_TRAIN_REFORM_DIR"
 """The directory through which an agent and its workers re-form the process group in-process
 (:mod:`elastic_train.reform`); unset when hot recovery is off."""
+
+ENV_STANDBY = "ELASTIC_TRAIN_STANDBY"
+"""Set by the agent when it starts a joining node's workers on standby
+(:mod:`elastic_train.rendezvous.standby`): the seconds they may wait to be admitted to the running job.
+They build the model first and form no group of the job's until their agent hands them a round; unset
+otherwise."""

@@ -13,6 +13,11 @@ half-written:
   next step boundary.
 - ``assignment.json`` (agent → workers): the new round, this node's rank among the nodes, the number of nodes
   and processes per node, and the new group's bootstrap address.
+- ``standby-<local_rank>.json`` (worker → agent) ``{"round", "pid"}``: a worker started on standby (a node
+  joining a running job, :mod:`elastic_train.rendezvous.standby`) has built its model and asks to be admitted
+  to the round after ``round``.
+- ``ended.json`` (agent → workers) ``{"message"}``: the run ended before this node's standby workers were
+  admitted; they exit with status 0.
 
 Workers look at ``change.json`` once per step (one ``stat``) and poll ``assignment.json`` every few
 milliseconds while they wait. No torch, no etcd: both sides import only this module.
@@ -144,21 +149,38 @@ class Channel:
             return None
 
     def wait_assignment(self, after: int, timeout: float) -> Assignment | None:
-        """The first assignment of a round newer than ``after``, or None after ``timeout`` seconds or when the
-        agent gave up on re-forming in-process (``fallback.json``: its workers are restarted instead)."""
+        """The first assignment of a round newer than ``after``, or None after ``timeout`` seconds, when the
+        agent gave up on re-forming in-process (``fallback.json``: its workers are restarted instead) or when
+        the run ended (``ended.json``)."""
         deadline = time.monotonic() + timeout
         while True:
             a = self.assignment()
             if a is not None and a.round > after:
                 return a
-            if self.fallback() is not None or time.monotonic() >= deadline:
+            if self.fallback() is not None or self.ended() is not None or time.monotonic() >= deadline:
                 return None
             time.sleep(POLL_INTERVAL)
+
+    def standby(self, local_rank: int, round: int) -> None:
+        """This standby worker has built what it trains and asks to join the round after ``round``."""
+        self._write(f"standby-{local_rank}.json", {"round": round, "pid": os.getpid()})
 
     # -- agent side ----------------------------------------------------------------------------------------
     def ready(self) -> dict[int, int]:
         """Local rank → the round from which that worker re-forms in-process."""
         return {r: int(d["round"]) for r, d in self._per_rank("ready-").items()}
+
+    def standbys(self) -> dict[int, dict[str, Any]]:
+        """Local rank → its standby record ``{"round", "pid"}`` (built, waiting for admission)."""
+        return self._per_rank("standby-")
+
+    def end(self, message: str) -> None:
+        """Tell standby workers that the run ended before they were admitted (they exit with status 0)."""
+        self._write("ended.json", {"message": message[:500], "time": time.time()})
+
+    def ended(self) -> str | None:
+        d = self._read("ended.json")
+        return str(d.get("message")) if d is not None else None
 
     def registered(self) -> dict[int, dict[str, Any]]:
         """Local rank → its registration ``{"round", "pid"}``."""

@@ -7,10 +7,14 @@ of a step:
   no clean-up, like a crash) before the optimizer step of ``STEP``, but only in the worker generation whose
   ``TORCHELASTIC_RESTART_COUNT`` is ``RESTART`` (default 0), so the restarted worker does not die again;
 - ``step_delay=SECONDS``: every step sleeps that long, so a test can act on a job while it trains;
+- the environment variable :data:`BUILD_DELAY` (seconds): the task's build sleeps that long, as a large
+  model's would (a test makes one node's workers slow to build without changing the job's settings);
 - ``hold=PATH``: a gate a test opens and closes while the job runs. While ``PATH`` holds ``WORLD STEP``, a
   worker of a group of ``WORLD`` workers waits before the optimizer step of any step past ``STEP`` until the
   file changes or goes away (or its group is stopped). A test thus keeps a shrunk job from finishing before
   a joiner arrives, however slowly the joiner starts on a loaded machine, without changing what is trained.
+  The gate opens when the node's agent announces an in-process re-formation (hot recovery): the step then
+  reaches its boundary, where the group re-forms.
 
 The step number is read from the task's learning-rate scheduler, which the loop steps once per optimizer step
 and which is restored with every checkpoint: before the optimizer step of step ``S`` its ``last_epoch`` is
@@ -29,10 +33,13 @@ from typing import Any
 
 from elastic_train.train.api import Task
 from elastic_train.train.env import WorkerEnv
+from elastic_train.train.hot import change_pending
 from elastic_train.train.tasks import regression
 
 #: Exit code of a worker killed by a planned fault.
 FAULT_EXIT_CODE = 86
+#: Environment variable: seconds the task's build sleeps.
+BUILD_DELAY = "FAULT_TASK_BUILD_DELAY"
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +78,14 @@ def crash(rank: int, step: int) -> None:
     os._exit(FAULT_EXIT_CODE)
 
 
+def current_rank(env: WorkerEnv) -> int:
+    """The rank of the worker in the process group it trains in now (the launch environment's if none: a
+    worker started on standby learns its rank only when it is admitted)."""
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else env.rank
+
+
 def current_world_size(env: WorkerEnv) -> int:
     """The size of the process group the worker trains in now (the launch environment's if none)."""
     import torch.distributed as dist
@@ -92,20 +107,23 @@ def build(*, faults: str = "", step_delay: float = 0.0, hold: str = "", **kwargs
     """The regression task (``kwargs``) whose workers crash at ``faults``, sleep ``step_delay`` a step and
     wait at the gate ``hold``."""
     task = regression.build(**kwargs)
+    time.sleep(float(os.environ.get(BUILD_DELAY) or 0))
     env = WorkerEnv.from_environ(os.environ)
-    steps = planned_steps(faults, rank=env.rank, restart_count=env.restart_count)
+    planned = parse_faults(faults)
     scheduler = task.scheduler
     assert scheduler is not None, "the regression task has a scheduler: it counts the steps"
 
     def before_step(optimizer: Any, args: Any, kwargs: Any) -> None:
         step = scheduler.last_epoch + 1
-        if step in steps:
-            crash(env.rank, step)
+        if any(f.step == step and f.restart == env.restart_count for f in planned):
+            rank = current_rank(env)
+            if step in planned_steps(faults, rank=rank, restart_count=env.restart_count):
+                crash(rank, step)
         if step_delay:
             time.sleep(step_delay)
-        while hold and held(hold, world_size=current_world_size(env), step=step):
+        while hold and held(hold, world_size=current_world_size(env), step=step) and not change_pending():
             time.sleep(0.05)
 
-    if steps or step_delay or hold:
+    if planned or step_delay or hold:
         task.optimizer.register_step_pre_hook(before_step)
     return task

@@ -4,6 +4,8 @@ What torchrun's agent does with it (torch 2.13, ``agent/server/api.py``):
 
 - ``next_rendezvous()`` at start and on every worker-group restart; the returned store serves the agent's
   rank assignment and exit barrier; ``bootstrap_store_info`` becomes the workers' MASTER_ADDR/MASTER_PORT.
+  With hot recovery on, a node joining a running job gets a provisional round of its own instead, and its
+  workers join the job once they are built (:mod:`elastic_train.rendezvous.standby`).
 - ``num_nodes_waiting()`` every monitor tick while workers are healthy; > 0 restarts the worker group. We
   answer from the watch cache: it turns positive when a member's lease expires (kill -9, SIGSTOP), a member
   re-joins (its workers failed) or a newcomer waits.
@@ -54,6 +56,7 @@ from elastic_train.rendezvous.hot import HotPath
 from elastic_train.rendezvous.identity import JobIdentity, identity_from_environ, torchrun_settings
 from elastic_train.rendezvous.outcome import clear_outcomes, exit_report, read_outcomes, trained
 from elastic_train.rendezvous.protocol import Participant, ProtocolSettings, RoundResult
+from elastic_train.rendezvous.standby import Standby
 
 log = get_logger(__name__)
 
@@ -95,8 +98,17 @@ class Etcd3RendezvousHandler(RendezvousHandler):
         os.environ[ENV_OUTCOME_DIR] = self._outcomes
         self._join_lock = threading.Lock()
         self._hot: HotPath | None = None
+        self._standby: Standby | None = None
         if settings.hot:
             self._hot = HotPath(lambda: self.participant, self._bootstrap, self._join_lock)
+            self._standby = Standby(
+                self._hot,
+                lambda: self.participant,
+                lambda: self._server,
+                self._addr,
+                lambda: self._fence.arm() if self._fence is not None else None,
+                settings.join_timeout,
+            )
 
     # -- RendezvousHandler --------------------------------------------------------------------------------
 
@@ -173,6 +185,10 @@ class Etcd3RendezvousHandler(RendezvousHandler):
         raise JobFailed(f"run {self._settings.run_id} failed: {message}")
 
     def _next_rendezvous(self) -> RendezvousInfo:
+        if self._standby is not None:  # a node joining a running job builds first (standby.py)
+            standby = self._standby.start()
+            if standby is not None:
+                return standby
         with self._join_lock:
             result, info = self._join_round()
         if self._hot is not None:
@@ -236,6 +252,8 @@ class Etcd3RendezvousHandler(RendezvousHandler):
         if self._participant is None:
             return 0
         hot = self._hot is not None and self._hot.engaged()
+        if self._standby is not None and self._standby.monitor(hot):
+            return 0  # standby workers build, then the node joins at the running job's step boundary
         if self._fence is not None:
             reason = self._fence.check(lease_loss_handled=hot)
             if reason is not None:

@@ -96,6 +96,16 @@ class HotPath:
             self._thread = threading.Thread(target=self._loop, name="hot-recovery", daemon=True)
             self._thread.start()
 
+    @property
+    def local_workers(self) -> int:
+        """Workers of torchrun's worker group on this node (0: not under torchrun's agent)."""
+        return self._nproc
+
+    def admit(self, reason: str) -> None:
+        """Join the next round for this node's standby workers and hand it to them
+        (:mod:`elastic_train.rendezvous.standby`): the round as an in-process re-formation forms it."""
+        self._reform(reason)
+
     def _find_agent(self) -> None:
         """torchrun's agent and worker group, from the frames calling ``next_rendezvous`` (torch passes the
         handler neither): their record of ranks and store is updated after a round formed here."""

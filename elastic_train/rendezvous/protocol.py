@@ -4,6 +4,8 @@ Keys of a run, all under ``/elastic_train/<run_id>/``:
 
 - ``nodes/<node>``  (leased) ``{"addr", "store_port", "host", "pid"}``: the node is alive.
 - ``join/<node>``   (leased) ``{"target": R, "reason": ...}``: the node asks to be in round R.
+- ``inproc/<node>`` (leased) present while the node's workers re-form in-process (hot recovery): a node that
+  joins a round all of whose live members have it starts its workers on standby (:mod:`.standby`).
 - ``round``         ``{"round", "members": [rank order], "nodes": {id: {"addr", "store_port"}}, "failure"}``:
   the last closed round, written only by a compare-and-set on its own mod revision.
 - ``failures``      failures spent so far (written in the same transaction as the round it caused).
@@ -262,6 +264,8 @@ class Participant:
         #: How this node's workers failed, sent with its next join (``decide.identical_startup_failure``):
         #: ``{"exit_code", "error", "trained"}``, or ``None``.
         self.failure_report: dict[str, Any] | None = None
+        #: Whether ``inproc/<node>`` says this node's workers re-form in-process (:meth:`advertise_inproc`).
+        self.inproc = False
 
     # -- lifecycle -------------------------------------------------------------------------------------
 
@@ -447,6 +451,8 @@ class Participant:
         self.etcd.put(self.prefix + "nodes/" + self.node_id, json.dumps(node).encode(), lease_id)
         if self._join_value is not None:
             self.etcd.put(self.prefix + "join/" + self.node_id, self._join_value, lease_id)
+        if self.inproc:
+            self.etcd.put(self.prefix + "inproc/" + self.node_id, b"1", lease_id)
 
     def leave(self) -> None:
         """Stop keep-alives and revoke the lease: peers see this node gone at once."""
@@ -506,6 +512,15 @@ class Participant:
         with self.view.cond:
             return self._closed() is not None
 
+    def check_open(self) -> None:
+        """Raise what a join would raise if the run is closed.
+
+        Raises:
+            RendezvousClosed, FailureBudgetExhausted, JobFailed: the run is closed.
+        """
+        with self.view.cond:
+            self._check_closed()
+
     def num_waiting(self) -> int:
         """Nodes (lost members, rejoining members, newcomers) that make this node's round obsolete."""
         with self.view.cond:
@@ -547,6 +562,39 @@ class Participant:
         now = time.monotonic()
         first = min(self._report_seen.setdefault((j.node_id, j.target), now) for j in waiting)
         return now - first < STARTUP_REPORT_GRACE
+
+    def advertise_inproc(self, on: bool) -> None:
+        """Say whether this node's workers re-form in-process (the leased key ``inproc/<node>``): a node
+        joining a round whose live members all say so starts its workers on standby (:mod:`.standby`).
+        Only changes are written; an etcd error is logged and the change is written at the next call.
+        """
+        if on == self.inproc or not self._started:
+            return
+        key = self.prefix + "inproc/" + self.node_id
+        try:
+            if on:
+                self.etcd.put(key, b"1", self.lease.lease_id)
+            else:
+                self.etcd.delete(key)
+        except EtcdError as exc:
+            log.warning("rendezvous_etcd_retry", node=self.node_id, error=str(exc))
+            return
+        self.inproc = on
+
+    def standby_round(self) -> int | None:
+        """The run's last round when this node may start its workers on standby for the next one: the run is
+        open and every live member of that round other than this node (at least one) re-forms in-process,
+        so its workers will admit this node's at a step boundary. ``None`` otherwise (start as usual)."""
+        with self.view.cond:
+            if self._closed() is not None:
+                return None
+            rec, _ = self._round_record()
+            if rec is None:
+                return None
+            live = self._live()
+            others = [m for m in rec.members if m != self.node_id and m in live]
+            inproc = self.view.under("inproc/")
+            return rec.round if others and all(m in inproc for m in others) else None
 
     def lost_members(self) -> set[str]:
         """Members of this node's round whose lease is gone."""

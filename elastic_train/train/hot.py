@@ -8,6 +8,11 @@ waits for the next round's assignment (:mod:`elastic_train.reform`), forms the n
 again. The body rebuilds what depends on the group (DDP wrapper, checkpoint manager, sampler shares) and
 restores: every member agrees on the newest step anyone holds and a failed step is redone.
 
+A worker started on standby (its node joins a running job, :mod:`elastic_train.rendezvous.standby`) forms no
+group of the job's before ``run()``: the model, optimizer and data are built by then, so it reports ready,
+waits for the agent to admit it to the next round (the running job trains meanwhile), forms that round's
+group and calls the body, which restores from a holder of the state.
+
 What cannot be handled in-process goes the restart path (the exception propagates, the worker exits, torchrun
 restarts the group): an exception of the user's code, a CUDA error that leaves the context unusable, a group
 that does not re-form in time, an agent that gave up on the in-process path (a hung peer whose collective
@@ -30,7 +35,7 @@ from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
 from typing import TypeVar
 
-from elastic_train.envvars import ENV_REFORM_DIR, ENV_ROUND
+from elastic_train.envvars import ENV_REFORM_DIR, ENV_ROUND, ENV_STANDBY
 from elastic_train.log import get_logger
 from elastic_train.reform import Channel
 from elastic_train.train import group
@@ -107,6 +112,14 @@ class ReformAbandoned(TrainingError):
     """The group could not be re-formed in-process; the worker exits and its agent restarts it."""
 
 
+class RunEnded(SystemExit):
+    """The run ended before this standby worker was admitted: it exits with status 0 (its agent says why)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(0)
+        self.message = message
+
+
 @dataclass(frozen=True, slots=True)
 class Failure:
     """What a training error means for the group (:func:`classify_failure`)."""
@@ -178,6 +191,10 @@ class Reformer:
         self.env = env
         self.backend = backend
         self.reformations = 0
+        self.registered = False
+        """True once the agent was told this worker re-forms in-process (:meth:`register`)."""
+        #: Seconds this worker may wait for its admission when its agent started it on standby, else None.
+        self.standby: float | None = None
 
     @classmethod
     def from_environ(cls, env: WorkerEnv, backend: str = "auto") -> Reformer | None:
@@ -185,7 +202,11 @@ class Reformer:
         channel = Channel.from_environ(os.environ)
         if channel is None or not env.round_is_global:
             return None
-        return cls(channel, env, backend)
+        reformer = cls(channel, env, backend)
+        wait = os.environ.get(ENV_STANDBY)
+        if wait:
+            reformer.standby = float(wait)
+        return reformer
 
     def register(self, world: group.World) -> None:
         """Tell the agent this worker re-forms in-process.
@@ -207,6 +228,7 @@ class Reformer:
             log.info("hot_recovery_off", reason=f"backend {world.backend}: membership changes restart")
             return
         self.channel.register(self.env.local_rank, world.round)
+        self.registered = True
 
     def boundary(self, step: int) -> None:
         """Call at each step boundary: raises :class:`GroupChanged` once the agent announced a change."""
@@ -220,14 +242,38 @@ class Reformer:
             ReformAbandoned: the agent gave up on the in-process path or no round came in time.
         """
         started = time.perf_counter()
-        old = self.env.round
         # the agent joins the next round while this process takes the old group down
-        self.channel.request(self.env.local_rank, old, reason)
+        self.channel.request(self.env.local_rank, self.env.round, reason)
         group.shutdown()
+        return self._form_next(reason, started, ASSIGNMENT_TIMEOUT)
+
+    def admit(self) -> WorkerEnv:
+        """A standby worker's entry into the running job: report ready (everything is built), wait for the
+        round the agent joins for this node, form its group; returns the new environment.
+
+        Raises:
+            RunEnded: the run ended before this node was admitted (exit status 0).
+            ReformAbandoned: the agent gave up on the admission, or none came in time.
+        """
+        started = time.perf_counter()
+        self.channel.standby(self.env.local_rank, self.env.round)
+        if dist_initialized():  # a provisional group of this node's workers (the script's init() formed it):
+            group.shutdown()  # taken down while the agent joins the round
+        try:
+            return self._form_next("admitted from standby", started, self.standby or ASSIGNMENT_TIMEOUT)
+        finally:
+            self.standby = None
+            os.environ.pop(ENV_STANDBY, None)
+
+    def _form_next(self, reason: str, started: float, timeout: float) -> WorkerEnv:
+        old = self.env.round
         down = time.perf_counter() - started
-        assignment = self.channel.wait_assignment(after=old, timeout=ASSIGNMENT_TIMEOUT)
+        assignment = self.channel.wait_assignment(after=old, timeout=timeout)
         if assignment is None:
-            why = self.channel.fallback() or f"no new round within {ASSIGNMENT_TIMEOUT:.0f} s"
+            ended = self.channel.ended()
+            if ended is not None:
+                raise RunEnded(ended)
+            why = self.channel.fallback() or f"no new round within {timeout:.0f} s"
             raise ReformAbandoned(f"the group of round {old} could not re-form in-process: {why}")
         waited = time.perf_counter() - started
         rank = assignment.rank(self.env.local_rank)
@@ -262,6 +308,12 @@ class Reformer:
         return self.env
 
 
+def dist_initialized() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
 _ACTIVE: Reformer | None = None
 
 
@@ -273,23 +325,39 @@ def boundary(step: int) -> None:
         _ACTIVE.boundary(step)
 
 
+def change_pending() -> bool:
+    """True when the agent announced that this worker's group re-forms at its next step boundary (a test's
+    gate that holds a step stops holding then); False outside :func:`run` or with hot recovery off."""
+    return _ACTIVE is not None and _ACTIVE.channel.change_after(_ACTIVE.env.round)
+
+
 def run(body: Callable[[group.World], T], env: WorkerEnv, backend: str = "auto") -> T:
     """Call ``body(world)`` in the group formed from ``env``; re-form in-process and call it again each time
     the group breaks or re-forms, when the agent re-forms in-process (else this is ``body(init(...))``).
+
+    Call it once the model, optimizer and data exist (it logs ``model_built``): a worker started on standby
+    is admitted to the running job only now, so whatever is built before costs the job nothing.
 
     ``body`` must leave nothing of the old group behind when it raises (drop its DDP wrapper, close its
     checkpoint manager): the group is destroyed before the new one forms.
 
     Raises:
         ReformAbandoned: the group could not re-form in-process (the restart path takes over).
+        RunEnded: a standby worker's run ended before it was admitted (exit status 0).
         Whatever ``body`` raises that is not a broken group.
     """
     global _ACTIVE
     reformer = Reformer.from_environ(env, backend)
-    world = group.init(backend, env=env)
+    standby = reformer is not None and reformer.standby is not None
+    log.info("model_built", standby=standby, pid=os.getpid())
     if reformer is None:
-        return body(world)
-    reformer.register(world)
+        return body(group.init(backend, env=env))
+    if reformer.standby is not None:
+        reformer.admit()
+        world = group.current_world()
+    else:
+        world = group.init(backend, env=env)
+        reformer.register(world)
     _ACTIVE = reformer
     try:
         while True:
@@ -301,7 +369,7 @@ def run(body: Callable[[group.World], T], env: WorkerEnv, backend: str = "auto")
                 return body(world)
             except Exception as exc:
                 reason = group_failure(exc)
-                if reason is None or world.backend != "gloo":
+                if reason is None or not reformer.registered:  # the agent restarts unregistered workers
                     raise
                 log.warning("group_broken", round=world.round, reason=reason)
             reformer.reform(reason)

@@ -1,4 +1,4 @@
-"""One worker's life: process group → task → restore → DDP → train → final checkpoint.
+"""One worker's life: task (model, optimizer, data) → process group → restore → DDP → train → last save.
 
 Start-up is timed (``worker_ready`` log event: seconds since exec, torch import, process group, task build,
 restore) because it is most of a recovery on small jobs.
@@ -41,18 +41,18 @@ def run_worker(cfg: JobConfig, env: WorkerEnv, *, started: float) -> int:
         from elastic_train.checkpoint.preflight import check_root
 
         check_root(cfg.checkpoint.url, cfg.checkpoint.storage_options, probe_remote=False)
+    # Model, optimizer and data exist before any group does: a worker started on standby (its node joins a
+    # running job) is admitted only once they are built, so the job trains on while this one builds.
     t = time.perf_counter()
-    task: Any = None
+    rng.seed_all(cfg.train.seed)
+    task: Any = load_task(cfg.train.task, cfg.train.task_args)
+    timings["task_build_s"] = time.perf_counter() - t
+    t = time.perf_counter()
 
     def train(world: elastic.World) -> int:
         """Everything that depends on the group, (re-)built in each group this process trains in."""
-        nonlocal task, t
-        if task is None:
+        if "pg_init_s" not in timings:
             timings["pg_init_s"] = time.perf_counter() - t
-            t = time.perf_counter()
-            rng.seed_all(cfg.train.seed)
-            task = load_task(cfg.train.task, cfg.train.task_args)
-            timings["task_build_s"] = time.perf_counter() - t
         run_id = world.run_id if env.run_id else cfg.rendezvous.run_id
         manager = CheckpointManager(
             cfg.checkpoint,

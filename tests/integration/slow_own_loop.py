@@ -4,7 +4,10 @@
 
 The delay is a step hook given to the script's ``Checkpointer`` (the public ``hooks`` argument): the
 script's code and the numbers it computes are unchanged. With ``HOLD`` set to a path, the hook also waits at
-that file gate (``WORLD STEP``, see ``tests/fault_task.py``) after each step.
+that file gate (``WORLD STEP``, see ``tests/fault_task.py``, which opens when the group re-forms in-process)
+after each step. With ``SLOW_BUILD`` set to
+seconds, the script sleeps that long before it calls ``et.run`` (after it built model, optimizer and data),
+as a script with a large model would build it.
 """
 
 from __future__ import annotations
@@ -19,10 +22,13 @@ from typing import Any
 import torch.distributed
 
 from elastic_train import elastic
+from elastic_train.train.hot import change_pending
 from tests.fault_task import held
 
 #: Environment variable naming the file gate the hook waits at.
 HOLD = "HOLD"
+#: Environment variable: seconds the script's build takes longer.
+SLOW_BUILD = "SLOW_BUILD"
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "own_loop.py"
 
@@ -33,8 +39,9 @@ def main() -> None:
 
     def slow(step: int) -> None:
         time.sleep(delay)
-        while gate and held(gate, world_size=torch.distributed.get_world_size(), step=step + 1):
-            time.sleep(0.05)
+        world_size = torch.distributed.get_world_size()
+        while gate and held(gate, world_size=world_size, step=step + 1) and not change_pending():
+            time.sleep(0.05)  # open when the group re-forms in-process (it does so at this step's end)
 
     class SlowCheckpointer(elastic.Checkpointer):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -42,6 +49,14 @@ def main() -> None:
             super().__init__(*args, **kwargs)
 
     elastic.Checkpointer = SlowCheckpointer  # type: ignore[misc]  # what `et.Checkpointer` resolves to
+    build_delay = float(os.environ.get(SLOW_BUILD) or 0)
+    run = elastic.run
+
+    def slow_run(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(build_delay)
+        return run(*args, **kwargs)
+
+    elastic.run = slow_run  # type: ignore[assignment]  # what `et.run` resolves to
     sys.argv[0] = str(EXAMPLE)
     runpy.run_path(str(EXAMPLE), run_name="__main__")
 

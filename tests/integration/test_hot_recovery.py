@@ -93,8 +93,11 @@ def test_kill_and_join_keep_the_survivors_processes(tmp_path: Path, etcd_server:
     kill_tree(job.agents[2].pid)
     shrunk = job.wait_step(2, 1)
     assert wait_workers(survivors) == before, "a survivor's worker was restarted"
+    # the job trains on while the joiner starts and builds (on standby): keep it from finishing first
+    job.hold.write_text(f"2 {HOT_STEPS - 10}")
     job.start_agent()  # a joiner: the survivors stop at a step boundary and admit it in-process
-    job.wait_step(3, shrunk["step"] + 1)
+    job.wait_step(3, shrunk["step"] + 1, timeout=240)
+    job.hold.unlink()
     assert wait_workers(survivors) == before, "a survivor's worker was restarted by the join"
     for agent in job.agents[:2] + job.agents[3:]:
         assert agent.wait(timeout=180) == 0, f"agent failed; logs in {tmp_path}"

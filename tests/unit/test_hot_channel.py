@@ -97,3 +97,34 @@ def test_only_a_broken_group_is_re_formed_in_process():
         is not None
     )
     assert group_failure(RuntimeError("CUDA error: an illegal memory access was encountered")) is None
+
+
+def test_a_standby_worker_reports_ready_and_learns_that_the_run_ended(tmp_path):
+    ch = Channel(str(tmp_path))
+    ch.standby(0, 4)
+    assert ch.standbys() == {0: {"round": 4, "pid": os.getpid()}}
+    assert ch.ready() == {}  # not registered for re-formations before it is admitted
+    threading.Timer(0.2, ch.end, args=("run r finished at step 9; this node has nothing left to do",)).start()
+    started = time.monotonic()
+    assert ch.wait_assignment(after=4, timeout=30) is None and time.monotonic() - started < 10
+    assert ch.ended() == "run r finished at step 9; this node has nothing left to do"
+
+
+def test_a_standby_worker_exits_0_when_its_run_ended_before_admission(tmp_path, monkeypatch):
+    from elastic_train.envvars import ENV_ROUND, ENV_STANDBY
+    from elastic_train.train.env import WorkerEnv
+    from elastic_train.train.hot import Reformer, RunEnded, run
+
+    monkeypatch.setenv(ENV_REFORM_DIR, str(tmp_path))
+    monkeypatch.setenv(ENV_ROUND, "3")
+    monkeypatch.setenv(ENV_STANDBY, "30")
+    env = WorkerEnv.from_environ(os.environ)
+    reformer = Reformer.from_environ(env)
+    assert reformer is not None and reformer.standby == 30.0
+    Channel(str(tmp_path)).end("run r finished")
+    called = []
+    with pytest.raises(RunEnded) as ended:
+        run(called.append, env)
+    assert ended.value.code == 0 and ended.value.message == "run r finished" and called == []
+    assert Channel(str(tmp_path)).standbys()[0]["round"] == 3
+    assert ENV_STANDBY not in os.environ  # later re-formations wait as long as any worker's
