@@ -17,7 +17,15 @@ Anything the workers cannot handle in-process takes the restart path, with one `
 saying why: a worker that exits (torchrun sees it), workers that do not stop within a grace period after a
 member's lease expired (a hung peer blocks a gloo collective that cannot be aborted in-process), workers that
 never registered (a script of its own that does not use :func:`elastic_train.elastic.run`, an NCCL group).
-The rdzv-conf key ``hot=0`` (job.yaml ``rendezvous.hot: false``) turns all of it off.
+Once it gave up (a fallback above, or the node's fence fired) the thread publishes nothing more; a round it
+was joining meanwhile (a cut-off node's join waits for etcd) is handed to torchrun's ``next_rendezvous``,
+which starts the new workers in it: joining a second time would leave the round's other members forming a
+group with workers that never come. A member of a just-formed round that is gone before the agents
+exchanged ranks (a second death during a re-formation) abandons that round, and the next one forms
+in-process.
+
+Hot recovery is on by default; the rdzv-conf key ``hot=0`` (job.yaml ``rendezvous.hot: false``) turns all of
+it off.
 """
 
 from __future__ import annotations
