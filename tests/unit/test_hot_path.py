@@ -157,7 +157,12 @@ def test_after_give_up_a_round_joined_meanwhile_is_handed_to_torchruns_path(view
     participant.result = round_result(0, members, {"a": 1, "b": 1})
     hp = hot_path(participant, monkeypatch)
     bootstrapped: list[int] = []
-    hp._bootstrap = lambda r: bootstrapped.append(r.round)  # type: ignore[assignment,func-returns-value]
+
+    def bootstrap(result: RoundResult) -> tuple[Any, Any]:
+        bootstrapped.append(result.round)
+        return None, None
+
+    hp._bootstrap = bootstrap
     reform = threading.Thread(target=hp._reform, args=("Connection reset by peer",))
     reform.start()
     assert participant.joined.wait(5)
@@ -186,7 +191,7 @@ def test_a_handed_over_round_that_is_no_longer_the_newest_is_joined_anew(view, m
 def test_a_member_that_leaves_the_forming_round_shortens_the_step_grace(view, monkeypatch) -> None:
     members = ["a", "b", "c"]
     live(view, *members)
-    participant = FakeParticipant("a", members, view)
+    participant: Any = FakeParticipant("a", members, view)
     hp = hot_path(participant, monkeypatch)
     hp.round = 2
     hp.channel.register(0, 1)  # the worker forms round 2's group: registered for round 1 only
