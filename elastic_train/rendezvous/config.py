@@ -60,10 +60,9 @@ class RendezvousConfig(EtcdConfig):
     """Seconds a node whose settings differ from a live run's waits for that run's nodes to leave (a Job
     deleted moments ago) before it is refused; then it takes the run over."""
 
-    hot: bool = False
+    hot: bool = True
     """Survivors of a membership change keep their worker processes and re-form the process group in-process
-    (docs/rendezvous.md, "Hot recovery"; opt-in until it composes with the partition fence); false: every
-    change restarts every worker."""
+    (docs/rendezvous.md, "Hot recovery"); false: every change restarts every worker."""
 
     def __post_init__(self) -> None:
         validate_run_id(self.run_id)

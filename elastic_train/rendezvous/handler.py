@@ -196,8 +196,11 @@ class Etcd3RendezvousHandler(RendezvousHandler):
         return info
 
     def _join_round(self) -> tuple[RoundResult, RendezvousInfo]:
+        # a round the hot path's thread joined after it gave up (the fence fired during its join) is this
+        # path's: joining again would leave its other members forming a group with workers that never come
+        handoff = self._hot.take_handoff() if self._hot is not None else None
         while True:
-            result = self.participant.join()
+            result, handoff = handoff or self.participant.join(), None
             try:
                 store, info = self._bootstrap(result)
             except (RuntimeError, dist.DistStoreError) as exc:  # rank 0 vanished between close and connect

@@ -17,13 +17,23 @@ Anything the workers cannot handle in-process takes the restart path, with one `
 saying why: a worker that exits (torchrun sees it), workers that do not stop within a grace period after a
 member's lease expired (a hung peer blocks a gloo collective that cannot be aborted in-process), workers that
 never registered (a script of its own that does not use :func:`elastic_train.elastic.run`, an NCCL group).
-The rdzv-conf key ``hot=0`` (job.yaml ``rendezvous.hot: false``) turns all of it off.
+Once it gave up (a fallback above, or the node's fence fired) the thread publishes nothing more; a round it
+was joining meanwhile (a cut-off node's join waits for etcd) is handed to torchrun's ``next_rendezvous``,
+which starts the new workers in it: joining a second time would leave the round's other members forming a
+group with workers that never come. A member of a just-formed round that is gone before the agents
+exchanged ranks (a second death during a re-formation) abandons that round, and the next one forms
+in-process.
+
+Hot recovery is on by default; the rdzv-conf key ``hot=0`` (job.yaml ``rendezvous.hot: false``) turns all of
+it off.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import socket
 import sys
 import tempfile
 import threading
@@ -35,7 +45,7 @@ from elastic_train.envvars import ENV_REFORM_DIR, ENV_ROUND
 from elastic_train.log import get_logger
 from elastic_train.reform import Assignment, Channel
 from elastic_train.rendezvous.errors import RunRefused
-from elastic_train.rendezvous.protocol import Participant, RoundResult
+from elastic_train.rendezvous.protocol import Participant, RoundRecord, RoundResult
 
 log = get_logger(__name__)
 
@@ -47,10 +57,29 @@ LOST_GRACE = 1.0
 #: Seconds the workers get to reach a step boundary after a newcomer or a member asked for a new round.
 STEP_GRACE = 120.0
 #: Seconds the agents of a round formed here get to exchange their workers' ranks (all of them are at it
-#: already; a member that died after the round closed fails it, and the restart path takes over).
+#: already). A member found gone meanwhile (lease expired, store port refused, or it asked for a newer round)
+#: abandons the round at once and the others join the next one in-process; past this, the restart path.
 ASSIGN_TIMEOUT = 10.0
+#: Rounds one re-formation may abandon in a row (a member gone before the rank exchange) before it gives up.
+MAX_ABANDONED = 3
+#: Seconds between two probes of a member of the forming round that has not written its rank information.
+PROBE_EVERY = 0.1
+#: Seconds one probe of a member's store port may take (an unanswered one counts as alive: the lease decides).
+PROBE_TIMEOUT = 0.2
 
 Bootstrap = Callable[[RoundResult], tuple[Any, Any]]
+
+
+class RoundAbandoned(Exception):
+    """A member of the round just formed is gone before the agents exchanged their workers' ranks."""
+
+
+class _Stopping(Exception):
+    """The agent closes the hot path while its thread waits."""
+
+
+class _GaveUp(Exception):
+    """The hot path gave up while its thread waited for the round's rank exchange."""
 
 
 class HotPath:
@@ -76,6 +105,10 @@ class HotPath:
         self._agent: Any = None
         self._nproc = 0
         self._announced: tuple[float, float] | None = None  # (when, grace)
+        # give_up() and the publication of an assignment exclude each other: after give_up nothing is
+        # published, and a round the thread joined meanwhile goes to torchrun's next_rendezvous (handoff)
+        self._state = threading.RLock()
+        self._handoff: RoundResult | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -136,7 +169,7 @@ class HotPath:
         while not self._stop.wait(TICK):
             try:
                 self._tick()
-            except RunRefused:
+            except (RunRefused, _Stopping):
                 return
             except Exception as exc:  # never die silently: give the change to torchrun's path
                 self.give_up(f"in-process re-formation failed: {exc!r}")
@@ -164,11 +197,35 @@ class HotPath:
             self._announced = (now, grace)
             self.channel.announce(self.round)
             log.info("hot_change_announced", round=self.round, lost=sorted(lost), grace_s=grace)
+        elif self._announced[1] > LOST_GRACE and (why := self._no_boundary_coming(participant)):
+            # the workers cannot reach a step boundary: waiting the step grace would only delay the restart
+            self._announced = (now, LOST_GRACE)
+            log.info("hot_grace_shortened", round=self.round, why=why, grace_s=LOST_GRACE)
         elif now - self._announced[0] > self._announced[1]:
             self.give_up(
                 f"workers did not reach a step boundary within {self._announced[1]:g} s of the change "
                 "(a peer that stopped leaves them blocked in a collective)"
             )
+
+    def _no_boundary_coming(self, participant: Participant) -> str | None:
+        """Why this node's workers will not reach the step boundary the change waits for, or None.
+
+        A member of the round that lost its lease after the change was announced (a peer that stopped or
+        was cut off: the workers are blocked in a collective with it), or, while the workers still form the
+        round's group, a member that asks for a newer round: it left this round (its workers exited, or its
+        node was fenced and torchrun restarts them), so the group it was to form with never completes.
+        """
+        lost = participant.lost_members()
+        if lost:
+            return f"member(s) {sorted(lost)} lost their lease"
+        assert self.round is not None
+        if all(r >= self.round for r in self.channel.ready().values()):
+            return None  # formed: they train and stop at their next step
+        left = sorted(m for m in asking_beyond(participant, self.round) if m in participant.members)
+        left = [m for m in left if m != participant.node_id]
+        if left:
+            return f"member(s) {left} asked for a newer round while the group of round {self.round} formed"
+        return None
 
     def _dead_workers(self) -> set[int]:
         """Local ranks whose registered process is gone (exited, or a zombie not reaped yet)."""
@@ -186,32 +243,51 @@ class HotPath:
     def _reform(self, reason: str) -> None:
         started = time.perf_counter()
         old = self.round
+        abandoned = 0
         with self._lock:
             participant = self._participant()
             while True:
                 result = participant.join()
                 joined = time.perf_counter()
+                if self.fallback is not None:  # given up while the join ran (the fence fired): torchrun's
+                    self._hand_over(result)  # path starts new workers in this round, it does not join again
+                    return
                 try:
-                    store, info = self._bootstrap(result)
+                    try:
+                        store, info = self._bootstrap(result)
+                    except RuntimeError as exc:  # rank 0 vanished between close and connect
+                        raise RoundAbandoned(f"the round's store on rank 0 is unreachable: {exc}") from exc
+                    ranked = time.perf_counter()
+                    workers = self._update_torchrun(result, store, info)
                     break
-                except RuntimeError as exc:  # rank 0 vanished between close and connect: join again
-                    log.warning("rendezvous_store_unreachable", round=result.round, error=str(exc))
-            ranked = time.perf_counter()
-            workers = self._update_torchrun(result, store, info)
-        os.environ[ENV_ROUND] = str(result.round)
-        self.round = result.round
-        self._announced = None
-        self.channel.publish(
-            Assignment(
-                round=result.round,
-                node_rank=result.rank,
-                nodes=result.world_size,
-                ranks=[w.global_rank for w in sorted(workers, key=lambda w: w.local_rank)],
-                world_size=workers[0].world_size,
-                master_addr=str(info.master_addr),
-                master_port=int(info.master_port),
-            )
-        )
+                except _GaveUp:
+                    self._hand_over(result)
+                    return
+                except RoundAbandoned as exc:  # a member died after the round closed: the next one
+                    abandoned += 1
+                    log.warning("hot_round_abandoned", round=result.round, reason=str(exc))
+                    if abandoned > MAX_ABANDONED:
+                        raise RuntimeError(
+                            f"{abandoned} rounds in a row lost a member before they formed"
+                        ) from exc
+            with self._state:
+                if self.fallback is not None:
+                    self._hand_over(result)
+                    return
+                os.environ[ENV_ROUND] = str(result.round)
+                self.round = result.round
+                self._announced = None
+                self.channel.publish(
+                    Assignment(
+                        round=result.round,
+                        node_rank=result.rank,
+                        nodes=result.world_size,
+                        ranks=[w.global_rank for w in sorted(workers, key=lambda w: w.local_rank)],
+                        world_size=workers[0].world_size,
+                        master_addr=str(info.master_addr),
+                        master_port=int(info.master_port),
+                    )
+                )
         log.info(
             "hot_round",
             from_round=old,
@@ -219,19 +295,45 @@ class HotPath:
             rank=result.rank,
             nodes=result.world_size,
             reason=reason,
+            abandoned=abandoned,
             join_s=round(joined - started, 3),
             ranks_s=round(time.perf_counter() - ranked, 3),
             seconds=round(time.perf_counter() - started, 3),
         )
 
+    def _hand_over(self, result: RoundResult) -> None:
+        """Keep ``result``, a round this thread joined after the hot path gave up, for torchrun's
+        ``next_rendezvous`` (join lock held): its workers are stopped and new ones start in it. Joining
+        again instead would leave the round's other members forming a group with workers that never come."""
+        self._handoff = result
+        log.info("hot_round_handed_over", round=result.round, rank=result.rank, reason=self.fallback)
+
+    def take_handoff(self) -> RoundResult | None:
+        """The round handed over to torchrun's path (join lock held), once, while it is still the run's
+        newest round with every member alive; else None (join anew)."""
+        result, self._handoff = self._handoff, None
+        if result is None:
+            return None
+        participant = self._participant()
+        latest = latest_round(participant)
+        if latest != result.round or participant.lost_members():
+            log.info("hot_handoff_stale", round=result.round, latest=latest)
+            return None
+        return result
+
     def _update_torchrun(self, result: RoundResult, store: Any, info: Any) -> list[Any]:
         """Assign the workers' global ranks the way torchrun's agent does after its own rendezvous (its
         ``_assign_worker_ranks`` through the round's store: every agent of the round takes part, also one
         that restarts or joins through torchrun's path), and make torchrun's record of the worker group that
-        of the new round (ranks, world size, store): its exit barrier then waits for this round's nodes."""
+        of the new round (ranks, world size, store): its exit barrier then waits for this round's nodes.
+
+        Raises:
+            RoundAbandoned: a member of the round is gone before it wrote its part (:meth:`_await_members`).
+        """
         from torch.distributed.elastic.utils.store import store_timeout
 
         group, agent = self._group, self._agent
+        self._await_members(result, store)
         with store_timeout(store, ASSIGN_TIMEOUT):
             workers = agent._assign_worker_ranks(store, result.rank, result.world_size, group.spec)
         for old, new in zip(sorted(group.workers, key=lambda w: w.local_rank), workers, strict=True):
@@ -242,15 +344,117 @@ class HotPath:
         agent._store = store
         return list(workers)
 
+    def _await_members(self, result: RoundResult, store: Any) -> None:
+        """Wait, without blocking in the store, until every other agent of the round wrote its role for
+        torchrun's rank exchange: then ``_assign_worker_ranks`` does not wait on a dead member (torch's
+        blocking get would hold this thread for :data:`ASSIGN_TIMEOUT`, then the restart path).
+
+        Raises:
+            RoundAbandoned: a member that has not written its role is gone: its lease expired, its store
+                port refuses connections (its agent died), or it asks for a newer round; or the round's
+                store (on rank 0) is unreachable.
+            RuntimeError: not every member wrote within :data:`ASSIGN_TIMEOUT` (the restart path).
+        """
+        if os.environ.get("TORCH_ELASTIC_WORKER_IDENTICAL", "0") == "1":
+            return  # torch's fast path: no exchange through the store
+        from torch.distributed.elastic.agent.server.api import _RoleInstanceInfo
+
+        spec = self._group.spec
+        # what _assign_worker_ranks writes first, written here so that the members waiting here see it
+        mine = _RoleInstanceInfo(spec.role, result.rank, spec.local_world_size).serialize()
+        try:
+            store.set(f"torchelastic/role_info/{result.rank}", mine)
+        except RuntimeError as exc:
+            raise RoundAbandoned(f"the round's store on rank 0 is unreachable: {exc}") from exc
+        keys = {i: f"torchelastic/role_info/{i}" for i in range(result.world_size) if i != result.rank}
+        participant = self._participant()
+        deadline = time.monotonic() + ASSIGN_TIMEOUT
+        probed: dict[int, float] = {}
+        while keys:
+            try:
+                keys = {i: k for i, k in keys.items() if not store.check([k])}
+            except RuntimeError as exc:
+                raise RoundAbandoned(f"the round's store on rank 0 is unreachable: {exc}") from exc
+            if not keys:
+                return
+            lost = participant.lost_members()
+            beyond = asking_beyond(participant, result.round)
+            now = time.monotonic()
+            for i in keys:
+                node = result.members[i]
+                if node in lost:
+                    raise RoundAbandoned(f"member {node} (rank {i}) lost its lease")
+                if node in beyond:
+                    raise RoundAbandoned(f"member {node} (rank {i}) asks for a newer round")
+                if now - probed.get(i, 0.0) >= PROBE_EVERY:
+                    probed[i] = now
+                    if store_refused(result.nodes.get(node) or {}):
+                        raise RoundAbandoned(
+                            f"member {node} (rank {i}): its agent is gone (store port refused)"
+                        )
+            if now > deadline:
+                raise RuntimeError(
+                    f"rank(s) {sorted(keys)} of round {result.round} did not exchange ranks within "
+                    f"{ASSIGN_TIMEOUT:g} s"
+                )
+            if self.fallback is not None:
+                raise _GaveUp
+            if self._stop.wait(TICK):
+                raise _Stopping
+
     def give_up(self, reason: str) -> None:
-        """Leave this change (and every later one in this round) to torchrun's restart path."""
-        if self.fallback is None:
-            self.fallback = reason
-            self.channel.give_up(reason)
-            log.warning("hot_fallback", round=self.round, reason=reason)
+        """Leave this change (and every later one in this round) to torchrun's restart path. Once this
+        returns no assignment is published: a round joined meanwhile is handed to torchrun's path."""
+        with self._state:
+            if self.fallback is None:
+                self.fallback = reason
+                self.channel.give_up(reason)
+                log.warning("hot_fallback", round=self.round, reason=reason)
 
     def close(self) -> None:
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(5.0)
         shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def latest_round(participant: Participant) -> int:
+    """The newest closed round of the run, from the participant's view (0 before the first)."""
+    with participant.view.cond:
+        kv = participant.view.get("round")
+    return RoundRecord.decode(kv.value).round if kv is not None else 0
+
+
+def asking_beyond(participant: Participant, round: int) -> set[str]:
+    """Live nodes whose join key asks for a round after ``round``, from the participant's view."""
+    with participant.view.cond:
+        live = set(participant.view.under("nodes/"))
+        keys = participant.view.under("join/")
+    out = set()
+    for node, kv in keys.items():
+        try:
+            target = int(json.loads(kv.value)["target"])
+        except (ValueError, KeyError, TypeError):
+            continue
+        if target > round and node in live:
+            out.add(node)
+    return out
+
+
+def store_refused(node: dict[str, Any]) -> bool:
+    """True when the node's agent store port (``{"addr", "store_port"}`` of a round record) refuses a TCP
+    connection: its agent process is gone although its lease has not expired yet. An unanswered probe
+    counts as alive (a stopped or cut-off node is left to its lease)."""
+    try:
+        addr, port = str(node["addr"]), int(node["store_port"])
+    except (KeyError, TypeError, ValueError):
+        return False
+    if port <= 0:
+        return False
+    try:
+        socket.create_connection((addr, port), timeout=PROBE_TIMEOUT).close()
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False
+    return False

@@ -104,6 +104,10 @@ def test_kill_and_join_keep_weights_and_exactly_once(tmp_path: Path, etcd_server
     ref = tmp_path / "ref"
     ref.mkdir()
     job = ElasticJob(tmp_path, etcd_server.endpoint, reaper)
+    # the restart path: its gate holds the world-2 workers inside a step until the joiner trains, which only
+    # a restart (not a step boundary) gets past; the in-process path is test_hot_recovery.py's
+    job.config.write_text(job.config.read_text().replace("  settle: 1.0\n", "  settle: 1.0\n  hot: false\n"))
+    assert "hot: false" in job.config.read_text()
     proc = subprocess.run(
         [
             sys.executable,
