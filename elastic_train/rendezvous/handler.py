@@ -185,20 +185,22 @@ class Etcd3RendezvousHandler(RendezvousHandler):
         raise JobFailed(f"run {self._settings.run_id} failed: {message}")
 
     def _next_rendezvous(self) -> RendezvousInfo:
-        if self._standby is not None:  # a node joining a running job builds first (standby.py)
+        # A round the hot path's thread joined after it gave up (the fence fired during its join) is this
+        # path's: joining again, or starting on standby, would leave its other members forming a group with
+        # workers that never come. The lock waits for such a join still in flight.
+        with self._join_lock:
+            handoff = self._hot.take_handoff() if self._hot is not None else None
+        if handoff is None and self._standby is not None:  # a node joining a running job builds first
             standby = self._standby.start()
             if standby is not None:
                 return standby
         with self._join_lock:
-            result, info = self._join_round()
+            result, info = self._join_round(handoff)
         if self._hot is not None:
             self._hot.started(result)
         return info
 
-    def _join_round(self) -> tuple[RoundResult, RendezvousInfo]:
-        # a round the hot path's thread joined after it gave up (the fence fired during its join) is this
-        # path's: joining again would leave its other members forming a group with workers that never come
-        handoff = self._hot.take_handoff() if self._hot is not None else None
+    def _join_round(self, handoff: RoundResult | None = None) -> tuple[RoundResult, RendezvousInfo]:
         while True:
             result, handoff = handoff or self.participant.join(), None
             try:

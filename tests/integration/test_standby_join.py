@@ -155,6 +155,7 @@ def test_a_standby_joiner_of_a_run_that_finishes_first_exits_0_with_one_line(
         job.start_agent()
     job.wait_step(2, 5)
     job.hold.write_text(f"2 {HOT_STEPS - 3}")  # the job waits near its end until the joiner is on standby
+    job.wait_step(2, HOT_STEPS - 4, timeout=300)  # at the gate: its last steps take less than a build
     err = tmp_path / "joiner.err"
     joiner = start_joiner(job, err, **{BUILD_DELAY: "15"})
     wait_workers([joiner], timeout=120)  # started before any round with it: on standby
