@@ -59,6 +59,8 @@ SCENARIOS = ("builtin:kill-join", "builtin:stop", "own:kill-join", "own:stop", "
 #: Samples per step of the own-loop scripts (examples/own_loop.py's default global batch).
 OWN_BATCH = 16
 OWN_SAMPLES = 960
+#: The own-loop script's tails are this many times the built-in loop's (its steps are that much shorter).
+OWN_TAIL_FACTOR = 8
 #: Phases of a hot kill and the log event that ends each (the first after the kill on every survivor).
 HOT_PHASES = (
     ("detect", "group_broken"),
@@ -72,16 +74,18 @@ RESTART_PHASES = (("round", "rendezvous_complete"), ("start+restore", "restored"
 # ------------------------------------------------------------------------------------------- one job
 
 
-def job_steps(kind: str, args: argparse.Namespace) -> int:
-    """Steps of a job of ``kind``: the faults' steps plus the tail trained after the last one."""
+def job_steps(loop: str, kind: str, args: argparse.Namespace) -> int:
+    """Steps of a job: the faults' steps plus the tail trained after the last one (longer for the own-loop
+    script, whose steps are several times shorter: the joiner must have time to start)."""
+    factor = OWN_TAIL_FACTOR if loop == "own" else 1
     if kind == "kill-join":
-        return args.kill_step + args.gap_steps + args.tail_steps
-    return args.kill_step + args.stop_tail_steps
+        return args.kill_step + args.gap_steps + factor * args.tail_steps
+    return args.kill_step + factor * args.stop_tail_steps
 
 
 def job_command(loop: str, kind: str, mode: str, args: argparse.Namespace, workdir: Path) -> list[str]:
     """The ``elastic-train local`` command of one job."""
-    steps = job_steps(kind, args)
+    steps = job_steps(loop, kind, args)
     cmd = [
         sys.executable, "-m", "elastic_train", "local",
         "--nodes", "3", "--min-nodes", "2", "--max-nodes", "3",
@@ -166,10 +170,8 @@ def job_figures(workdir: Path, summary: dict[str, Any], mode: str) -> dict[str, 
     if stop is not None:
         out["stop_s"] = stop.get("resumed_s")
     if add is not None:
-        out["join_from_start_s"] = add.get("resumed_s")
         joiner = (add.get("extra") or {}).get("new_node")
-        ready = join_ready(logs.get(joiner, []) if isinstance(joiner, int) else [], add, steps)
-        out.update(ready)
+        out.update(join_ready(logs.get(joiner, []) if isinstance(joiner, int) else [], add, steps))
     return out
 
 
@@ -302,15 +304,21 @@ def graphs_compiled_after(survivors: dict[int, list[dict[str, Any]]], fired: flo
 
 
 def join_ready(
-    joiner: list[dict[str, Any]], fault: dict[str, Any], steps: list[dict[str, Any]]
+    joiner: list[dict[str, Any]], fault: dict[str, Any], steps: list[dict[str, Any]], world: int = 3
 ) -> dict[str, Any]:
-    """Seconds from the joining worker's ``model_built`` to the first step at the larger world (``join_s``,
-    ``join_basis: model_built``); without that event, from the joiner's start (``join_basis: start``)."""
-    end = resumed_at(fault, steps)
+    """Seconds from the joining worker's ``model_built`` to the first step at world ``world`` after the join
+    (``join_s``, ``join_basis: model_built``); without that event, from the joiner's start (``join_basis:
+    start``). None when no step at that world followed (the job ended first)."""
+    fired = fired_at(fault, steps)
+    later = [
+        e["time"] for e in steps if fired is not None and e["time"] > fired and e.get("world_size") == world
+    ]
+    if fired is None or not later:
+        return {"join_s": None, "join_basis": None}
     built = [e["t"] for e in joiner if e["event"] == "model_built"]
-    if end is not None and built:
-        return {"join_s": round(end - min(built), 3), "join_basis": "model_built"}
-    return {"join_s": fault.get("resumed_s"), "join_basis": "start"}
+    if built:
+        return {"join_s": round(min(later) - min(built), 3), "join_basis": "model_built"}
+    return {"join_s": round(min(later) - fired, 3), "join_basis": "start"}
 
 
 # ------------------------------------------------------------------------------------------- summary

@@ -102,15 +102,19 @@ def test_hot_details_take_the_slowest_survivors_own_timings() -> None:
     assert got["restored.find_s"] == 0.02
 
 
-def test_join_is_measured_from_model_built_when_the_joiner_logs_it() -> None:
-    steps = [{"event": "step", "time": T0 + 10.0, "round": 3, "step": 60}]
-    fault = {"fired_round": 2, "resumed_s": 14.0}
+def test_join_is_measured_from_model_built_to_the_first_step_at_world_3() -> None:
+    steps = [
+        {"event": "step", "time": T0 - 4.0, "round": 2, "world_size": 2, "step": 50},
+        {"event": "step", "time": T0 + 9.0, "round": 3, "world_size": 2, "step": 59},  # another change first
+        {"event": "step", "time": T0 + 10.0, "round": 4, "world_size": 3, "step": 60},
+    ]
+    fault = {"fired_round": 2, "resumed_s": 14.0}  # fired at T0 - 5: the round-3 step is 14 s later
     got = hot.join_ready([ev("model_built", T0 + 9.6)], fault, steps)
     assert got == {"join_s": 0.4, "join_basis": "model_built"}
-    assert hot.join_ready([ev("worker_ready", T0 + 9.6)], fault, steps) == {
-        "join_s": 14.0,
-        "join_basis": "start",
-    }
+    got = hot.join_ready([ev("worker_ready", T0 + 9.6)], fault, steps)
+    assert got == {"join_s": 15.0, "join_basis": "start"}
+    assert hot.join_ready([], {"fired_round": 2, "resumed_s": None}, steps)["join_s"] is None
+    assert hot.join_ready([], fault, steps[:2])["join_s"] is None  # the job ended before the joiner got in
 
 
 def test_graphs_compiled_after_the_kill_count_a_kept_process_as_zero_and_a_new_one_in_full() -> None:
@@ -207,7 +211,7 @@ def test_job_commands_of_each_loop_and_kind(tmp_path: Path) -> None:
     assert builtin[builtin.index("--steps") + 1] == "350"
     own = hot.job_command("own", "stop", "restart", a, tmp_path)
     assert "--hang-node" in own and "--entry" in own and "rendezvous.hot=false" in own
-    assert own[own.index("--epochs") + 1] == "2"  # 80 steps of 60 a epoch
+    assert own[own.index("--epochs") + 1] == "9"  # 20 + 8 x 60 steps, 60 a epoch
     compiled = hot.job_command("compiled", "kill", "hot", a, tmp_path)
     assert (
         compiled[compiled.index("--entry") + 1].endswith("hot_compiled.py") and "--add-node" not in compiled
