@@ -340,6 +340,8 @@ def median_breakdown(runs: list[dict[str, Any]]) -> dict[str, float | None]:
 
 
 FIGURES = (("kill", "kill_s"), ("join", "join_s"), ("stop", "stop_s"))
+#: The job kinds that measure each scenario.
+MEASURED_BY = {"kill": ("kill-join", "kill"), "join": ("kill-join",), "stop": ("stop",)}
 
 
 def summary_table(runs: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
@@ -349,8 +351,12 @@ def summary_table(runs: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, A
         for scen, key in FIGURES:
             cells = {}
             for mode in MODES:
-                mine = [r for r in runs if r["loop"] == loop and r["mode"] == mode]
-                if not any(key in r for r in mine):
+                mine = [
+                    r
+                    for r in runs
+                    if r["loop"] == loop and r["mode"] == mode and r.get("kind") in MEASURED_BY[scen]
+                ]
+                if not mine:
                     continue
                 ok = [r for r in mine if r.get("succeeded")]
                 cells[mode] = {**summarize(r.get(key) for r in ok), "jobs": len(mine), "ok": len(ok)}

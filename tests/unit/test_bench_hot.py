@@ -149,6 +149,7 @@ def test_summary_and_targets_of_a_run() -> None:
         run("own", "hot", kill_s=0.6, join_s=5.0, join_basis="start"),
         run("own", "restart", kill_s=3.5, join_s=6.0, join_basis="start"),
         {"loop": "own", "kind": "kill-join", "mode": "hot", "repeat": 1, "error": "exit 1: boom"},
+        {"loop": "own", "kind": "stop", "mode": "hot", "repeat": 0, "succeeded": True, "stop_s": 6.0},
     ]  # fmt: skip
     doc = hot.build_doc(runs, args(), [3.0, 2.0, 1.0])
     table = doc["summary"]
@@ -156,6 +157,8 @@ def test_summary_and_targets_of_a_run() -> None:
     assert table["builtin"]["kill"]["hot"]["breakdown"] == {"detect": 0.1, "round": 0.1, "first_step": 0.2}
     assert table["own"]["kill"]["hot"]["jobs"] == 2 and table["own"]["kill"]["hot"]["ok"] == 1
     assert "stop" not in table["builtin"]
+    assert table["own"]["stop"]["hot"] == {"n": 1, "median": 6.0, "min": 6.0, "max": 6.0, "jobs": 1, "ok": 1}
+    assert "restart" not in table["own"]["stop"]
     rows = {(r["loop"], r["scenario"]): r for r in doc["figures"]}
     assert rows[("builtin", "kill")]["restart / hot"] == 3.0 / 0.4
     assert rows[("builtin", "kill")]["hot phases s"] == "detect 0.100, round 0.100, first_step 0.200"
