@@ -31,7 +31,7 @@ from typing import Any
 REPLICAS = 3
 
 
-def replica(index: int, lighthouse: str, workdir: Path, steps: int) -> None:
+def replica(index: int, lighthouse: str, workdir: Path, steps: int, pg_timeout: float) -> None:
     """One replica group of one process: the same kind of tiny model as ``hot.py``'s built-in loop."""
     from datetime import timedelta
 
@@ -61,7 +61,7 @@ def replica(index: int, lighthouse: str, workdir: Path, steps: int) -> None:
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     manager = Manager(
-        pg=ProcessGroupGloo(timeout=timedelta(seconds=5)),
+        pg=ProcessGroupGloo(timeout=timedelta(seconds=pg_timeout)),
         min_replica_size=2,
         load_state_dict=load_state_dict,
         state_dict=state_dict,
@@ -226,11 +226,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--heartbeat-timeout-ms", type=int, help="the lighthouse's heartbeat timeout (default: torchft's)"
     )
+    p.add_argument(
+        "--pg-timeout-s",
+        type=float,
+        default=5.0,
+        help="torchft's gloo collective timeout: a survivor whose all-reduce gets no error from the dead "
+        "peer's socket fails the step only after it",
+    )
     p.add_argument("--timeout", type=float, default=180.0)
     p.add_argument("--json", metavar="FILE")
     args = p.parse_args(argv)
     if args.replica is not None:
-        replica(args.replica, args.lighthouse, Path(args.workdir), args.steps)
+        replica(args.replica, args.lighthouse, Path(args.workdir), args.steps, args.pg_timeout_s)
         return 0
     import torch
     import torchft  # noqa: F401  (fails here, with its reason, when torchft is missing)
@@ -250,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         "join_s": statistics.median(joins) if joins else None,
         "join_timeout_ms": args.join_timeout_ms,
         "heartbeat_timeout_ms": args.heartbeat_timeout_ms,
+        "pg_timeout_s": args.pg_timeout_s,
         "runs": runs,
         "loadavg": list(os.getloadavg()),
     }
