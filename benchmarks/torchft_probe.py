@@ -174,6 +174,8 @@ def one_run(workdir: Path, args: argparse.Namespace) -> dict[str, Any]:
             addr,
             "--workdir",
             str(workdir),
+            "--pg-timeout-s",
+            str(args.pg_timeout_s),
         ]
         log = open(workdir / f"replica-{index}.log", "ab")  # noqa: SIM115
         p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
