@@ -60,7 +60,7 @@ SCENARIOS = ("builtin:kill-join", "builtin:stop", "own:kill-join", "own:stop", "
 OWN_BATCH = 16
 OWN_SAMPLES = 960
 #: The own-loop script's tails are this many times the built-in loop's (its steps are that much shorter).
-OWN_TAIL_FACTOR = 8
+OWN_TAIL_FACTOR = 25
 #: Phases of a hot kill and the log event that ends each (the first after the kill on every survivor).
 HOT_PHASES = (
     ("detect", "group_broken"),
@@ -361,7 +361,7 @@ def summary_table(runs: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, A
                 ok = [r for r in mine if r.get("succeeded")]
                 cells[mode] = {**summarize(r.get(key) for r in ok), "jobs": len(mine), "ok": len(ok)}
                 if scen == "join":
-                    cells[mode]["basis"] = sorted({str(r.get("join_basis")) for r in ok if "join_basis" in r})
+                    cells[mode]["basis"] = sorted({str(r["join_basis"]) for r in ok if r.get("join_basis")})
                 if scen == "kill":
                     cells[mode]["breakdown"] = median_breakdown(ok)
             if cells:

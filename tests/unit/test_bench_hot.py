@@ -163,6 +163,8 @@ def test_summary_and_targets_of_a_run() -> None:
     assert rows[("builtin", "kill")]["restart / hot"] == 3.0 / 0.4
     assert rows[("builtin", "kill")]["hot phases s"] == "detect 0.100, round 0.100, first_step 0.200"
     assert rows[("own", "join")]["from"] == "start"
+    unmeasured = hot.summary_table([run("own", "hot", kill_s=0.3, join_s=None, join_basis=None)])
+    assert unmeasured["own"]["join"]["hot"]["basis"] == []
     by_name = {t["name"]: t for t in doc["targets"]}
     kill = by_name["kill -9 one node -> first step at world 2, hot recovery"]
     assert kill["status"] == "missed" and kill["figure"] == "builtin 0.40 s (n=1); own 0.60 s (n=1)"
@@ -214,7 +216,7 @@ def test_job_commands_of_each_loop_and_kind(tmp_path: Path) -> None:
     assert builtin[builtin.index("--steps") + 1] == "350"
     own = hot.job_command("own", "stop", "restart", a, tmp_path)
     assert "--hang-node" in own and "--entry" in own and "rendezvous.hot=false" in own
-    assert own[own.index("--epochs") + 1] == "9"  # 20 + 8 x 60 steps, 60 a epoch
+    assert own[own.index("--epochs") + 1] == "26"  # 20 + 25 x 60 steps, 60 a epoch
     compiled = hot.job_command("compiled", "kill", "hot", a, tmp_path)
     assert (
         compiled[compiled.index("--entry") + 1].endswith("hot_compiled.py") and "--add-node" not in compiled
