@@ -341,6 +341,8 @@ def render(
             lines += render_latency(doc, images, out)
         elif isinstance(doc, schema.OverheadDoc | schema.RecoveryDoc | schema.LightningDoc | schema.HotDoc):
             lines += render_figures(name, doc.description, doc.figures)
+            if isinstance(doc, schema.HotDoc):
+                lines += render_torchft(doc.torchft)
     stall_img = [p for p in images if p.name == "checkpoint-stall.png"]
     if stall_img:
         lines += ["", f"![checkpoint stall vs state size]({os.path.relpath(stall_img[0], out.parent)})", ""]
@@ -617,6 +619,21 @@ def render_figures(name: str, description: str, figures: list[schema.FigureRow])
             lines.append("| " + " | ".join(_fmt(f.get(k)) for k in keys) + " |")
     lines.append("")
     return lines
+
+
+def render_torchft(torchft: dict[str, Any] | None) -> list[str]:
+    """One line on torchft beside hot recovery: its version and settings, or why it did not run."""
+    if torchft is None:
+        return ["torchft: not run (`hot.py --torchft-python PATH` runs `benchmarks/torchft_probe.py`).", ""]
+    if torchft.get("skipped"):
+        return [f"torchft: not measured: {_cell(str(torchft['skipped']))}", ""]
+    return [
+        f"torchft {torchft.get('torchft')} (`benchmarks/torchft_probe.py`: 3 replica groups of 1 process on "
+        f"gloo, lighthouse join timeout {torchft.get('join_timeout_ms')} ms): kill -> next committed step "
+        f"{_fmt(torchft.get('kill_s'))} s, joiner's model built -> committed step with it "
+        f"{_fmt(torchft.get('join_s'))} s.",
+        "",
+    ]
 
 
 def _fmt(v: Any) -> str:

@@ -388,7 +388,7 @@ class LightningDoc(_Model):
 
 
 class HotDoc(_Model):
-    """``hot.py``: hot recovery against the restart path, paired in one run; it evaluates its own target."""
+    """``hot.py``: hot recovery against the restart path, paired in one run; it evaluates its own targets."""
 
     benchmark: Literal["hot"]
     description: str
@@ -396,9 +396,12 @@ class HotDoc(_Model):
     loadavg_end: list[float]
     settings: dict[str, Any]
     summary: dict[str, Any]
+    """Per loop, scenario and mode: the figures' summary (and a hot kill's phases)."""
     runs: list[dict[str, Any]]
     figures: list[FigureRow]
     targets: list[TargetRecord]
+    torchft: dict[str, Any] | None = None
+    """``torchft_probe.py``'s figures (``--torchft-python``), or why it did not run (``skipped``)."""
 
 
 # ------------------------------------------------------------------------------------ rdzv_latency.py

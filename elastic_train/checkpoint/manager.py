@@ -281,6 +281,11 @@ class CheckpointManager:
             log.info("restore_nothing_found", run=self.run_path)
             return None
         source, step, holder = decision.chosen.source, decision.chosen.step, decision.chosen.holder
+        if source == "memory" and held is not None and all(s == step for s in mem_steps):
+            # Every rank holds the chosen step in its own snapshot (the survivors of a re-formation, or a
+            # restarted group on the same nodes): each lands its own, nothing is sent (all ranks gathered
+            # the same steps, so all take this branch together).
+            return self._restore_own(held, holder, model, into, started)
         src_rank = 0 if holder is None else holder  # only a memory snapshot has a holder
         if self.rank == src_rank:
             if source == "memory":
@@ -315,6 +320,36 @@ class CheckpointManager:
         return Restored(
             step=step, state=state, source=source, holder_rank=holder if source == "memory" else None
         )
+
+    def _restore_own(
+        self, held: Any, holder: int | None, model: Mapping[str, Any] | None, into: Any, started: float
+    ) -> Restored:
+        """Restore from this rank's own memory snapshot, of the chosen step (see :meth:`restore`)."""
+        assert self.memory is not None
+        step = held.step
+        specs = list(held.specs)
+        if model is not None:
+            why = describe_mismatch(fingerprint_from_specs(specs), model_fingerprint({"model": model}) or [])
+            if why:
+                raise ModelMismatch(f"checkpoint at step {step} (memory) is from a different model: {why}")
+        found = time.perf_counter()
+        landing = transfer.Landing(specs, into(specs) if into is not None else None)
+        landing.land_all(self.memory.data(held.slot, held.nbytes))
+        state = unflatten(held.skeleton, landing.tensors)
+        self._last_durable_time = time.monotonic()
+        log.info(
+            "restored",
+            source="memory",
+            step=step,
+            holder=holder,
+            bytes=held.nbytes,
+            live_bytes=landing.live,
+            own=True,  # every rank held the step: none was sent
+            find_s=round(found - started, 4),
+            broadcast_s=0.0,
+            seconds=round(time.perf_counter() - started, 4),
+        )
+        return Restored(step=step, state=state, source="memory", holder_rank=holder)
 
     def _record_start(self, decision: RestoreDecision) -> int | None:
         """Rank 0 of a world in a rendezvous round records where it starts (the stale-writer rule reads it);

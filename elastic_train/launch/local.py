@@ -234,7 +234,7 @@ class LocalJob:
         )
 
     def _kill_node(self, record: FaultRecord, node: Node) -> None:
-        record.extra["pids"] = signal_tree(node.proc.pid, signal.SIGKILL)
+        record.extra["pids"] = signal_tree(node.proc.pid, signal.SIGKILL, walked=lambda: _signalled(record))
         node.killed = True
 
     def _kill_worker(self, record: FaultRecord, node: Node) -> None:
@@ -244,7 +244,7 @@ class LocalJob:
             record.extra["pids"] = [workers[0].pid]
 
     def _hang_node(self, record: FaultRecord, node: Node) -> None:
-        record.extra["pids"] = signal_tree(node.proc.pid, signal.SIGSTOP)
+        record.extra["pids"] = signal_tree(node.proc.pid, signal.SIGSTOP, walked=lambda: _signalled(record))
         node.stopped = True
 
     def _resume_node(self, record: FaultRecord, node: Node) -> None:
@@ -594,6 +594,13 @@ def _last_plain_line(path: str) -> str:
     except OSError:
         return ""
     return lines[-1] if lines else ""
+
+
+def _signalled(record: FaultRecord) -> None:
+    """The fault's clock starts when its signals go out, not before the walk of the node's process tree."""
+    now = time.time()
+    record.extra["tree_walk_s"] = round(now - (record.fired_at or now), 3)
+    record.fired_at = now
 
 
 def _is_worker(p: psutil.Process) -> bool:

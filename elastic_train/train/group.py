@@ -6,7 +6,9 @@ Used by the built-in worker and by scripts with their own loop alike (``elastic_
 from __future__ import annotations
 
 import os
+import socket
 import sys
+import time
 import types
 from dataclasses import dataclass
 from datetime import timedelta
@@ -23,6 +25,15 @@ from elastic_train.train.errors import TrainingError
 
 #: Run id of the checkpoints when torchrun gives none (``TORCHELASTIC_RUN_ID`` unset: a plain process).
 DEFAULT_RUN_ID = "default"
+#: Seconds between two looks of a rank other than 0 at the group's store port while rank 0 opens it. torch's
+#: own TCPStore client retries a refused connection only after about half a second (with jitter): a group
+#: whose members start together (a re-formation, a restart) would pay it whenever rank 0 is a moment late.
+STORE_POLL = 0.005
+#: Seconds a rank waits for rank 0 to open the group's store (torch's default store timeout).
+STORE_WAIT = 300.0
+#: Seconds the last :func:`init` spent in each phase of forming its group: ``store_s`` (rank 0 opened the
+#: store, the others reached it), ``pg_s`` (the process group itself: gloo's full-mesh connect).
+last_formation: dict[str, float] = {}
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,6 +150,7 @@ def init(backend: str = "auto", *, timeout: timedelta | None = None, env: Worker
 
 
 def _form_group(backend: str, device: torch.device, env: WorkerEnv, timeout: timedelta | None) -> None:
+    started = time.perf_counter()
     kwargs: dict[str, Any] = {"device_id": device} if backend == "nccl" else {}
     if timeout is not None:
         kwargs["timeout"] = timeout
@@ -153,8 +165,39 @@ def _form_group(backend: str, device: torch.device, env: WorkerEnv, timeout: tim
         kwargs["init_method"] = f"tcp://{env.master_addr}:{free_port(env.master_addr)}"
     else:
         os.environ.setdefault("MASTER_ADDR", env.master_addr)
-        kwargs["init_method"] = "env://"
+        kwargs["store"] = _open_store(env, timeout)
+    formed = time.perf_counter()
     dist.init_process_group(backend, rank=env.rank, world_size=env.world_size, **kwargs)
+    last_formation.clear()
+    last_formation.update(store_s=formed - started, pg_s=time.perf_counter() - formed)
+
+
+def _open_store(env: WorkerEnv, timeout: timedelta | None) -> dist.Store:
+    """The group's bootstrap store at MASTER_ADDR:MASTER_PORT: rank 0 hosts it, the others connect once it
+    listens (what ``env://`` does, without torch's half-second retry when rank 0 is a moment late).
+
+    Raises:
+        TrainingError: rank 0 did not open the store within the store timeout.
+    """
+    wait = timeout or timedelta(seconds=STORE_WAIT)
+    if env.rank == 0:
+        return dist.TCPStore(
+            env.master_addr, env.master_port, env.world_size, is_master=True, timeout=wait,
+            wait_for_workers=False, multi_tenant=True,
+        )  # fmt: skip
+    deadline = time.monotonic() + wait.total_seconds()
+    while True:
+        try:
+            socket.create_connection((env.master_addr, env.master_port), timeout=1.0).close()
+            break
+        except OSError as exc:
+            if time.monotonic() >= deadline:
+                raise TrainingError(
+                    f"rank 0's store at {env.master_addr}:{env.master_port} did not open within "
+                    f"{wait.total_seconds():g} s ({exc})"
+                ) from exc
+            time.sleep(STORE_POLL)
+    return dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=False, timeout=wait)
 
 
 def current_world() -> World:

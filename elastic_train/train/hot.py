@@ -292,6 +292,7 @@ class Reformer:
         )
         self.env = WorkerEnv.from_environ(os.environ)
         world = group.init(self.backend, env=self.env)
+        formation = dict(group.last_formation)
         self.reformations += 1
         self.register(world)
         log.info(
@@ -301,8 +302,10 @@ class Reformer:
             rank=rank,
             world_size=assignment.world_size,
             reason=reason,
-            teardown_s=round(down, 3),
-            wait_s=round(waited, 3),
+            teardown_s=round(down, 3),  # the old group destroyed (its garbage collected first)
+            wait_s=round(waited, 3),  # ... and the agent's assignment of the next round read
+            store_s=round(formation.get("store_s", 0.0), 3),  # the new group's store open / reached
+            pg_s=round(formation.get("pg_s", 0.0), 3),  # the process group formed (gloo's full mesh)
             seconds=round(time.perf_counter() - started, 3),
         )
         return self.env
