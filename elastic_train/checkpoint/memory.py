@@ -629,8 +629,13 @@ class MemorySnapshot:
     def _copy(job: _CopyJob) -> None:
         """The deferred CPU copies (GPU copies run on the side stream meanwhile)."""
         if job.later:
-            dests, tensors = job.dests, job.flat.tensors
-            torch._foreach_copy_([dests[i] for i in job.later], [tensors[i] for i in job.later])  # type: ignore[misc]
+            # C-level picks: on the copier thread, Python per tensor holds the interpreter lock the
+            # training thread needs.
+            take = operator.itemgetter(*job.later)
+            dests, srcs = take(job.dests), take(job.flat.tensors)
+            if len(job.later) == 1:
+                dests, srcs = (dests,), (srcs,)
+            torch._foreach_copy_(list(dests), list(srcs))
 
     def _seal(self, job: _CopyJob, *, timed: bool = False) -> None:
         """Write the metadata, checksum data and metadata, then publish the header (the slot is valid).
