@@ -39,8 +39,7 @@ from typing import Any
 TARGET = 1.03
 #: All-in ratio of the short (~17 ms) step, where a snapshot's fixed costs weigh most.
 SHORT_TARGET = 1.05
-#: Seconds of Python per snapshot on the training thread (everything in save but the tensor copies and the
-#: data checksum, which a small state's save computes itself: both are the copy floor).
+#: Seconds of Python per snapshot on the training thread (everything in save but the tensor copies).
 PYTHON_TARGET_S = 0.2e-3
 
 
@@ -258,7 +257,7 @@ def measure(args: argparse.Namespace, cfg: Config) -> dict[str, Any]:
     python_wall_s = statistics.median(w for _, w in saves) if saves else None
     if python_s is not None and python_wall_s is not None:
         print(
-            f"  snapshot Python: {python_s * 1e3:9.3f} ms CPU per save on the training thread, no copy/hash "
+            f"  snapshot Python: {python_s * 1e3:9.3f} ms CPU per save on the training thread, no copies "
             f"({python_wall_s * 1e3:.3f} ms wall; median of {len(saves)} saves x ranks; "
             f"target <= {PYTHON_TARGET_S * 1e3:.1f} ms)"
         )

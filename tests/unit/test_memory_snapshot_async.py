@@ -330,27 +330,31 @@ def test_trainer_attaches_its_optimizer_and_resumes_from_the_async_snapshot(memd
         assert torch.equal(second.model.state_dict()[key], value), key
 
 
-def test_small_cpu_states_are_copied_and_sealed_inside_save(memdir, tmp_path, monkeypatch):
-    """Below INLINE_BYTES save copies and seals the state itself: the copier thread is never woken (on a
-    machine whose cores all train, waking it costs the loop more than the copy), the slot is valid when
-    save returns, and the optimizer may step at once."""
+def test_small_cpu_states_are_copied_inside_save_and_sealed_by_the_copier(memdir, tmp_path, monkeypatch):
+    """Below INLINE_BYTES save copies every tensor itself; the checksums are computed on the copier thread,
+    and the slot is not valid before they are."""
     monkeypatch.setattr(memory_mod, "INLINE_BYTES", 4 << 20)
-    sealed_on: list[str] = []
+    release, entered = threading.Event(), threading.Event()
     original = MemorySnapshot._seal
 
-    def seal(self, job, **kwargs):
-        sealed_on.append(threading.current_thread().name)
-        original(self, job, **kwargs)
+    def held_seal(self, job):
+        entered.set()
+        assert release.wait(30), "seal never released"
+        original(self, job)
 
-    monkeypatch.setattr(MemorySnapshot, "_seal", seal)
+    monkeypatch.setattr(MemorySnapshot, "_seal", held_seal)
     model, opt = trained()
     m = manager(memdir, tmp_path)
     m.attach(opt)
     expected = clone(state_of(model, opt, 1))
     m.save(1, lambda: state_of(model, opt, 1))
-    assert m.memory is not None and m.memory.sealed_step == 1
-    assert sealed_on == [threading.current_thread().name] and m.memory._worker is None
-    step(model, opt)  # changes every tensor: the slot holds step 1 as it was
+    assert m.memory is not None and entered.wait(10)
+    assert m.memory.sealed_step is None and MemorySnapshot(memdir, "run", 0).newest_valid() is None
+    m.fence()  # nothing left to copy: the optimizer may step while the seal runs
+    step(model, opt)
+    release.set()
+    m.memory.wait_idle()
+    assert m.memory.sealed_step == 1
     m.close()
     got_step, got = snapshot(memdir)
     assert (
@@ -370,12 +374,12 @@ _SEAL_CRASHER = textwrap.dedent(
     memdir, url = sys.argv[1], sys.argv[2]
     original = MemorySnapshot._seal
 
-    def stalled(self, job, **kwargs):  # every byte of step 2 is copied; the test kills us before its seal
+    def stalled(self, job):  # every byte of step 2 is copied; the test kills us before its seal
         if job.step == 2:
             assert not job.later
             print("copied", flush=True)
             time.sleep(60)
-        original(self, job, **kwargs)
+        original(self, job)
 
     MemorySnapshot._seal = stalled
     params = [torch.full((1000,), float(i)) for i in range(8)]
