@@ -174,6 +174,11 @@ class Walker:
         return len(self.tensors) - 1
 
     def enc(self, v: Any, path: str) -> Any:
+        kind = type(v)
+        if kind in _PLAIN:  # the exact types first: most values of a step's state are these
+            return v
+        if kind is dict and _STR.issuperset(map(type, v)) and _MARKERS.isdisjoint(v):
+            return {k: self.enc(x, f"{path}/{k}") for k, x in v.items()}
         if isinstance(v, torch.Tensor):
             return {_TENSOR: self.add(v, path)}
         if isinstance(v, np.ndarray):

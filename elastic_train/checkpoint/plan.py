@@ -36,7 +36,9 @@ class Fixed:
     """A part of a state whose structure its owner vouches for.
 
     Equal ``key``s (``==``) promise the same skeleton and the same tensors in ``tensors`` (same objects or
-    storage, order, shapes, dtypes): only their values change between steps.
+    storage, order, shapes, dtypes): only their values change between steps. A part without tensors
+    (small values that rarely change: param groups' hyper-parameters, Python's RNG state) uses the values
+    themselves, with their types, as its key: its skeleton is then encoded once per change, not per step.
     """
 
     key: Any
@@ -89,9 +91,10 @@ class _PlanWalker(Walker):
             and part.base == base
             and len(v.tensors) == len(part.places)
         ):
-            self.tensors.extend(v.tensors)
-            self.places.extend(part.places)
-            self.signature.append((path, v.key, base))
+            if part.places:
+                self.tensors.extend(v.tensors)
+                self.places.extend(part.places)
+            self.signature.append((path, v.key if part.places else None, base))
             self.fresh[path] = part
             return part.skeleton
         # Planned from the full state; the owner's tensors must be exactly the ones it holds.
@@ -103,7 +106,8 @@ class _PlanWalker(Walker):
             for a, b in zip(built, v.tensors, strict=True)
         ):
             del self.signature[mark:]
-            self.signature.append((path, v.key, base))
+            # A part without tensors (small values whose key is the values) changes no layout.
+            self.signature.append((path, v.key if v.tensors else None, base))
             self.fresh[path] = _Part(v.key, base, skeleton, self.places[base:])
         else:  # read from its state dict at every step (its places are in the signature)
             log.debug("snapshot_part_unplanned", path=path)

@@ -22,12 +22,47 @@ def capture() -> dict[str, Any]:
         "torch": torch.get_rng_state(),
         # is_initialized() is cheap and False until CUDA is used, when there is no CUDA RNG state to keep.
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else [],
-        "python": random.getstate(),
+        "python": _python_state(),
         "numpy": None,
     }
     np = sys.modules.get("numpy")
     if np is not None:
         state["numpy"] = _numpy_state(np)
+    return state
+
+
+#: Python's global generator when last captured: (its Mersenne Twister words and index, gauss_next,
+#: ``random.getstate()``); None until the first capture. ``_PY_RAW`` is False where the C layout read below
+#: is not the one checked against ``getstate()`` (another interpreter or version): capture every time.
+_python_last: tuple[bytes, Any, Any] | None = None
+_PY_RAW: bool | None = None
+_PY_OFFSET = 16  # CPython: the RandomObject's int index and uint32 state[624] follow PyObject_HEAD
+_PY_BYTES = 4 + 624 * 4
+
+
+def _python_raw() -> bytes:
+    return ctypes.string_at(id(random._inst) + _PY_OFFSET, _PY_BYTES)
+
+
+def _python_state() -> Any:
+    """``random.getstate()``, the very same tuple as at the last capture while nothing drew from the
+    generator (building it anew is 625 ints per step; an unchanged state is then also recognised by
+    identity, see ``TrainState.snapshot``)."""
+    global _python_last, _PY_RAW
+    if _PY_RAW is None:  # once: does the C state read here match what getstate() reports?
+        state = random.getstate()
+        raw = _python_raw() if sys.implementation.name == "cpython" else b""
+        words = tuple(int.from_bytes(raw[i : i + 4], "little") for i in range(4, _PY_BYTES, 4))
+        index = int.from_bytes(raw[:4], "little", signed=True) if raw else None
+        _PY_RAW = bool(raw) and sys.byteorder == "little" and state[1] == (*words, index)
+    if not _PY_RAW:
+        return random.getstate()
+    raw, gauss = _python_raw(), random._inst.gauss_next  # type: ignore[attr-defined]
+    last = _python_last
+    if last is not None and last[0] == raw and last[1] == gauss:
+        return last[2]
+    state = random.getstate()
+    _python_last = (raw, gauss, state)
     return state
 
 

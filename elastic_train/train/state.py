@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from operator import attrgetter
+from functools import partial
+from itertools import chain
+from operator import attrgetter, itemgetter
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -42,17 +44,32 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
 
 _shape = attrgetter("shape")
 _dtype = attrgetter("dtype")
+_params = itemgetter("params")
 _ptr = torch.Tensor.data_ptr
+_values = dict.values
+_flat = chain.from_iterable
+# The structure checks below run at every step: each is a C-level map over a list (no Python per item).
 
 
-def _marks(tensors: list[torch.Tensor]) -> tuple[list[int], list[int], list[Any], list[Any]]:
-    """Identity, storage, shape and dtype of each tensor: what must not change under a planned snapshot."""
-    return (
-        list(map(id, tensors)),
-        list(map(_ptr, tensors)),
-        list(map(_shape, tensors)),
-        list(map(_dtype, tensors)),
-    )
+def _marks(tensors: list[torch.Tensor]) -> tuple[list[int], list[Any], list[Any]]:
+    """Storage, shape and dtype of each tensor: what must not change under a planned snapshot."""
+    return list(map(_ptr, tensors)), list(map(_shape, tensors)), list(map(_dtype, tensors))
+
+
+def _identity(value: Any) -> Any:
+    return value
+
+
+def _hyper(groups: list[dict[str, Any]]) -> list[Any]:
+    """Each param group without its parameters, and its values' types (a float lr that becomes a tensor of
+    the same value is a change): the key of the groups' part in a planned snapshot."""
+    out: list[Any] = []
+    for g in groups:
+        h = dict(g)
+        del h["params"]
+        out.append(h)
+        out.append(list(map(type, h.values())))
+    return out
 
 
 class _ModelPart:
@@ -101,7 +118,7 @@ class _ModelPart:
         ]
         self._lens = list(map(len, self._dicts))
         self._members = [m.__dict__[k] for m in modules for k in ("_parameters", "_buffers", "_modules")]
-        self._ids = [id(v) for d in self._members for v in d.values()]
+        self._ids = list(map(id, _flat(map(_values, self._members))))
         self._live = live
         self._marks = _marks(live)
         self.fixed = Fixed(self.key, [t.detach() for t in live], self.model.state_dict)
@@ -111,7 +128,7 @@ class _ModelPart:
             return self.model.state_dict()
         if (
             list(map(len, self._dicts)) != self._lens
-            or [id(v) for d in self._members for v in d.values()] != self._ids
+            or list(map(id, _flat(map(_values, self._members)))) != self._ids
             or _marks(self._live) != self._marks
         ):
             self._refresh()
@@ -153,7 +170,7 @@ class _OptimizerPart:
             for p in g["params"]:
                 mapping.setdefault(id(p), len(mapping))
             self._indices.append([mapping[id(p)] for p in g["params"]])
-        self._params = [id(p) for g in opt.param_groups for p in g["params"]]
+        self._params = list(map(id, _flat(map(_params, opt.param_groups))))
         self._groups = len(opt.param_groups)
         self._keys = list(map(id, opt.state))
         self._dict_ids = list(map(id, dicts))
@@ -166,17 +183,15 @@ class _OptimizerPart:
 
     def _same(self) -> bool:
         opt = self.opt
-        return (
+        if not (
             len(opt.param_groups) == self._groups
-            and [id(p) for g in opt.param_groups for p in g["params"]] == self._params
+            and list(map(id, _flat(map(_params, opt.param_groups)))) == self._params
             and list(map(id, opt.state)) == self._keys
             and list(map(id, opt.state.values())) == self._dict_ids
             and list(map(len, self._dicts)) == self._lens
-            and self._same_tensors()
-        )
-
-    def _same_tensors(self) -> bool:
-        tensors = [v for d in self._dicts for v in d.values()]
+        ):
+            return False
+        tensors = list(_flat(map(_values, self._dicts)))
         return list(map(id, tensors)) == self._marks[0] and list(map(_ptr, tensors)) == self._marks[1]
 
     def part(self) -> Any:
@@ -184,11 +199,15 @@ class _OptimizerPart:
             self._refresh()
             if not self.plain:
                 return self.opt.state_dict()
-        groups = []
-        for g, indices in zip(self.opt.param_groups, self._indices, strict=True):
-            packed = {k: v for k, v in g.items() if k != "params"}
-            packed["params"] = indices
-            groups.append(packed)
+        # The hyper-parameters (a scheduler changes them) are the key of a part without tensors: their
+        # skeleton is encoded again only when one changes.
+        hyper = _hyper(self.opt.param_groups)
+        indices = self._indices
+        groups = Fixed(
+            (self.key, hyper),
+            (),
+            lambda: [{**h, "params": i} for h, i in zip(hyper[::2], indices, strict=True)],
+        )
         return {"state": self.fixed, "param_groups": groups}
 
 
@@ -244,6 +263,7 @@ class TrainState:
         self.meta: dict[str, Any] = {}
         self._planner: Planner | None = None
         self._parts: tuple[_ModelPart, _OptimizerPart | None] | None = None
+        self._py_rng: Any = None
 
     def snapshot(self) -> Flat:
         """The checkpoint state flattened, as ``flatten(self.state_dict())`` but planned: the model's and the
@@ -259,24 +279,15 @@ class TrainState:
             plain_opt = isinstance(opt, torch.optim.Optimizer)
             self._parts = (_ModelPart(self.model), _OptimizerPart(opt) if plain_opt else None)  # type: ignore[arg-type]
         model, opt_part = self._parts
-        state: dict[str, Any] = {
-            "model": model.part(),
-            "optimizer": (
-                opt_part.part()
-                if opt_part is not None
-                else self.optimizer.state_dict()
-                if self.optimizer is not None
-                else None
-            ),
-            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
-            "scaler": None,
-            "sampler": self.sampler.state_dict() if self.sampler is not None else None,
-            "rng": rng.capture(),
-            "step": self.step,
-            "extra": dict(self.meta),
-        }
-        if self.extra:
-            state["objects"] = {name: obj.state_dict() for name, obj in self.extra.items()}
+        captured = rng.capture()
+        # Python's RNG state (625 ints) rarely changes in a training loop: a part keyed by its value is
+        # encoded once per change.
+        py = captured["python"]
+        if py != self._py_rng:
+            self._py_rng = py
+        captured["python"] = Fixed(self._py_rng, (), partial(_identity, self._py_rng))
+        opt = opt_part.part() if opt_part is not None else None
+        state = self._state(model.part(), opt, captured, planned_optimizer=opt_part is not None)
         return self._planner.flat(state)
 
     def restore_targets(self, specs: Sequence[TensorSpec]) -> list[torch.Tensor | None]:
@@ -296,13 +307,22 @@ class TrainState:
 
     def state_dict(self) -> dict[str, Any]:
         """The checkpoint state; tensors are referenced, not copied (the checkpoint manager copies them)."""
+        return self._state(self.model.state_dict(), None, rng.capture(), planned_optimizer=False)
+
+    def _state(
+        self, model: Any, optimizer: Any, captured: dict[str, Any], *, planned_optimizer: bool
+    ) -> dict[str, Any]:
+        """The state around the given model part, optimizer part (when ``planned_optimizer``) and RNG states:
+        the one layout :meth:`snapshot` and :meth:`state_dict` share."""
+        if not planned_optimizer:
+            optimizer = self.optimizer.state_dict() if self.optimizer is not None else None
         state: dict[str, Any] = {
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
+            "model": model,
+            "optimizer": optimizer,
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "scaler": None,
             "sampler": self.sampler.state_dict() if self.sampler is not None else None,
-            "rng": rng.capture(),
+            "rng": captured,
             "step": self.step,
             "extra": dict(self.meta),
         }

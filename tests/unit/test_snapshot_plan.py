@@ -248,3 +248,58 @@ def test_numpy_rng_capture_is_exact_across_draws_and_pending_gaussians():
     random.random()
     rng.restore(saved)
     assert np.array_equal(np.random.rand(3), first)
+
+
+def test_python_rng_capture_is_exact_and_the_same_tuple_while_nothing_draws():
+    """The Python generator's state is read from its C words: unchanged, the last tuple is returned (its
+    snapshot part is then recognised by identity); any draw, pending gaussian or re-seed is a new state."""
+    random.seed(3)
+    first = rng.capture()["python"]
+    assert first == random.getstate() and rng.capture()["python"] is first
+    draws = [random.random, lambda: random.gauss(0, 1), lambda: random.seed(4), lambda: random.getrandbits(3)]
+    for draw in draws:
+        draw()
+        got = rng.capture()["python"]
+        assert got == random.getstate() and got is not first
+        first = got
+    saved = rng.capture()
+    values = [random.random() for _ in range(3)]
+    rng.restore(saved)
+    assert [random.random() for _ in range(3)] == values
+
+
+def test_small_values_follow_every_step_without_a_new_plan():
+    """Param-group hyper-parameters and Python's RNG state are parts keyed by their values: a change is in
+    the next snapshot's skeleton, an unchanged one reuses the last skeleton object, neither re-plans."""
+    model, opt, sched, ts = make()
+    train_step(model, opt, sched)
+    first = ts.snapshot()
+    plans = ts._planner.plans  # type: ignore[union-attr]
+    same = ts.snapshot()
+    assert same.skeleton["optimizer"]["param_groups"] is first.skeleton["optimizer"]["param_groups"]
+    assert same.skeleton["rng"]["python"] is first.skeleton["rng"]["python"]
+    opt.param_groups[0]["lr"] = 0.25
+    random.random()
+    changed = ts.snapshot()
+    assert changed.skeleton["optimizer"]["param_groups"][0]["lr"] == 0.25
+    state = flatten(ts.state_dict())
+    assert json.dumps(changed.skeleton["rng"]["python"]) == json.dumps(state.skeleton["rng"]["python"])
+    assert ts._planner.plans == plans and changed.specs is first.specs
+
+
+def test_a_hyper_parameter_that_becomes_a_tensor_of_the_same_value_is_a_tensor_in_the_snapshot(mgr):
+    """Equal values of another type are a change: the float lr replaced by a tensor holding the same value
+    is stored (and restored) as that tensor, never as the float seen before."""
+    model, opt, sched, ts = make()
+    m = mgr()
+    train_step(model, opt, sched)
+    ts.step = 1
+    m.save(1, ts.snapshot)
+    opt.param_groups[0]["lr"] = torch.tensor(opt.param_groups[0]["lr"])
+    ts.step = 2
+    m.save(2, ts.snapshot)
+    as_flattened(ts)
+    m.close()
+    step, got = restored_state(mgr)
+    lr = got["optimizer"]["param_groups"][0]["lr"]
+    assert step == 2 and isinstance(lr, torch.Tensor) and float(lr) == pytest.approx(0.01)
