@@ -25,6 +25,7 @@ Per round each node writes one join key and one node closes the round with one t
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import threading
@@ -71,6 +72,9 @@ FOLLOWER_EVAL_INTERVAL = 0.25
 STARTUP_REPORT_GRACE = 3.0
 #: Seconds a probe of a silent member's store port waits for the connection (refused: the agent is gone).
 PROBE_TIMEOUT = 0.05
+#: Seconds before a member whose store port accepted a probe is probed again in the same round: a killed
+#: agent's port may accept while the kernel still tears the process down.
+REPROBE_INTERVAL = 0.1
 #: Seconds a finishing node keeps trying to write the run's ``closed`` mark while etcd is unreachable.
 CLOSE_PATIENCE = 30.0
 #: Seconds a closed run's record (closed mark, identity, last round, failures) stays in etcd.
@@ -184,6 +188,8 @@ class JoinState:
     """Monotonic time this node first saw a node ask for :attr:`target` (the join window starts there)."""
     probed: dict[str, bool] = field(default_factory=dict)
     """Members of the last round that have not asked for :attr:`target`, probed: True when known gone."""
+    reprobe: dict[str, float] = field(default_factory=dict)
+    """Probed members whose port accepted: monotonic time when they may be probed again."""
 
     def missed(self, latest: int) -> None:
         """Round ``latest`` closed without this node: ask for the next one, as excluded unless it was a
@@ -195,6 +201,7 @@ class JoinState:
         self.next_eval = 0.0
         self.first_join_seen = None
         self.probed = {}
+        self.reprobe = {}
 
 
 @dataclass(frozen=True, slots=True)
@@ -740,35 +747,45 @@ class Participant:
     ) -> set[str]:
         """Members of the last round that are live in etcd but have not asked for this round, and whose agent
         refuses connections to its store port: the process is gone (kill -9, a crash), only its lease has not
-        expired yet. Each is probed once per target round (``view.cond`` held; a refused loopback or LAN
-        connection answers in well under a millisecond, an unanswered one gives up after
-        :data:`PROBE_TIMEOUT` and counts as alive: a stopped or unreachable node is left to the lease)."""
+        expired yet (``view.cond`` held; a refused loopback or LAN connection answers in well under a
+        millisecond). A member whose port accepted is probed again every :data:`REPROBE_INTERVAL` (a killed
+        agent's port may accept while its process is torn down); one whose probe got no answer within
+        :data:`PROBE_TIMEOUT` is probed once per target round and counts as alive: a stopped or unreachable
+        node is left to the lease."""
         if rec is None:
             return set()
+        now = time.monotonic()
         for node in rec.members:
-            if node in live and node not in joins and node not in state.probed and node != self.node_id:
-                state.probed[node] = self._refuses(node)
-                if state.probed[node]:
-                    log.info("rendezvous_member_gone", node=node, round=state.target, by=self.node_id)
+            if node not in live or node in joins or node == self.node_id or state.probed.get(node):
+                continue
+            if node in state.probed and now < state.reprobe.get(node, math.inf):
+                continue
+            answer = self._probe(node)
+            state.probed[node] = answer == "refused"
+            if answer == "accepted":
+                state.reprobe[node] = now + REPROBE_INTERVAL
+            if state.probed[node]:
+                log.info("rendezvous_member_gone", node=node, round=state.target, by=self.node_id)
         return {n for n, gone in state.probed.items() if gone and n in live and n not in joins}
 
-    def _refuses(self, node: str) -> bool:
-        """True when ``node``'s store port (from its node key) refuses a TCP connection."""
+    def _probe(self, node: str) -> str:
+        """``refused`` when ``node``'s store port (from its node key) refuses a TCP connection, ``accepted``
+        when it accepts one, else ``unknown`` (no port, no answer within :data:`PROBE_TIMEOUT`)."""
         kv = self.view.get("nodes/" + node)
         try:
             d = json.loads(kv.value) if kv is not None else {}
             addr, port = str(d["addr"]), int(d["store_port"])
         except (ValueError, KeyError, TypeError):
-            return False
+            return "unknown"
         if port <= 0:
-            return False
+            return "unknown"
         try:
             socket.create_connection((addr, port), timeout=PROBE_TIMEOUT).close()
         except ConnectionRefusedError:
-            return True
+            return "refused"
         except OSError:
-            return False
-        return False
+            return "unknown"
+        return "accepted"
 
     def _etcd_step(self, deadline: float, fn: Callable[..., object], *args: Any) -> bool:
         """Run one etcd write, ``fn(*args)``; on an etcd error log, pause briefly and report False (the

@@ -1,0 +1,48 @@
+"""The closing agent's probe of members that have not asked for the next round (``Participant._known_gone``):
+a member whose store port refuses is gone; one whose port accepted is probed again a little later (a
+killed agent's port may accept while the kernel tears the process down); one that did not answer is
+probed once (a stopped node is left to its lease)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from elastic_train.rendezvous import protocol
+from elastic_train.rendezvous.protocol import JoinState, Participant, RoundRecord
+
+
+def participant(answers: dict[str, list[str]], calls: list[str]) -> Participant:
+    p = Participant.__new__(Participant)
+    p.node_id = "me"
+
+    def probe(node: str) -> str:
+        calls.append(node)
+        return answers[node].pop(0) if len(answers[node]) > 1 else answers[node][0]
+
+    p._probe = probe  # type: ignore[method-assign]
+    return p
+
+
+def test_an_accepting_port_is_probed_again_until_it_refuses(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(protocol, "REPROBE_INTERVAL", 0.05)
+    calls: list[str] = []
+    p = participant({"dying": ["accepted", "accepted", "refused"], "stopped": ["unknown"]}, calls)
+    state = JoinState(target=3, reason="lost", deadline=time.monotonic() + 60)
+    rec = RoundRecord(2, ["me", "dying", "stopped"])
+    live = {"me", "dying", "stopped"}
+    assert p._known_gone(state, rec, live, {}) == set()
+    assert p._known_gone(state, rec, live, {}) == set()  # within the interval: not probed again
+    assert calls == ["dying", "stopped"]
+    gone: set[str] = set()
+    deadline = time.monotonic() + 5
+    while not gone and time.monotonic() < deadline:
+        time.sleep(0.06)
+        gone = p._known_gone(state, rec, live, {})
+    assert gone == {"dying"}
+    assert calls.count("stopped") == 1, calls  # no answer: probed once, left to its lease
+    assert calls.count("dying") == 3, calls
+    assert p._known_gone(state, rec, live, {}) == {"dying"} and calls.count("dying") == 3  # gone stays gone
+    state.missed(3)  # a new target round probes afresh
+    assert not state.probed and not state.reprobe
