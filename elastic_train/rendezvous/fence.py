@@ -174,6 +174,17 @@ class Fence:
         threading.Thread(target=self._kill_stragglers, name="fence-kill", daemon=True).start()
         return reason
 
+    def workers_blocked(self) -> bool:
+        """True when the workers count steps and none finished for as long as :meth:`check` counts as a
+        stall (:func:`fence_reason`): they wait in a collective that does not return (a stopped peer). Reads
+        what the last monitor tick saw; False when no worker counts steps."""
+        progress = self._progress
+        if not progress.counts:
+            return False
+        step_s = progress.step_s
+        limit = self.ttl + FENCE_GRACE if step_s is None else max(STALL_MIN, STALL_STEPS * step_s)
+        return time.monotonic() - progress.moved_at >= limit
+
     def _read_progress(self, now: float) -> None:
         counts = read_beats(self.directory)
         prev = self._progress

@@ -137,6 +137,8 @@ class Etcd3RendezvousHandler(RendezvousHandler):
             )
             self._fence = Fence(self._participant, self._outcomes)
             self._fence.start_gate()
+            if self._hot is not None:
+                self._hot.blocked = self._fence.workers_blocked
         return self._participant
 
     def next_rendezvous(self) -> RendezvousInfo:

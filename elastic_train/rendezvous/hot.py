@@ -105,6 +105,10 @@ class HotPath:
         self._agent: Any = None
         self._nproc = 0
         self._announced: tuple[float, float] | None = None  # (when, grace)
+        #: True while this node's workers finish no step for as long as the fence counts as a stall (the
+        #: handler sets it to :meth:`Fence.workers_blocked`): after a member's lease expired, such workers
+        #: wait in a collective with a stopped peer and reach no step boundary, so there is no grace to wait.
+        self.blocked: Callable[[], bool] = lambda: False
         # give_up() and the publication of an assignment exclude each other: after give_up nothing is
         # published, and a round the thread joined meanwhile goes to torchrun's next_rendezvous (handoff)
         self._state = threading.RLock()
@@ -197,6 +201,11 @@ class HotPath:
             self._announced = (now, grace)
             self.channel.announce(self.round)
             log.info("hot_change_announced", round=self.round, lost=sorted(lost), grace_s=grace)
+        elif self._announced[1] <= LOST_GRACE and participant.lost_members() and self.blocked():
+            self.give_up(
+                "workers blocked in a collective with a member whose lease expired (a stopped peer): "
+                "no step boundary to wait for"
+            )
         elif self._announced[1] > LOST_GRACE and (why := self._no_boundary_coming(participant)):
             # the workers cannot reach a step boundary: waiting the step grace would only delay the restart
             self._announced = (now, LOST_GRACE)

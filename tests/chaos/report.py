@@ -21,6 +21,7 @@ INVARIANTS += ("hot_kept",)
 #: Fallback reasons as the table counts them (the first marker found in the agent's ``hot_fallback`` reason).
 FALLBACK_LABELS = (
     ("did not reach a step boundary", "peer stopped (no step boundary)"),
+    ("blocked in a collective", "peer stopped (no step boundary)"),
     ("exited", "a worker exited"),
     ("was fenced", "node fenced"),
 )

@@ -70,6 +70,7 @@ FALLBACK_WINDOW_S = 30.0
 FALLBACK_CAUSES: dict[str, tuple[tuple[str, bool | None], ...]] = {
     # survivors blocked in a collective with a peer that stopped (SIGSTOP, or cut off from etcd)
     "did not reach a step boundary": (("hang-node", False), ("partition-etcd", False)),
+    "blocked in a collective": (("hang-node", False), ("partition-etcd", False)),
     # a worker of this node died by itself (the agent sees its pid gone, or torchrun restarted the group)
     "exited": (("kill-worker", True),),
     # this node lost its lease: cut off from etcd, resumed after a SIGSTOP longer than its lease, or etcd

@@ -214,6 +214,9 @@ def test_a_stopped_node_falls_back_to_the_restart_path_and_rejoins(
     for agent in job.agents:
         assert agent.wait(timeout=180) == 0, f"agent failed; logs in {tmp_path}"
     logs = b"".join((tmp_path / f"agent{i}.log").read_bytes() for i in range(2))
-    assert b"hot_fallback" in logs and b"did not reach a step boundary" in logs
+    # the survivors' workers wait in a collective with the stopped peer: no step for a stall's length once
+    # its lease expired (or, on a machine too slow for that, no step boundary within the grace)
+    assert b"hot_fallback" in logs
+    assert b"blocked in a collective" in logs or b"did not reach a step boundary" in logs
     report = check_exactly_once(str(tmp_path / "audit"), steps=HOT_STEPS)
     assert report.ok, report.problems

@@ -59,3 +59,23 @@ def test_without_an_agent_nothing_is_counted_and_publishing_is_allowed(tmp_path)
     link.beat()
     assert link.may_publish() == CURRENT and not link.fenced
     assert AgentLink(str(tmp_path), 3).may_publish() == "unknown"  # an agent dir without a gate: unconfirmed
+
+
+def test_workers_blocked_needs_step_counters_and_a_stall() -> None:
+    import time
+
+    from elastic_train.rendezvous.fence import STALL_MIN, Fence, _Progress
+
+    fence = Fence.__new__(Fence)
+    fence.ttl = 2.0
+    now = time.monotonic()
+    fence._progress = _Progress({}, now - 100)
+    assert not fence.workers_blocked()  # nothing counts steps: nothing to tell
+    fence._progress = _Progress({1: 5}, now, step_s=0.1)
+    assert not fence.workers_blocked()  # a step just finished
+    fence._progress = _Progress({1: 5}, now - STALL_MIN - 0.1, step_s=0.1)
+    assert fence.workers_blocked()  # four step times are shorter than the floor: the floor counts
+    fence._progress = _Progress({1: 5}, now - STALL_MIN - 0.1, step_s=1.0)
+    assert not fence.workers_blocked()  # slow steps are not a stall
+    fence._progress = _Progress({1: 5}, now - 2.0)
+    assert not fence.workers_blocked() and fence.ttl + 0.5 > 2.0  # no step time yet: a TTL and the grace

@@ -201,3 +201,24 @@ def test_a_member_that_leaves_the_forming_round_shortens_the_step_grace(view, mo
     hp.channel.register(0, 2)  # formed: the workers stop at their next step
     assert hp._no_boundary_coming(participant) is None
     hp.close()
+
+
+def test_workers_blocked_after_a_member_lost_its_lease_fall_back_at_once(view, monkeypatch) -> None:
+    members = ["a", "b", "c"]
+    live(view, "a", "b")  # c's lease expired (a stopped node)
+    participant: Any = FakeParticipant("a", members, view)
+    participant.num_waiting = lambda: 1
+    hp = hot_path(participant, monkeypatch)
+    hp._nproc = 1
+    hp.channel.register(0, 1)
+    blocked = [False]
+    hp.blocked = lambda: blocked[0]
+    hp._tick()  # announces, with the lost-member grace
+    assert hp.channel.change_after(1) and hp.fallback is None
+    hp._tick()  # the workers still step: they may reach a boundary within the grace
+    assert hp.fallback is None
+    blocked[0] = True  # no step for a stall's length: they wait in a collective with the stopped peer
+    hp._tick()
+    assert hp.fallback is not None and "blocked in a collective" in hp.fallback
+    assert hp.channel.fallback() == hp.fallback
+    hp.close()
