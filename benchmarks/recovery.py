@@ -165,6 +165,9 @@ def run_size(mb: float, args: argparse.Namespace, work: Path) -> dict[str, Any]:
         sys.executable, "-m", "elastic_train", "local",
         "--task", "recovery_task:build",
         "--set", f"train.task_args.ballast_mb={mb}",
+        # the restart path: every rank's state travels from its holder (with hot recovery the survivors land
+        # their own snapshot and only a joiner receives; benchmarks/hot.py measures that path)
+        "--set", "rendezvous.hot=false",
         "--nodes", "3", "--min-nodes", "1", "--max-nodes", "4",
         "--steps", str(add_at + args.tail_steps),
         "--kill-node", f"1@step={kill_at}",
