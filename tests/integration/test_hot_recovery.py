@@ -36,10 +36,11 @@ pytestmark = pytest.mark.slow
 pytest.importorskip("elastic_train.rendezvous.registry")
 
 
-def workers(agent: subprocess.Popen) -> set[int]:
-    """PIDs of an agent's worker processes (its children: plain torchrun starts workers directly)."""
+def workers(agent: subprocess.Popen, *, recursive: bool = True) -> set[int]:
+    """PIDs of an agent's worker processes (its children: plain torchrun starts workers directly); without
+    ``recursive`` not theirs, such as DataLoader workers."""
     try:
-        return {p.pid for p in psutil.Process(agent.pid).children(recursive=True)}
+        return {p.pid for p in psutil.Process(agent.pid).children(recursive=recursive)}
     except psutil.NoSuchProcess:
         return set()
 
@@ -81,10 +82,12 @@ def hot_job(tmp: Path, endpoint: str, reaper: Any, *, hot: bool = True, max_node
     return job
 
 
-def wait_workers(agents: list[subprocess.Popen], timeout: float = 60.0) -> dict[int, set[int]]:
+def wait_workers(
+    agents: list[subprocess.Popen], timeout: float = 60.0, *, recursive: bool = True
+) -> dict[int, set[int]]:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        found = {a.pid: workers(a) for a in agents}
+        found = {a.pid: workers(a, recursive=recursive) for a in agents}
         if all(found.values()):
             return found
         time.sleep(0.1)

@@ -30,6 +30,7 @@ from tests.fault_task import BUILD_DELAY
 from tests.integration import test_own_loop as own
 from tests.integration.test_hot_recovery import HOT_STEPS, events_of, final_model, hot_job
 from tests.integration.test_hot_recovery import reference as world1_reference
+from tests.integration.test_hot_recovery import wait_workers as hot_wait_workers
 from tests.integration.test_own_loop import reference  # noqa: F401 - the own-loop script's fixture
 from tests.integration.test_training_elastic_etcd import ElasticJob, env
 
@@ -42,22 +43,9 @@ BUILD_S = 6.0
 OWN_STEP_S = "0.6"
 
 
-def workers(agent: subprocess.Popen) -> set[int]:
-    """PIDs of an agent's worker processes (its children; not theirs, such as DataLoader workers)."""
-    try:
-        return {p.pid for p in psutil.Process(agent.pid).children()}
-    except psutil.NoSuchProcess:
-        return set()
-
-
 def wait_workers(agents: list[subprocess.Popen], timeout: float = 60.0) -> dict[int, set[int]]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = {a.pid: workers(a) for a in agents}
-        if all(found.values()):
-            return found
-        time.sleep(0.1)
-    raise AssertionError("agents without workers")
+    """The agents' worker processes, not theirs (an own-loop script's DataLoader workers come and go)."""
+    return hot_wait_workers(agents, timeout, recursive=False)
 
 
 def log_events(path: Path, name: str) -> list[dict[str, Any]]:
@@ -73,6 +61,19 @@ def log_events(path: Path, name: str) -> list[dict[str, Any]]:
 
 def stamp(e: dict[str, Any]) -> float:
     return datetime.fromisoformat(e["timestamp"].replace("Z", "+00:00")).timestamp()
+
+
+def standby_build(log: Path, steps: list[dict[str, Any]], spawned: float) -> tuple[float, int, float]:
+    """From the joiner's agent log and the job's step events: when its one standby worker was built, how many
+    world-2 steps the job made meanwhile (from a second after the worker was spawned), and the time of the
+    first step at world 3."""
+    assert b"standby_start" in log.read_bytes(), f"no standby start; logs in {log.parent}"
+    built = [stamp(e) for e in log_events(log, "model_built") if e.get("standby")]
+    assert len(built) == 1, f"one standby worker on the joiner; logs in {log.parent}"
+    assert spawned < built[0]
+    during = [e for e in steps if e["world_size"] == 2 and spawned + 1.0 < e["time"] < built[0]]
+    first3 = min(e["time"] for e in steps if e["world_size"] == 3)
+    return built[0], len(during), first3
 
 
 def start_joiner(job: ElasticJob, stderr: Path | None = None, **extra: str) -> subprocess.Popen:
@@ -118,18 +119,11 @@ def test_a_joiner_builds_on_standby_and_is_admitted_at_a_step_boundary(
     for agent in job.agents:
         assert agent.wait(timeout=180) == 0, f"agent failed; logs in {tmp_path}"
 
-    log = tmp_path / "agent2.log"
-    assert b"standby_start" in log.read_bytes(), f"no standby start; logs in {tmp_path}"
-    built = [stamp(e) for e in log_events(log, "model_built") if e.get("standby")]
-    assert len(built) == 1, f"one standby worker on the joiner; logs in {tmp_path}"
-    assert spawned < built[0]
-    steps = [e for e in events_of(job, "step") if e["world_size"] == 2]
-    during = [e for e in steps if spawned + 1.0 < e["time"] < built[0]]
-    assert len(during) >= 3, f"the job did not train while the joiner built ({len(during)} steps)"
-    first3 = min(e["time"] for e in events_of(job, "step") if e["world_size"] == 3)
+    built, during, first3 = standby_build(tmp_path / "agent2.log", events_of(job, "step"), spawned)
+    assert during >= 3, f"the job did not train while the joiner built ({during} steps)"
     print(
-        f"joiner model_built -> first step at world 3: {first3 - built[0]:.2f} s; "
-        f"steps at world 2 during the joiner's build: {len(during)}; grown at step {grown['step']}"
+        f"joiner model_built -> first step at world 3: {first3 - built:.2f} s; "
+        f"steps at world 2 during the joiner's build: {during}; grown at step {grown['step']}"
     )
     assert events_of(job, "done")[-1]["step"] == HOT_STEPS
     report = check_exactly_once(str(tmp_path / "audit"), steps=HOT_STEPS)
@@ -193,16 +187,11 @@ def test_plain_torchrun_own_loop_joiner_builds_on_standby(
     job.hold.unlink()
     for agent in job.procs:
         assert agent.wait(timeout=300) == 0, f"agent failed; logs in {tmp_path}"
-    log = tmp_path / "agent2.log"
-    assert b"standby_start" in log.read_bytes(), f"no standby start; logs in {tmp_path}"
     events = read_events(str(job.events))
-    built = [stamp(e) for e in log_events(log, "model_built") if e.get("standby")]
-    assert len(built) == 1 and spawned < built[0]
-    during = [e for e in events if e["event"] == "step" and e["world_size"] == 2]
-    during = [e for e in during if spawned + 1.0 < e["time"] < built[0]]
-    assert len(during) >= 3, f"the job did not train while the joiner built ({len(during)} steps)"
-    first3 = min(e["time"] for e in events if e["event"] == "step" and e["world_size"] == 3)
-    print(f"own loop: joiner model_built -> first step at world 3: {first3 - built[0]:.2f} s")
+    steps = [e for e in events if e["event"] == "step"]
+    built, during, first3 = standby_build(tmp_path / "agent2.log", steps, spawned)
+    assert during >= 3, f"the job did not train while the joiner built ({during} steps)"
+    print(f"own loop: joiner model_built -> first step at world 3: {first3 - built:.2f} s")
     assert events[-1]["event"] == "done" and events[-1]["step"] == own.STEPS
     report = check_exactly_once(str(tmp_path / "audit"), steps=own.STEPS)
     assert report.ok, report.problems
