@@ -68,6 +68,13 @@ STALL_MIN = 1.0
 STALL_STEPS = 4.0
 
 
+def stall_limit(ttl: float, step_s: float | None, grace: float = FENCE_GRACE) -> float:
+    """Seconds without a finished step that count as blocked: :data:`STALL_MIN` or :data:`STALL_STEPS` step
+    times, whichever is longer; ``ttl + grace`` before a step time is known (the first step includes start-up
+    and restore)."""
+    return ttl + grace if step_s is None else max(STALL_MIN, STALL_STEPS * step_s)
+
+
 def fence_reason(
     *,
     lease_lost: bool,
@@ -94,9 +101,7 @@ def fence_reason(
         return "lease_lost"
     if stalled_s is None:
         return None
-    limit = ttl + grace
-    stall_limit = limit if step_s is None else max(STALL_MIN, STALL_STEPS * step_s)
-    if etcd_silent_s >= limit and stalled_s >= stall_limit:
+    if etcd_silent_s >= ttl + grace and stalled_s >= stall_limit(ttl, step_s, grace):
         return "cut_off"
     return None
 
@@ -181,9 +186,7 @@ class Fence:
         progress = self._progress
         if not progress.counts:
             return False
-        step_s = progress.step_s
-        limit = self.ttl + FENCE_GRACE if step_s is None else max(STALL_MIN, STALL_STEPS * step_s)
-        return time.monotonic() - progress.moved_at >= limit
+        return time.monotonic() - progress.moved_at >= stall_limit(self.ttl, progress.step_s)
 
     def _read_progress(self, now: float) -> None:
         counts = read_beats(self.directory)
