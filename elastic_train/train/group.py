@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import socket
+import stat
 import sys
 import time
 import types
@@ -34,6 +35,10 @@ STORE_WAIT = 300.0
 #: Seconds the last :func:`init` spent in each phase of forming its group: ``store_s`` (rank 0 opened the
 #: store, the others reached it), ``pg_s`` (the process group itself: gloo's full-mesh connect).
 last_formation: dict[str, float] = {}
+#: The connections of the current gloo group to its peers: file descriptor -> socket inode, recorded when the
+#: group formed (what :func:`init_process_group` opened, listeners left out) and cut by a broken group's
+#: :func:`shutdown`.
+_LINKS: dict[int, int] = {}
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,7 +172,11 @@ def _form_group(backend: str, device: torch.device, env: WorkerEnv, timeout: tim
         os.environ.setdefault("MASTER_ADDR", env.master_addr)
         kwargs["store"] = _open_store(env, timeout)
     formed = time.perf_counter()
+    before = _stream_sockets() if backend == "gloo" else {}
     dist.init_process_group(backend, rank=env.rank, world_size=env.world_size, **kwargs)
+    if backend == "gloo":
+        _LINKS.clear()
+        _LINKS.update({fd: ino for fd, ino in _stream_sockets(connected=True).items() if before.get(fd) != ino})
     last_formation.clear()
     last_formation.update(store_s=formed - started, pg_s=time.perf_counter() - formed)
 
@@ -205,7 +214,7 @@ def current_world() -> World:
     return _WORLD if _WORLD is not None and dist.is_initialized() else init()
 
 
-def shutdown() -> None:
+def shutdown(*, broken: bool = False) -> None:
     """Take the process group down (a no-op without one): NCCL communicators are aborted, then destroyed.
 
     Call it at the end instead of ``destroy_process_group()``, after dropping the DDP model: a DDP reducer
@@ -218,10 +227,18 @@ def shutdown() -> None:
     context, the device's memory and everything on it stay. At a normal end every collective has completed
     (the loop waited on each), so the abort loses nothing. gloo is destroyed as before (its collectives fail
     on a dead peer's closed socket instead of waiting).
+
+    ``broken``: the group failed (a peer died). gloo has no communicator abort, and its connections close
+    only when the last reference to the group is gone: a peer blocked on this process in the failed
+    collective (in a ring all-reduce, every rank not next to the dead one) would wait for it until its
+    fence gave up on it. The group's connections are shut down first, so that such a peer fails at once
+    and the failure reaches every rank of the group within a hop per rank.
     """
     global _WORLD
     import gc
 
+    if broken:
+        cut_links()
     gc.collect()
     if dist.is_initialized():
         if _backend_of_default_group() == "nccl":
@@ -229,6 +246,64 @@ def shutdown() -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
     _WORLD = None
+    _LINKS.clear()
+
+
+def cut_links() -> int:
+    """Shut down the current gloo group's connections to its peers (both directions); returns how many.
+
+    Only the sockets the group opened are touched: each is checked by inode, since gloo closes a failed
+    pair's socket itself and its descriptor may by now belong to another connection of this process.
+    """
+    cut = 0
+    for fd, inode in list(_LINKS.items()):
+        try:
+            sock = socket.socket(fileno=os.dup(fd))
+        except OSError:  # closed by gloo already
+            continue
+        try:
+            if os.fstat(sock.fileno()).st_ino == inode:
+                sock.shutdown(socket.SHUT_RDWR)
+                cut += 1
+        except OSError:  # not connected any more
+            pass
+        finally:
+            sock.close()  # the duplicate only
+    _LINKS.clear()
+    return cut
+
+
+def _stream_sockets(*, connected: bool = False) -> dict[int, int]:
+    """This process's TCP sockets, file descriptor -> inode (none where ``/proc/self/fd`` does not exist);
+    with ``connected``, listening sockets left out."""
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return {}
+    found: dict[int, int] = {}
+    for name in names:
+        fd = int(name)
+        try:
+            st = os.fstat(fd)
+        except OSError:
+            continue
+        if not stat.S_ISSOCK(st.st_mode):
+            continue
+        try:
+            sock = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            continue
+        try:
+            if sock.type != socket.SOCK_STREAM or sock.family not in (socket.AF_INET, socket.AF_INET6):
+                continue
+            if connected and sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                continue
+            found[fd] = st.st_ino
+        except OSError:
+            continue
+        finally:
+            sock.close()
+    return found
 
 
 def _backend_of_default_group() -> str:

@@ -235,8 +235,11 @@ class Reformer:
         if self.channel.change_after(self.env.round):
             raise GroupChanged(f"the group of round {self.env.round} re-forms after step {step}")
 
-    def reform(self, reason: str) -> WorkerEnv:
+    def reform(self, reason: str, *, broken: bool = True) -> WorkerEnv:
         """Destroy the current group, ask for the next round, form its group; returns the new environment.
+
+        ``broken``: the group failed (its connections are cut first, so that every peer still blocked in the
+        failed collective fails too); False for a change announced at a step boundary.
 
         Raises:
             ReformAbandoned: the agent gave up on the in-process path or no round came in time.
@@ -244,7 +247,7 @@ class Reformer:
         started = time.perf_counter()
         # the agent joins the next round while this process takes the old group down
         self.channel.request(self.env.local_rank, self.env.round, reason)
-        group.shutdown()
+        group.shutdown(broken=broken)
         return self._form_next(reason, started, ASSIGNMENT_TIMEOUT)
 
     def admit(self) -> WorkerEnv:
@@ -374,8 +377,9 @@ def run(body: Callable[[group.World], T], env: WorkerEnv, backend: str = "auto")
                 reason = group_failure(exc)
                 if reason is None or not reformer.registered:  # the agent restarts unregistered workers
                     raise
+                broken = not isinstance(exc, GroupChanged)
                 log.warning("group_broken", round=world.round, reason=reason)
-            reformer.reform(reason)
+            reformer.reform(reason, broken=broken)
             world = group.current_world()
     finally:
         _ACTIVE = None

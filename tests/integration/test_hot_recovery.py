@@ -223,3 +223,27 @@ def test_a_stopped_node_falls_back_to_the_restart_path_and_rejoins(
     assert b"blocked in a collective" in logs or b"did not reach a step boundary" in logs
     report = check_exactly_once(str(tmp_path / "audit"), steps=HOT_STEPS)
     assert report.ok, report.problems
+
+
+def test_a_kill_in_a_four_node_ring_keeps_every_survivor(tmp_path: Path, etcd_server: Any, reaper: Any) -> None:
+    """Four nodes: gloo's ring all-reduce leaves one survivor that is not next to the dead rank, blocked on a
+    neighbour that is alive. It must fail with its neighbours (they shut their connections of the broken
+    group), not wait for a fence stall and restart: every survivor keeps its worker, none falls back."""
+    job = hot_job(tmp_path, etcd_server.endpoint, reaper, max_nodes=4)
+    for _ in range(4):
+        job.start_agent()
+    job.wait_step(4, 5, timeout=180)
+    survivors = [job.agents[i] for i in (0, 2, 3)]
+    before = wait_workers(survivors)
+    killed = time.time()
+    kill_tree(job.agents[1].pid)
+    shrunk = job.wait_step(3, 1)
+    print(f"kill in a 4-node ring: world 3 trains {shrunk['time'] - killed:.2f}s later")
+    assert wait_workers(survivors) == before, f"a survivor's worker was restarted; logs in {tmp_path}"
+    for agent in survivors:
+        assert agent.wait(timeout=180) == 0, f"agent failed; logs in {tmp_path}"
+    logs = b"".join((tmp_path / f"agent{i}.log").read_bytes() for i in (0, 2, 3))
+    assert b"hot_fallback" not in logs, f"the restart path took over; logs in {tmp_path}"
+    assert events_of(job, "done")[-1]["step"] == HOT_STEPS
+    report = check_exactly_once(str(tmp_path / "audit"), steps=HOT_STEPS)
+    assert report.ok, report.problems

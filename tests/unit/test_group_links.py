@@ -1,0 +1,85 @@
+"""A broken gloo group's connections are cut: a peer blocked on this process fails at once instead of waiting
+for it (gloo keeps a group's sockets open while anything still refers to the group), and only the group's
+own sockets are touched."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+from elastic_train.net import free_port
+
+CHILD = textwrap.dedent(
+    """
+    import json, os, socket, sys, time
+    import torch
+    import torch.distributed as dist
+    from elastic_train.train import group
+
+    out, flag = sys.argv[1], sys.argv[2]
+    server = socket.create_server(("127.0.0.1", 0))
+    outside = socket.create_connection(server.getsockname())  # opened before the group: not one of its links
+    accepted, _ = server.accept()
+    world = group.init("gloo")
+    if world.rank == 0:
+        open(out + ".ready0", "w").close()
+        started = time.monotonic()
+        try:
+            dist.recv(torch.zeros(4), src=1)  # rank 1 never sends
+            error = None
+        except RuntimeError as exc:
+            error = str(exc).splitlines()[0]
+        json.dump({"error": error, "blocked_s": time.monotonic() - started}, open(out, "w"))
+        os._exit(0)
+    while not os.path.exists(flag):
+        time.sleep(0.01)
+    cut = group.cut_links()
+    outside.sendall(b"still open")
+    echo = accepted.recv(64)
+    json.dump({"cut": cut, "echo": echo.decode(), "again": group.cut_links()}, open(out, "w"))
+    time.sleep(30)  # alive: only the cut can have failed rank 0's receive
+    """
+)
+
+
+def test_cutting_a_groups_links_fails_a_peer_blocked_on_it(tmp_path: Path) -> None:
+    port = free_port()
+    flag = tmp_path / "cut-now"
+    outs = [tmp_path / f"rank{r}.json" for r in range(2)]
+    procs = []
+    try:
+        for rank in range(2):
+            env = dict(
+                os.environ, RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="1",
+                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONPATH=os.getcwd(),
+            )  # fmt: skip
+            procs.append(subprocess.Popen([sys.executable, "-c", CHILD, str(outs[rank]), str(flag)], env=env))
+        deadline = time.monotonic() + 120
+        while not Path(str(outs[0]) + ".ready0").exists():
+            assert time.monotonic() < deadline, "the group did not form"
+            assert procs[0].poll() is None and procs[1].poll() is None, "a rank failed to form the group"
+            time.sleep(0.05)
+        time.sleep(1.0)
+        assert not outs[0].exists(), "rank 0's receive ended before anything was cut"
+        flag.touch()
+        assert procs[0].wait(timeout=30) == 0
+        result = json.loads(outs[0].read_text())
+        deadline = time.monotonic() + 30
+        while not outs[1].exists():
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        cutter = json.loads(outs[1].read_text())
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert result["error"], "rank 0's receive did not fail"
+    assert cutter["cut"] >= 1  # rank 1's connection(s) to rank 0
+    assert cutter["again"] == 0  # forgotten once cut
+    assert cutter["echo"] == "still open", "a socket outside the group was cut"
