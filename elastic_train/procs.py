@@ -2,14 +2,19 @@
 
 torchrun starts its workers in their own sessions, so "a node" is the agent process plus every descendant;
 a node failure is SIGKILL of all of them, a hung node SIGSTOP of all of them. Everything works by PID on
-processes this program started, never by name.
+processes this program started, never by name. An agent's scratch directories are named by their owner
+(:func:`scratch_dir`), so the next agent on the machine removes those of one that was killed.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import os
+import re
+import shutil
 import signal
+import tempfile
 import time
 from collections.abc import Callable
 
@@ -99,3 +104,41 @@ def _not_zombie(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+#: An agent's scratch directory: ``elastic_train-KIND-PID-START-XXXXXXXX`` (START: the owner's start time in
+#: ms, so that a reused PID does not keep a dead agent's directory alive).
+_SCRATCH_RE = re.compile(r"^elastic_train-(?P<kind>[a-z]+)-(?P<pid>\d+)-(?:(?P<start>\d+)-)?")
+
+
+def _start_ms(pid: int) -> int:
+    return int(psutil.Process(pid).create_time() * 1000)
+
+
+def scratch_dir(kind: str) -> str:
+    """A new scratch directory of this process in the temporary directory, named by its owner; the ones of
+    owners that are gone (a killed agent cleans nothing up) are removed first."""
+    sweep_scratch(kind)
+    pid = os.getpid()
+    return tempfile.mkdtemp(prefix=f"elastic_train-{kind}-{pid}-{_start_ms(pid)}-")
+
+
+def sweep_scratch(kind: str, directory: str | None = None) -> list[str]:
+    """Remove the ``kind`` scratch directories whose owner process is gone; returns their paths."""
+    base = directory or tempfile.gettempdir()
+    removed = []
+    with contextlib.suppress(OSError):
+        for name in os.listdir(base):
+            m = _SCRATCH_RE.match(name)
+            if m is None or m["kind"] != kind:
+                continue
+            pid = int(m["pid"])
+            try:
+                alive = m["start"] is None or _start_ms(pid) == int(m["start"])
+            except psutil.NoSuchProcess:
+                alive = False
+            if not alive:
+                path = os.path.join(base, name)
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(path)
+    return removed

@@ -9,6 +9,8 @@ of a step:
 - ``step_delay=SECONDS``: every step sleeps that long, so a test can act on a job while it trains;
 - the environment variable :data:`BUILD_DELAY` (seconds): the task's build sleeps that long, as a large
   model's would (a test makes one node's workers slow to build without changing the job's settings);
+- the environment variable :data:`BUILD_FAIL` (a message): the task's build raises ``RuntimeError`` with it
+  after that sleep, as a script that cannot build on one node would;
 - ``hold=PATH``: a gate a test opens and closes while the job runs. While ``PATH`` holds ``WORLD STEP``, a
   worker of a group of ``WORLD`` workers waits before the optimizer step of any step past ``STEP`` until the
   file changes or goes away (or its group is stopped). A test thus keeps a shrunk job from finishing before
@@ -40,6 +42,8 @@ from elastic_train.train.tasks import regression
 FAULT_EXIT_CODE = 86
 #: Environment variable: seconds the task's build sleeps.
 BUILD_DELAY = "FAULT_TASK_BUILD_DELAY"
+#: Environment variable: the build fails with this message.
+BUILD_FAIL = "FAULT_TASK_BUILD_FAIL"
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +112,8 @@ def build(*, faults: str = "", step_delay: float = 0.0, hold: str = "", **kwargs
     wait at the gate ``hold``."""
     task = regression.build(**kwargs)
     time.sleep(float(os.environ.get(BUILD_DELAY) or 0))
+    if os.environ.get(BUILD_FAIL):
+        raise RuntimeError(os.environ[BUILD_FAIL])
     env = WorkerEnv.from_environ(os.environ)
     planned = parse_faults(faults)
     scheduler = task.scheduler

@@ -1,7 +1,8 @@
 """Errors of the etcd3 rendezvous.
 
 They extend torch's rendezvous error types so torchrun's agent treats them as it treats its own backends'
-errors, except those that end this node: :class:`FailureBudgetExhausted` (status 1), :class:`RunRefused`
+errors, except those that end this node: :class:`FailureBudgetExhausted` and :class:`StandbyFailed`
+(status 1), :class:`RunRefused`
 (status 2) and :class:`RunFinished` (status 0) are ``SystemExit``s. torch 2.13's agent and launcher let a
 ``SystemExit`` through without a traceback, after stopping the workers and shutting the handler down, so the
 node ends with one line and the documented status under ``elastic-train run`` and plain torchrun alike.
@@ -48,6 +49,19 @@ class RendezvousJoinTimeout(RendezvousTimeoutError, ElasticTrainError):
 
 class FailureBudgetExhausted(SystemExit):
     """The job's global failure budget is spent: every agent stops with this message (exit status 1)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(f"elastic-train: error: {message}")
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class StandbyFailed(SystemExit):
+    """This node's workers failed :data:`~elastic_train.rendezvous.standby.STANDBY_ATTEMPTS` times in a row
+    while they built on standby: the node leaves with this message (exit status 1); the running job, which
+    never admitted them, trains on without it."""
 
     def __init__(self, message: str) -> None:
         super().__init__(f"elastic-train: error: {message}")

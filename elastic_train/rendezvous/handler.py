@@ -34,7 +34,6 @@ import os
 import shutil
 import socket
 import sys
-import tempfile
 import threading
 from datetime import timedelta
 from typing import Any
@@ -50,6 +49,7 @@ from elastic_train.envvars import ENV_OUTCOME_DIR, ENV_ROUND
 from elastic_train.errors import ConfigError
 from elastic_train.etcd.client import Etcd
 from elastic_train.log import bind_context, get_logger
+from elastic_train.procs import scratch_dir
 from elastic_train.rendezvous.errors import JobFailed, RendezvousClosed, RunFinished, RunRefused
 from elastic_train.rendezvous.fence import Fence
 from elastic_train.rendezvous.hot import HotPath
@@ -94,7 +94,7 @@ class Etcd3RendezvousHandler(RendezvousHandler):
         self._closed_by_us = False
         if settings.identity is None:
             settings.identity = local_identity(settings)
-        self._outcomes = tempfile.mkdtemp(prefix=f"elastic_train-outcome-{os.getpid()}-")
+        self._outcomes = scratch_dir("outcome")
         os.environ[ENV_OUTCOME_DIR] = self._outcomes
         self._join_lock = threading.Lock()
         self._hot: HotPath | None = None

@@ -35,7 +35,6 @@ import os
 import shutil
 import socket
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -43,6 +42,7 @@ from typing import Any
 
 from elastic_train.envvars import ENV_REFORM_DIR, ENV_ROUND
 from elastic_train.log import get_logger
+from elastic_train.procs import scratch_dir
 from elastic_train.reform import Assignment, Channel
 from elastic_train.rendezvous.errors import RunRefused
 from elastic_train.rendezvous.protocol import Participant, RoundRecord, RoundResult
@@ -96,7 +96,7 @@ class HotPath:
         self._participant = participant
         self._bootstrap = bootstrap
         self._lock = lock
-        self.directory = tempfile.mkdtemp(prefix=f"elastic_train-reform-{os.getpid()}-")
+        self.directory = scratch_dir("reform")
         os.environ[ENV_REFORM_DIR] = self.directory
         self.channel = Channel(self.directory)
         self.round: int | None = None

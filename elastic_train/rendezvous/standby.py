@@ -22,6 +22,11 @@ Only when every live member re-forms in-process: a script that does not use ``el
 otherwise train on its own in the provisional world. If the run ends before the node is admitted, the agent
 says so in one line and the workers exit with status 0; any other failure of the admission goes the restart
 path (``hot_fallback``: the workers exit, torchrun starts them again and the next start decides afresh).
+
+Standby workers that fail before they are admitted (an error while building, a worker killed) are started
+again on standby: they cost the running job nothing. After :data:`STANDBY_ATTEMPTS` such failures in a row
+the node leaves with one line and exit status 1 (:class:`~elastic_train.rendezvous.errors.StandbyFailed`)
+instead of looping: a script that cannot build would fail the same way again.
 """
 
 from __future__ import annotations
@@ -38,7 +43,12 @@ from torch.distributed.elastic.rendezvous.api import RendezvousInfo, RendezvousS
 
 from elastic_train.envvars import ENV_ROUND, ENV_STANDBY
 from elastic_train.log import bind_context, get_logger
-from elastic_train.rendezvous.errors import FailureBudgetExhausted, RendezvousClosed, RunRefused
+from elastic_train.rendezvous.errors import (
+    FailureBudgetExhausted,
+    RendezvousClosed,
+    RunRefused,
+    StandbyFailed,
+)
 from elastic_train.rendezvous.hot import TICK, HotPath
 from elastic_train.rendezvous.protocol import Participant, RoundResult
 
@@ -46,6 +56,8 @@ log = get_logger(__name__)
 
 #: Seconds a standby worker waits for its admission beyond the join timeout (ranks, the group's forming).
 ADMIT_MARGIN = 60.0
+#: Standby starts in a row whose workers failed before admission, after which the node leaves (status 1).
+STANDBY_ATTEMPTS = 3
 
 
 class Standby:
@@ -77,6 +89,8 @@ class Standby:
         self._wait = join_timeout + ADMIT_MARGIN
         self._generation = 0
         self._waiting = False
+        #: Standby starts in a row whose workers failed before they were admitted.
+        self.failed_starts = 0
 
     def start(self) -> RendezvousInfo | None:
         """The provisional rendezvous of a standby start, or ``None``: join the next round as usual.
@@ -86,7 +100,22 @@ class Standby:
 
         Raises:
             RunRefused, RendezvousClosed: this node must not take part (from the participant's start).
+            StandbyFailed: the standby workers failed before admission :data:`STANDBY_ATTEMPTS` times in a
+                row.
         """
+        if self._waiting:  # torchrun asks again while the last standby workers waited: they failed
+            self.failed_starts += 1
+            report = self._participant().failure_report or {}
+            code = f"exit code {report['exit_code']}" if report else "a worker exited"
+            last = str(report.get("error") or code)
+            log.warning("standby_failed", attempt=self.failed_starts, of=STANDBY_ATTEMPTS, error=last)
+            if self.failed_starts >= STANDBY_ATTEMPTS:
+                self._generation += 1  # the last admission thread stops at its next look
+                self._waiting = False
+                raise StandbyFailed(
+                    f"this node's workers failed {self.failed_starts} times in a row before the running job "
+                    f"admitted them ({last}); the job trains on without this node"
+                )
         self._generation += 1
         self._waiting = False
         os.environ.pop(ENV_STANDBY, None)
@@ -134,6 +163,7 @@ class Standby:
                 return  # a worker died after it was built: torchrun restarts the group
             built = time.monotonic()
             hot.admit(f"{workers} standby worker(s) ready")
+            self.failed_starts = 0
             log.info(
                 "standby_admitted",
                 round=hot.round,
@@ -141,6 +171,8 @@ class Standby:
                 admission_s=round(time.monotonic() - built, 3),
             )
         except RendezvousClosed as exc:  # the run finished without this node: one line, workers exit 0
+            if generation != self._generation:
+                return  # this start is over (its workers failed, the node left): nothing to end
             sys.stderr.write(f"elastic-train: {exc}\n")
             sys.stderr.flush()
             hot.channel.end(str(exc))

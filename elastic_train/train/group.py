@@ -176,7 +176,8 @@ def _form_group(backend: str, device: torch.device, env: WorkerEnv, timeout: tim
     dist.init_process_group(backend, rank=env.rank, world_size=env.world_size, **kwargs)
     if backend == "gloo":
         _LINKS.clear()
-        _LINKS.update({fd: ino for fd, ino in _stream_sockets(connected=True).items() if before.get(fd) != ino})
+        opened = _stream_sockets(connected=True)
+        _LINKS.update({fd: ino for fd, ino in opened.items() if before.get(fd) != ino})
     last_formation.clear()
     last_formation.update(store_s=formed - started, pg_s=time.perf_counter() - formed)
 

@@ -225,7 +225,9 @@ def test_a_stopped_node_falls_back_to_the_restart_path_and_rejoins(
     assert report.ok, report.problems
 
 
-def test_a_kill_in_a_four_node_ring_keeps_every_survivor(tmp_path: Path, etcd_server: Any, reaper: Any) -> None:
+def test_a_kill_in_a_four_node_ring_keeps_every_survivor(
+    tmp_path: Path, etcd_server: Any, reaper: Any
+) -> None:
     """Four nodes: gloo's ring all-reduce leaves one survivor that is not next to the dead rank, blocked on a
     neighbour that is alive. It must fail with its neighbours (they shut their connections of the broken
     group), not wait for a fence stall and restart: every survivor keeps its worker, none falls back."""

@@ -6,6 +6,8 @@ job keeps training at its old size, and are admitted at a step boundary (real to
   their processes, exactly-once data and the weights of a world-1 run;
 - the same with plain ``torchrun --rdzv-backend=etcd3`` agents running an own-loop script (``et.run``);
 - a standby joiner of a run that finishes before it is admitted exits 0 with one line;
+- a joiner whose workers fail while they build leaves after a few standby starts, with one line and status 1;
+  the running job never stops for it;
 - the rule (on etcd): a joiner waits on standby only while every live member of the round says that its
   workers re-form in-process (a script without ``et.run`` would train alone in a provisional world).
 """
@@ -26,7 +28,7 @@ import torch
 
 from elastic_train.train.audit import check_exactly_once
 from elastic_train.train.events import read_events
-from tests.fault_task import BUILD_DELAY
+from tests.fault_task import BUILD_DELAY, BUILD_FAIL
 from tests.integration import test_own_loop as own
 from tests.integration.test_hot_recovery import HOT_STEPS, events_of, final_model, hot_job
 from tests.integration.test_hot_recovery import reference as world1_reference
@@ -161,6 +163,35 @@ def test_a_standby_joiner_of_a_run_that_finishes_first_exits_0_with_one_line(
     assert lines[0].startswith("elastic-train: run train-elastic finished at step"), lines
     assert lines[0].endswith("; this node has nothing left to do"), lines
     assert {e["world_size"] for e in events_of(job, "step")} == {2}, "the joiner was admitted"
+    assert events_of(job, "done")[-1]["step"] == HOT_STEPS
+
+
+def test_a_joiner_that_cannot_build_leaves_and_the_job_trains_on(
+    tmp_path: Path, etcd_server: Any, reaper: Any
+) -> None:
+    from elastic_train.rendezvous.standby import STANDBY_ATTEMPTS
+
+    job = hot_job(tmp_path, etcd_server.endpoint, reaper)
+    for _ in range(2):
+        job.start_agent()
+    first = job.wait_step(2, 5)
+    job.hold.write_text(f"2 {HOT_STEPS - 10}")  # the job outlasts the joiner's attempts
+    err = tmp_path / "joiner.err"
+    joiner = start_joiner(job, err, **{BUILD_FAIL: "no room for the model on this node"})
+    assert joiner.wait(timeout=240) == 1, f"logs in {tmp_path}"
+    job.hold.unlink()
+    for agent in job.agents[:2]:
+        assert agent.wait(timeout=180) == 0, f"agent failed; logs in {tmp_path}"
+    text = err.read_text()
+    assert "Exception in thread" not in text, text[-3000:]  # the admission thread stopped with the node
+    last = [line for line in text.splitlines() if line.strip()][-1]
+    assert last.startswith(f"elastic-train: error: this node's workers failed {STANDBY_ATTEMPTS} times"), last
+    assert last.endswith("the job trains on without this node"), last
+    log = (tmp_path / "agent2.log").read_bytes()
+    assert log.count(b"standby_start") == STANDBY_ATTEMPTS, f"logs in {tmp_path}"
+    steps = events_of(job, "step")
+    assert {e["world_size"] for e in steps} == {2}, "the joiner was admitted"
+    assert {e["round"] for e in steps if e["step"] >= first["step"]} == {first["round"]}, "the job re-formed"
     assert events_of(job, "done")[-1]["step"] == HOT_STEPS
 
 

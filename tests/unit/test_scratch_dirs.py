@@ -1,0 +1,42 @@
+"""An agent's scratch directories carry their owner; a later agent removes those of owners that are gone."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from elastic_train import procs
+
+
+def test_a_dead_owners_directories_are_swept_and_a_live_owners_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", None)  # re-read TMPDIR
+    child = subprocess.run(
+        [sys.executable, "-c", "from elastic_train.procs import scratch_dir; print(scratch_dir('reform'))"],
+        capture_output=True, text=True, check=True, env={**os.environ, "PYTHONPATH": os.getcwd()},
+    )  # fmt: skip
+    dead = Path(child.stdout.strip())
+    assert dead.parent == tmp_path and dead.is_dir()
+    (dead / "ready-0.json").write_text("{}")
+    reused = tmp_path / f"elastic_train-reform-{os.getpid()}-1-abcdefgh"  # this PID, another start time
+    reused.mkdir()
+    other_kind = tmp_path / "elastic_train-outcome-4194305-1-abcdefgh"  # a PID above pid_max
+    other_kind.mkdir()
+    unrelated = tmp_path / "elastic_train-reform-notapid"
+    unrelated.mkdir()
+
+    mine = Path(procs.scratch_dir("reform"))
+
+    assert mine.is_dir() and mine.name.startswith(f"elastic_train-reform-{os.getpid()}-")
+    assert not dead.exists() and not reused.exists()
+    assert other_kind.exists() and unrelated.exists()  # another kind, not an owner's name: left alone
+    assert procs.sweep_scratch("reform") == []  # its own live directory stays
+    assert mine.is_dir()
