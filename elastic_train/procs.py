@@ -106,25 +106,36 @@ def _not_zombie(pid: int) -> bool:
         return False
 
 
-#: An agent's scratch directory: ``elastic_train-KIND-PID-START-XXXXXXXX`` (START: the owner's start time in
-#: ms, so that a reused PID does not keep a dead agent's directory alive).
-_SCRATCH_RE = re.compile(r"^elastic_train-(?P<kind>[a-z]+)-(?P<pid>\d+)-(?:(?P<start>\d+)-)?")
+#: An agent's scratch path: ``elastic_train-KIND-PID-START`` and a suffix (START: the owner's start time in
+#: ms, so that a reused PID does not keep a dead agent's path alive; names without it: older versions).
+_SCRATCH_RE = re.compile(r"^elastic_train-(?P<kind>[a-z]+)-(?P<pid>\d+)(?:-(?P<start>\d+))?(?:[-.]|$)")
 
 
 def _start_ms(pid: int) -> int:
     return int(psutil.Process(pid).create_time() * 1000)
 
 
-def scratch_dir(kind: str) -> str:
-    """A new scratch directory of this process in the temporary directory, named by its owner; the ones of
-    owners that are gone (a killed agent cleans nothing up) are removed first."""
-    sweep_scratch(kind)
+def _owner() -> str:
     pid = os.getpid()
-    return tempfile.mkdtemp(prefix=f"elastic_train-{kind}-{pid}-{_start_ms(pid)}-")
+    return f"{pid}-{_start_ms(pid)}"
+
+
+def scratch_dir(kind: str) -> str:
+    """A new scratch directory of this process in the temporary directory, named by its owner; the ``kind``
+    paths of owners that are gone (a killed agent cleans nothing up) are removed first."""
+    sweep_scratch(kind)
+    return tempfile.mkdtemp(prefix=f"elastic_train-{kind}-{_owner()}-")
+
+
+def scratch_path(kind: str, suffix: str) -> str:
+    """A path for a file of this process (a socket) in the temporary directory, named by its owner; the
+    ``kind`` paths of owners that are gone are removed first."""
+    sweep_scratch(kind)
+    return os.path.join(tempfile.gettempdir(), f"elastic_train-{kind}-{_owner()}{suffix}")
 
 
 def sweep_scratch(kind: str, directory: str | None = None) -> list[str]:
-    """Remove the ``kind`` scratch directories whose owner process is gone; returns their paths."""
+    """Remove the ``kind`` scratch paths whose owner process is gone; returns them."""
     base = directory or tempfile.gettempdir()
     removed = []
     with contextlib.suppress(OSError):
@@ -134,11 +145,16 @@ def sweep_scratch(kind: str, directory: str | None = None) -> list[str]:
                 continue
             pid = int(m["pid"])
             try:
-                alive = m["start"] is None or _start_ms(pid) == int(m["start"])
+                alive = _start_ms(pid) == int(m["start"]) if m["start"] else psutil.pid_exists(pid)
             except psutil.NoSuchProcess:
                 alive = False
-            if not alive:
-                path = os.path.join(base, name)
+            if alive:
+                continue
+            path = os.path.join(base, name)
+            if os.path.isdir(path) and not os.path.islink(path):
                 shutil.rmtree(path, ignore_errors=True)
-                removed.append(path)
+            else:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+            removed.append(path)
     return removed

@@ -12,7 +12,6 @@ import os
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from typing import Any
@@ -21,7 +20,7 @@ from elastic_train.config import JobConfig
 from elastic_train.envvars import ENV_NODE_ID
 from elastic_train.etcd.endpoints import parse_endpoints
 from elastic_train.log import get_logger
-from elastic_train.procs import die_with_parent
+from elastic_train.procs import die_with_parent, scratch_path
 from elastic_train.rendezvous.config import RendezvousConfig
 
 log = get_logger(__name__)
@@ -163,7 +162,7 @@ class ForkServerSupervisor:
 
         self.environ = environ
         self.preload = list(preload)
-        self.path = os.path.join(tempfile.gettempdir(), f"elastic_train-fs-{os.getpid()}.sock")
+        self.path = scratch_path("fs", ".sock")
         self._env_pid = ENV_PID
         environ[ENV_SOCKET] = self.path
         self._stopping = threading.Event()

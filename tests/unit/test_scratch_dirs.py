@@ -32,11 +32,20 @@ def test_a_dead_owners_directories_are_swept_and_a_live_owners_kept(
     other_kind.mkdir()
     unrelated = tmp_path / "elastic_train-reform-notapid"
     unrelated.mkdir()
+    legacy = tmp_path / "elastic_train-reform-4194305-k2x9abcd"  # an older version's name, owner gone
+    legacy.mkdir()
+    legacy_live = tmp_path / f"elastic_train-reform-{os.getpid()}-k2x9abcd"
+    legacy_live.mkdir()
+    socket_of_dead = tmp_path / "elastic_train-fs-4194305-1.sock"
+    socket_of_dead.touch()
 
     mine = Path(procs.scratch_dir("reform"))
 
     assert mine.is_dir() and mine.name.startswith(f"elastic_train-reform-{os.getpid()}-")
-    assert not dead.exists() and not reused.exists()
+    assert not dead.exists() and not reused.exists() and not legacy.exists()
+    assert legacy_live.exists()
+    assert Path(procs.scratch_path("fs", ".sock")).name.startswith(f"elastic_train-fs-{os.getpid()}-")
+    assert not socket_of_dead.exists()
     assert other_kind.exists() and unrelated.exists()  # another kind, not an owner's name: left alone
     assert procs.sweep_scratch("reform") == []  # its own live directory stays
     assert mine.is_dir()
