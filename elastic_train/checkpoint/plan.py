@@ -49,6 +49,19 @@ class Fixed:
 
 
 @dataclass(frozen=True, slots=True)
+class Planned(Flat):
+    """A planned snapshot whose structure was checked only cheaply when it was taken.
+
+    ``verify`` completes the check (every tensor's identity, storage, shape and dtype against the plan) and
+    returns whether the snapshot's plan still describes the state. A consumer calls it before it publishes
+    what it copied (the memory tier on its copier thread, before the seal; a durable write before it
+    starts): False means the copy may be wrong, and the state's owner re-plans its next snapshot.
+    """
+
+    verify: Callable[[], bool] | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class _Part:
     key: Any
     base: int
@@ -87,7 +100,7 @@ class _PlanWalker(Walker):
         part = self.parts.get(path)
         if (
             part is not None
-            and part.key == v.key
+            and (part.key is v.key or part.key == v.key)
             and part.base == base
             and len(v.tensors) == len(part.places)
         ):
@@ -126,9 +139,10 @@ class Planner:
         #: Plans built so far (the first snapshot's included).
         self.plans = 0
 
-    def flat(self, state: Any) -> Flat:
+    def flat(self, state: Any, verify: Callable[[], bool] | None = None) -> Planned:
         """``state`` flattened: the same skeleton, specs and tensors as :func:`~codec.flatten` of the state
-        with each :class:`Fixed` part replaced by its ``build()``.
+        with each :class:`Fixed` part replaced by its ``build()``; ``verify`` is handed over with it (see
+        :class:`Planned`).
 
         Raises:
             CheckpointError: a value cannot be checkpointed (the message names its path).
@@ -142,4 +156,4 @@ class Planner:
             plan = self._plan = _Plan(walker.signature, specs, walker.offset, layout_key(specs))
             self.plans += 1
             log.debug("snapshot_planned", tensors=len(specs), bytes=plan.nbytes, plans=self.plans)
-        return Flat(skeleton, plan.specs, tuple(walker.tensors), plan.nbytes, plan.layout)
+        return Planned(skeleton, plan.specs, tuple(walker.tensors), plan.nbytes, plan.layout, verify)
