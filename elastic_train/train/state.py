@@ -151,6 +151,8 @@ class _ModelPart:
         self.plain = False
         #: Set (by any thread) when a snapshot's full check failed: the next part() re-reads the model.
         self.stale = False
+        #: Snapshots left that check fully although asked for the cheap check (see RECHECK_STEPS).
+        self.recheck = 0
         self.marks: _ModelMarks | None = None
         self._refresh()
 
@@ -187,6 +189,9 @@ class _ModelPart:
         (the caller then hands :meth:`check` to whoever publishes the snapshot)."""
         if not self.plain and not self.stale and _registered == self._registered:
             return self.model.state_dict()
+        if not full and self.recheck:
+            self.recheck -= 1
+            full = True
         marks = self.marks
         if self.stale or _registered != self._registered or marks is None or (full and not marks.holds()):
             self._refresh()
@@ -232,9 +237,16 @@ class _OptimizerMarks:
         return list(map(id, tensors)) == self.tensors[0] and list(map(_ptr, tensors)) == self.tensors[1]
 
 
+#: Snapshots a part is fully checked on the training thread after a full check elsewhere failed: a state
+#: that changes behind the cheap check (an optimizer that replaces its state tensors at every step) then
+#: costs the full check per step, not a lost snapshot per step.
+RECHECK_STEPS = 1000
+
+
 def _verify(part: _ModelPart | _OptimizerPart, marks: _ModelMarks | _OptimizerMarks | None) -> bool:
     if marks is None or marks.holds():
         return True
+    part.recheck = RECHECK_STEPS
     part.stale = True
     return False
 
@@ -250,6 +262,8 @@ class _OptimizerPart:
         self.plain = False
         #: Set (by any thread) when a snapshot's full check failed: the next part() re-reads the optimizer.
         self.stale = False
+        #: Snapshots left that check fully although asked for the cheap check (see RECHECK_STEPS).
+        self.recheck = 0
         self.marks: _OptimizerMarks | None = None
         self._refresh()
 
@@ -290,6 +304,9 @@ class _OptimizerPart:
 
     def part(self, *, full: bool = True) -> Any:
         """The optimizer's part of a snapshot; ``full`` as :meth:`_ModelPart.part`."""
+        if not full and self.recheck:
+            self.recheck -= 1
+            full = True
         marks = self.marks
         if marks is None or self.stale or self._cheap() != self._quick or (full and not marks.holds()):
             self._refresh()
