@@ -11,12 +11,15 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from elastic_train.checkpoint.plan import Fixed, Planned, Planner
+from elastic_train.log import get_logger
 from elastic_train.train import rng
 from elastic_train.train.errors import NotStateful, StateMismatch
 from elastic_train.train.sampler import ElasticBatchSampler, ElasticSampler
 
 if TYPE_CHECKING:
     from elastic_train.checkpoint.codec import TensorSpec
+
+log = get_logger(__name__)
 
 
 class Stateful(Protocol):
@@ -244,8 +247,13 @@ RECHECK_STEPS = 1000
 
 
 def _verify(part: _ModelPart | _OptimizerPart, marks: _ModelMarks | _OptimizerMarks | None) -> bool:
-    if marks is None or marks.holds():
+    if marks is None:
         return True
+    try:
+        if marks.holds():
+            return True
+    except RuntimeError as exc:  # a registry resized while it was read (another thread): a change as well
+        log.debug("snapshot_check_raced", error=str(exc))
     part.recheck = RECHECK_STEPS
     part.stale = True
     return False
