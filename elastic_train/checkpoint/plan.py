@@ -25,10 +25,14 @@ from typing import Any
 
 import torch
 
-from elastic_train.checkpoint.codec import Flat, TensorSpec, Walker, layout_key
+from elastic_train.checkpoint.codec import MARKERS, Flat, TensorSpec, Walker, layout_key
 from elastic_train.log import get_logger
 
 log = get_logger(__name__)
+
+#: The exact types :meth:`Walker.enc` keeps as they are, and the key type of the dicts it walks as they are.
+_PLAIN = frozenset({int, float, str, bool, type(None)})
+_STR = frozenset({str})
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -87,6 +91,19 @@ class _PlanWalker(Walker):
         #: equal layouts.
         self.signature: list[Any] = []
         self.fresh: dict[str, _Part] = {}
+
+    def enc(self, v: Any, path: str) -> Any:
+        # As Walker.enc, with the cases of a step's small values short-cut: a dict with str keys whose plain
+        # values are taken as they are (no path built for them), a Fixed part straight to other().
+        kind = type(v)
+        if kind in _PLAIN:
+            return v
+        if kind is dict and _STR.issuperset(map(type, v)) and MARKERS.isdisjoint(v):
+            enc = self.enc
+            return {k: x if type(x) in _PLAIN else enc(x, f"{path}/{k}") for k, x in v.items()}
+        if kind is Fixed:
+            return self.other(v, path)
+        return super().enc(v, path)
 
     def add(self, t: torch.Tensor, path: str) -> int:
         i = super().add(t, path)
