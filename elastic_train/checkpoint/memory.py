@@ -30,7 +30,7 @@ import struct
 import threading
 import time
 import zlib
-from collections.abc import Container
+from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -226,7 +226,7 @@ class _CopyJob:
     event: Any
     """CUDA event recorded after the last device-to-host copy (None without GPU tensors)."""
     device: torch.device | None = None
-    verify: Any = None
+    verify: Callable[[], bool] | None = None
     """A planned snapshot's full structure check (see :class:`~elastic_train.checkpoint.plan.Planned`),
     run by the copier before the deferred copies and the seal; None: nothing left to check."""
     previous: int | None = None
