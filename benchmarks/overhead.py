@@ -39,7 +39,9 @@ from typing import Any
 TARGET = 1.03
 #: All-in ratio of the short (~17 ms) step, where a snapshot's fixed costs weigh most.
 SHORT_TARGET = 1.05
-#: Seconds of Python per snapshot on the training thread (everything in save but the tensor copies).
+#: Seconds of Python per snapshot on the training thread (everything in save but the tensor copies). The
+#: snapshot's full structure check runs on the memory tier's copier thread, with the seal: not in this
+#: figure (docs/checkpoints.md, "What each step checks").
 PYTHON_TARGET_S = 0.2e-3
 
 
@@ -259,7 +261,7 @@ def measure(args: argparse.Namespace, cfg: Config) -> dict[str, Any]:
         print(
             f"  snapshot Python: {python_s * 1e3:9.3f} ms CPU per save on the training thread, no copies "
             f"({python_wall_s * 1e3:.3f} ms wall; median of {len(saves)} saves x ranks; "
-            f"target <= {PYTHON_TARGET_S * 1e3:.1f} ms)"
+            f"target <= {PYTHON_TARGET_S * 1e3:.1f} ms; the full structure check runs on the copier)"
         )
     for name, label in (("loop", "loop alone"), ("allin", "all-in")):
         print(

@@ -50,6 +50,7 @@ from elastic_train.checkpoint.errors import (
     WriteFailed,
 )
 from elastic_train.checkpoint.memory import MemorySnapshot, snapshot_files, sweep_stale
+from elastic_train.checkpoint.plan import Planned
 from elastic_train.checkpoint.policy import (
     SHARE_ALIGN,
     Candidate,
@@ -167,7 +168,8 @@ class CheckpointManager:
         StorageError: the URL's filesystem cannot be opened (e.g. ``s3://`` without ``elastic-train[s3]``).
     """
 
-    #: :meth:`save` takes a function returning a :class:`Flat` (``TrainState.snapshot``, a planned state)
+    #: :meth:`save` takes a function returning a :class:`Flat` (``TrainState.snapshot``, a planned state,
+    #: also one taken with ``verify=False``: its structure check runs before anything copied is published)
     #: and :meth:`restore` the live tensors to restore into (``into=``).
     planned_snapshots = True
 
@@ -471,8 +473,16 @@ class CheckpointManager:
             return
         timed = self.memory is not None and self.memory.stats.record
         started, cpu = (time.perf_counter(), time.thread_time()) if timed else (0.0, 0.0)
+        if self.memory is not None:
+            # The previous snapshot's structure check (on the copier) has answered: a failed one makes this
+            # snapshot a new plan instead of another copy of a stale one.
+            self.memory.wait_idle()
         got = state() if callable(state) else state
         flat = got if isinstance(got, Flat) else flatten(got)
+        if dur_due and isinstance(flat, Planned) and flat.verify is not None and not flat.verify():
+            # A durable write reads what was copied: its structure is checked here (the check marked the
+            # stale part: this snapshot is planned anew and fully checked).
+            flat = self._replanned(state)
         slot = None
         if self.memory is not None:
             # Which tensors the copier may copy later is decided once per plan; a small state is copied
@@ -484,8 +494,22 @@ class CheckpointManager:
             if dur_due:  # the writer reads the slot: its copy must be complete
                 self.memory.wait_idle()
                 self.memory.raise_error()
+                if self.memory.rejected_step == step:
+                    raise CheckpointError(
+                        f"step {step}: the state's structure changed while it was being saved (another "
+                        "thread changed the model or optimizer during the save)"
+                    )
         if dur_due:
             self._submit(step, flat, slot)
+
+    @staticmethod
+    def _replanned(state: Mapping[str, Any] | Callable[[], Mapping[str, Any] | Flat]) -> Flat:
+        """The state taken again after a planned snapshot failed its structure check, fully checked."""
+        got = state() if callable(state) else state
+        flat = got if isinstance(got, Flat) else flatten(got)
+        if isinstance(flat, Planned) and flat.verify is not None and not flat.verify():
+            raise CheckpointError("the state's structure changes while it is being saved")
+        return flat
 
     # -- the snapshot fence ------------------------------------------------------------------------------
     def attach(self, optimizer: torch.optim.Optimizer) -> Any:

@@ -30,7 +30,7 @@ import struct
 import threading
 import time
 import zlib
-from collections.abc import Container
+from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +41,7 @@ import xxhash
 from elastic_train.checkpoint import schema
 from elastic_train.checkpoint.codec import Flat, TensorSpec, destinations
 from elastic_train.checkpoint.errors import CheckpointError
+from elastic_train.checkpoint.plan import Planned
 from elastic_train.envvars import ENV_SHM_OWNER
 from elastic_train.log import get_logger
 
@@ -225,6 +226,11 @@ class _CopyJob:
     event: Any
     """CUDA event recorded after the last device-to-host copy (None without GPU tensors)."""
     device: torch.device | None = None
+    verify: Callable[[], bool] | None = None
+    """A planned snapshot's full structure check (see :class:`~elastic_train.checkpoint.plan.Planned`),
+    run by the copier before the deferred copies and the seal; None: nothing left to check."""
+    previous: int | None = None
+    """The newest slot before this one: the newest again if the check fails (this slot stays invalid)."""
 
 
 class MemorySnapshot:
@@ -259,6 +265,8 @@ class MemorySnapshot:
         self._specs: tuple[TensorSpec, ...] | None = None
         self._pinned: set[int] = set()
         self.sealed_step: int | None = None
+        #: The last step whose planned snapshot failed its structure check (its slot was left invalid).
+        self.rejected_step: int | None = None
         self._error: BaseException | None = None
         #: Per slot: the copy lists of the current layout (specs object, deferred set, route).
         self._routes: dict[int, tuple[Any, Any, Any]] = {}
@@ -485,9 +493,13 @@ class MemorySnapshot:
         self._seq += 1
         self._slot_seq[slot] = self._seq
         device = flat.tensors[on_gpu[0]].device if on_gpu else None
-        job = _CopyJob(slot, step, self._seq, flat, dests, later, event, device)
+        verify = flat.verify if isinstance(flat, Planned) else None
+        job = _CopyJob(slot, step, self._seq, flat, dests, later, event, device, verify, self._newest)
         self._newest = slot
         if not background:
+            if verify is not None and not verify():
+                self._reject(job)
+                return slot
             self._copy(job)
             self._seal(job, timed=self.stats.record)
             self.raise_error()
@@ -609,6 +621,11 @@ class MemorySnapshot:
                     self._cond.wait()
                 job = self._job
             try:
+                # A planned snapshot's full structure check, off the training thread: before the deferred
+                # copies (nothing changes those tensors before the fence) and before the seal.
+                if job.verify is not None and not job.verify():
+                    self._reject(job)
+                    continue
                 self._copy(job)
             except BaseException as exc:  # reported to the loop by raise_error()/fence()
                 log.error("memory_snapshot_copy_failed", path=self.path, step=job.step, error=str(exc))
@@ -626,6 +643,22 @@ class MemorySnapshot:
                 if self._sealing == job.slot:
                     self._sealing = None
                 self._cond.notify_all()
+
+    def _reject(self, job: _CopyJob) -> None:
+        """Leave ``job``'s slot invalid: the state's structure is no longer the snapshot's plan, so what was
+        copied may be wrong. The previous snapshot stays the newest; the state's owner re-plans the next one
+        (the failed check marked it)."""
+        if job.event is not None:
+            job.event.synchronize()  # no copy still lands in the slot once it is handed out again
+        log.info("memory_snapshot_replanned", path=self.path, step=job.step)
+        with self._cond:
+            if self._newest == job.slot:
+                self._newest = job.previous
+            self._slot_seq[job.slot] = 0  # rewritten first
+            self.rejected_step = job.step
+            if self._job is job:
+                self._job, self._copying, self._sealing = None, False, None
+            self._cond.notify_all()
 
     @staticmethod
     def _copy(job: _CopyJob) -> None:

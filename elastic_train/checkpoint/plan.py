@@ -25,10 +25,14 @@ from typing import Any
 
 import torch
 
-from elastic_train.checkpoint.codec import Flat, TensorSpec, Walker, layout_key
+from elastic_train.checkpoint.codec import MARKERS, Flat, TensorSpec, Walker, layout_key
 from elastic_train.log import get_logger
 
 log = get_logger(__name__)
+
+#: The exact types :meth:`Walker.enc` keeps as they are, and the key type of the dicts it walks as they are.
+_PLAIN = frozenset({int, float, str, bool, type(None)})
+_STR = frozenset({str})
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -46,6 +50,19 @@ class Fixed:
     """The part's tensors in the order its state dict holds them (detached: nothing records autograd)."""
     build: Callable[[], Any]
     """The part's full state (its ``state_dict()``), walked when the part is planned."""
+
+
+@dataclass(frozen=True, slots=True)
+class Planned(Flat):
+    """A planned snapshot whose structure was checked only cheaply when it was taken.
+
+    ``verify`` completes the check (every tensor's identity, storage, shape and dtype against the plan) and
+    returns whether the snapshot's plan still describes the state. A consumer calls it before it publishes
+    what it copied (the memory tier on its copier thread, before the seal; a durable write before it
+    starts): False means the copy may be wrong, and the state's owner re-plans its next snapshot.
+    """
+
+    verify: Callable[[], bool] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +92,19 @@ class _PlanWalker(Walker):
         self.signature: list[Any] = []
         self.fresh: dict[str, _Part] = {}
 
+    def enc(self, v: Any, path: str) -> Any:
+        # As Walker.enc, with the cases of a step's small values short-cut: a dict with str keys whose plain
+        # values are taken as they are (no path built for them), a Fixed part straight to other().
+        kind = type(v)
+        if kind in _PLAIN:
+            return v
+        if kind is dict and _STR.issuperset(map(type, v)) and MARKERS.isdisjoint(v):
+            enc = self.enc
+            return {k: x if type(x) in _PLAIN else enc(x, f"{path}/{k}") for k, x in v.items()}
+        if kind is Fixed:
+            return self.other(v, path)
+        return super().enc(v, path)
+
     def add(self, t: torch.Tensor, path: str) -> int:
         i = super().add(t, path)
         self.signature.append((*self.places[-1], t.is_cuda))  # the copy is routed by device, once per plan
@@ -87,7 +117,7 @@ class _PlanWalker(Walker):
         part = self.parts.get(path)
         if (
             part is not None
-            and part.key == v.key
+            and (part.key is v.key or part.key == v.key)
             and part.base == base
             and len(v.tensors) == len(part.places)
         ):
@@ -126,9 +156,10 @@ class Planner:
         #: Plans built so far (the first snapshot's included).
         self.plans = 0
 
-    def flat(self, state: Any) -> Flat:
+    def flat(self, state: Any, verify: Callable[[], bool] | None = None) -> Planned:
         """``state`` flattened: the same skeleton, specs and tensors as :func:`~codec.flatten` of the state
-        with each :class:`Fixed` part replaced by its ``build()``.
+        with each :class:`Fixed` part replaced by its ``build()``; ``verify`` is handed over with it (see
+        :class:`Planned`).
 
         Raises:
             CheckpointError: a value cannot be checkpointed (the message names its path).
@@ -142,4 +173,4 @@ class Planner:
             plan = self._plan = _Plan(walker.signature, specs, walker.offset, layout_key(specs))
             self.plans += 1
             log.debug("snapshot_planned", tensors=len(specs), bytes=plan.nbytes, plans=self.plans)
-        return Flat(skeleton, plan.specs, tuple(walker.tensors), plan.nbytes, plan.layout)
+        return Planned(skeleton, plan.specs, tuple(walker.tensors), plan.nbytes, plan.layout, verify)

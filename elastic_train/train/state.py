@@ -10,13 +10,16 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from elastic_train.checkpoint.plan import Fixed, Planner
+from elastic_train.checkpoint.plan import Fixed, Planned, Planner
+from elastic_train.log import get_logger
 from elastic_train.train import rng
 from elastic_train.train.errors import NotStateful, StateMismatch
 from elastic_train.train.sampler import ElasticBatchSampler, ElasticSampler
 
 if TYPE_CHECKING:
-    from elastic_train.checkpoint.codec import Flat, TensorSpec
+    from elastic_train.checkpoint.codec import TensorSpec
+
+log = get_logger(__name__)
 
 
 class Stateful(Protocol):
@@ -60,6 +63,11 @@ def _identity(value: Any) -> Any:
     return value
 
 
+def _all(checks: tuple[Callable[[], bool], ...]) -> bool:
+    """Every check run (each marks its own part stale), then whether all passed."""
+    return all([c() for c in checks])
+
+
 def _hyper(groups: list[dict[str, Any]]) -> list[Any]:
     """Each param group without its parameters, and its values' types (a float lr that becomes a tensor of
     the same value is a change): the key of the groups' part in a planned snapshot."""
@@ -72,6 +80,65 @@ def _hyper(groups: list[dict[str, Any]]) -> list[Any]:
     return out
 
 
+#: Parameters, buffers and submodules registered in this process (any module): the training thread's
+#: cheap sign that a module tree may have changed. Counted by torch's global registration hooks, installed
+#: once by the first planned model.
+_registered = 0
+_watching = False
+
+
+def _count_registration(module: torch.nn.Module, name: str, value: Any) -> None:
+    global _registered
+    _registered += 1
+
+
+def _watch_registrations() -> None:
+    global _watching
+    if not _watching:
+        from torch.nn.modules import module as nn_module
+
+        nn_module.register_module_parameter_registration_hook(_count_registration)
+        nn_module.register_module_buffer_registration_hook(_count_registration)
+        nn_module.register_module_module_registration_hook(_count_registration)
+        _watching = True
+
+
+class _ModelMarks:
+    """What a plain model's state dict is read from, as it was when planned: every registry (lengths and
+    members' identities) and every tensor's storage, shape and dtype. Immutable once built, so another
+    thread may check a snapshot against it while the training thread plans anew."""
+
+    __slots__ = ("dicts", "ids", "lens", "live", "marks", "members")
+
+    def __init__(self, modules: list[torch.nn.Module], live: list[torch.Tensor]) -> None:
+        self.dicts = [
+            d
+            for m in modules
+            for d in (
+                m._parameters,
+                m._buffers,
+                m._modules,
+                m._non_persistent_buffers_set,
+                m._state_dict_hooks,
+                m._state_dict_pre_hooks,
+            )
+        ]
+        self.lens = list(map(len, self.dicts))
+        self.members = [m.__dict__[k] for m in modules for k in ("_parameters", "_buffers", "_modules")]
+        self.ids = list(map(id, _flat(map(_values, self.members))))
+        self.live = live
+        self.marks = _marks(live)
+
+    def holds(self) -> bool:
+        """Whether the model's state dict is still made of these tensors (C-level maps: no Python per
+        item)."""
+        return (
+            list(map(len, self.dicts)) == self.lens
+            and list(map(id, _flat(map(_values, self.members)))) == self.ids
+            and _marks(self.live) == self.marks
+        )
+
+
 class _ModelPart:
     """The model's tensors for a planned snapshot, re-read only when the module tree changes.
 
@@ -81,13 +148,20 @@ class _ModelPart:
     """
 
     def __init__(self, model: torch.nn.Module) -> None:
+        _watch_registrations()
         self.model = model
         self.key = 0
         self.plain = False
+        #: Set (by any thread) when a snapshot's full check failed: the next part() re-reads the model.
+        self.stale = False
+        #: Snapshots left that check fully although asked for the cheap check (see RECHECK_STEPS).
+        self.recheck = 0
+        self.marks: _ModelMarks | None = None
         self._refresh()
 
     def _refresh(self) -> None:
-        self.key += 1
+        self.stale = False
+        self._registered = _registered
         Module = torch.nn.Module
         modules = list(self.model.modules())
         self.plain = all(
@@ -101,40 +175,88 @@ class _ModelPart:
         live = list(self.model.state_dict(keep_vars=True).values())
         if not self.plain or not all(isinstance(t, torch.Tensor) for t in live):
             self.plain = False  # read from state_dict() at every step
+            self.marks = None
+            self.key += 1
             return
+        if self.marks is not None and self.marks.holds():
+            return  # a registration elsewhere (another module, or one that changed nothing here)
         # Every registry a state dict is read from: a new, removed or replaced parameter, buffer or
-        # submodule (or a hook) changes a length or an identity here.
-        self._dicts = [
-            d
-            for m in modules
-            for d in (
-                m._parameters,
-                m._buffers,
-                m._modules,
-                m._non_persistent_buffers_set,
-                m._state_dict_hooks,
-                m._state_dict_pre_hooks,
-            )
-        ]
-        self._lens = list(map(len, self._dicts))
-        self._members = [m.__dict__[k] for m in modules for k in ("_parameters", "_buffers", "_modules")]
-        self._ids = list(map(id, _flat(map(_values, self._members))))
-        self._live = live
-        self._marks = _marks(live)
+        # submodule (or a hook) changes a length or an identity there.
+        self.key += 1
+        self.marks = _ModelMarks(modules, live)
         self.fixed = Fixed(self.key, [t.detach() for t in live], self.model.state_dict)
 
-    def part(self) -> Any:
-        if not self.plain:
+    def part(self, *, full: bool = True) -> Any:
+        """The model's part of a snapshot. ``full``: check every registry and tensor against the plan
+        (C-level maps over them); otherwise only whether anything was registered or a check failed since
+        (the caller then hands :meth:`check` to whoever publishes the snapshot)."""
+        if not self.plain and not self.stale and _registered == self._registered:
             return self.model.state_dict()
-        if (
-            list(map(len, self._dicts)) != self._lens
-            or list(map(id, _flat(map(_values, self._members)))) != self._ids
-            or _marks(self._live) != self._marks
-        ):
+        if not full and self.recheck:
+            self.recheck -= 1
+            full = True
+        marks = self.marks
+        if self.stale or _registered != self._registered or marks is None or (full and not marks.holds()):
             self._refresh()
             if not self.plain:
                 return self.model.state_dict()
         return self.fixed
+
+    def check(self) -> Callable[[], bool]:
+        """The full check of the part just returned by :meth:`part`: False (and the part marked stale) when
+        the model's tensors are no longer the planned ones."""
+        marks = self.marks if self.plain else None
+        return partial(_verify, self, marks)
+
+
+class _OptimizerMarks:
+    """What a plain optimizer's state dict is read from, as it was when planned (immutable: see
+    :class:`_ModelMarks`)."""
+
+    __slots__ = ("dict_ids", "dicts", "groups", "keys", "lens", "opt", "params", "tensors")
+
+    def __init__(self, opt: torch.optim.Optimizer, dicts: list[dict[str, Any]], tensors: list[Any]) -> None:
+        self.opt = opt
+        self.params = list(map(id, _flat(map(_params, opt.param_groups))))
+        self.groups = len(opt.param_groups)
+        self.keys = list(map(id, opt.state))
+        self.dict_ids = list(map(id, dicts))
+        self.dicts = dicts
+        self.lens = list(map(len, dicts))
+        # Identity and storage: an optimizer's own buffers are replaced (load_state_dict), not reshaped.
+        self.tensors = list(map(id, tensors)), list(map(_ptr, tensors))
+
+    def holds(self) -> bool:
+        opt = self.opt
+        if not (
+            len(opt.param_groups) == self.groups
+            and list(map(id, _flat(map(_params, opt.param_groups)))) == self.params
+            and list(map(id, opt.state)) == self.keys
+            and list(map(id, opt.state.values())) == self.dict_ids
+            and list(map(len, self.dicts)) == self.lens
+        ):
+            return False
+        tensors = list(_flat(map(_values, self.dicts)))
+        return list(map(id, tensors)) == self.tensors[0] and list(map(_ptr, tensors)) == self.tensors[1]
+
+
+#: Snapshots a part is fully checked on the training thread after a full check elsewhere failed: a state
+#: that changes behind the cheap check (an optimizer that replaces its state tensors at every step) then
+#: costs the full check per step, not a lost snapshot per step.
+RECHECK_STEPS = 1000
+
+
+def _verify(part: _ModelPart | _OptimizerPart, marks: _ModelMarks | _OptimizerMarks | None) -> bool:
+    if marks is None:
+        return True
+    try:
+        if marks.holds():
+            return True
+    except RuntimeError as exc:  # a registry resized while it was read (another thread): a change as well
+        log.debug("snapshot_check_raced", error=str(exc))
+    part.recheck = RECHECK_STEPS
+    part.stale = True
+    return False
 
 
 class _OptimizerPart:
@@ -146,14 +268,21 @@ class _OptimizerPart:
         self.opt = optimizer
         self.key = 0
         self.plain = False
+        #: Set (by any thread) when a snapshot's full check failed: the next part() re-reads the optimizer.
+        self.stale = False
+        #: Snapshots left that check fully although asked for the cheap check (see RECHECK_STEPS).
+        self.recheck = 0
+        self.marks: _OptimizerMarks | None = None
         self._refresh()
 
     def _refresh(self) -> None:
         self.key += 1
+        self.stale = False
         opt = self.opt
         base = torch.optim.Optimizer
         dicts = list(opt.state.values())
         tensors = [v for d in dicts for v in d.values()]
+        self._quick = self._cheap()
         self.plain = (
             type(opt).state_dict is base.state_dict
             and not opt._optimizer_state_dict_pre_hooks
@@ -162,6 +291,7 @@ class _OptimizerPart:
             and all(isinstance(p, torch.Tensor) for p in opt.state)
         )
         if not self.plain:  # read from state_dict() at every step
+            self.marks = None
             return
         # The index lists of the packed param groups, as Optimizer.state_dict numbers the parameters.
         mapping: dict[int, int] = {}
@@ -170,32 +300,23 @@ class _OptimizerPart:
             for p in g["params"]:
                 mapping.setdefault(id(p), len(mapping))
             self._indices.append([mapping[id(p)] for p in g["params"]])
-        self._params = list(map(id, _flat(map(_params, opt.param_groups))))
-        self._groups = len(opt.param_groups)
-        self._keys = list(map(id, opt.state))
-        self._dict_ids = list(map(id, dicts))
-        self._dicts = dicts
-        self._lens = list(map(len, dicts))
-        self._tensors = tensors
-        # Identity and storage: an optimizer's own buffers are replaced (load_state_dict), not reshaped.
-        self._marks = list(map(id, tensors)), list(map(_ptr, tensors))
+        self.marks = _OptimizerMarks(opt, dicts, tensors)
         self.fixed = Fixed(self.key, tensors, lambda: self.opt.state_dict()["state"])
 
-    def _same(self) -> bool:
+    def _cheap(self) -> tuple[int, int, int, list[int]]:
+        """What changes when a group, a parameter or a parameter's state appears, or the state is loaded
+        (``load_state_dict`` replaces the state dict): read without touching a tensor."""
         opt = self.opt
-        if not (
-            len(opt.param_groups) == self._groups
-            and list(map(id, _flat(map(_params, opt.param_groups)))) == self._params
-            and list(map(id, opt.state)) == self._keys
-            and list(map(id, opt.state.values())) == self._dict_ids
-            and list(map(len, self._dicts)) == self._lens
-        ):
-            return False
-        tensors = list(_flat(map(_values, self._dicts)))
-        return list(map(id, tensors)) == self._marks[0] and list(map(_ptr, tensors)) == self._marks[1]
+        groups = opt.param_groups
+        return len(groups), id(opt.state), len(opt.state), list(map(len, map(_params, groups)))
 
-    def part(self) -> Any:
-        if not self.plain or not self._same():
+    def part(self, *, full: bool = True) -> Any:
+        """The optimizer's part of a snapshot; ``full`` as :meth:`_ModelPart.part`."""
+        if not full and self.recheck:
+            self.recheck -= 1
+            full = True
+        marks = self.marks
+        if marks is None or self.stale or self._cheap() != self._quick or (full and not marks.holds()):
             self._refresh()
             if not self.plain:
                 return self.opt.state_dict()
@@ -209,6 +330,10 @@ class _OptimizerPart:
             lambda: [{**h, "params": i} for h, i in zip(hyper[::2], indices, strict=True)],
         )
         return {"state": self.fixed, "param_groups": groups}
+
+    def check(self) -> Callable[[], bool]:
+        """As :meth:`_ModelPart.check`."""
+        return partial(_verify, self, self.marks if self.plain else None)
 
 
 class TrainState:
@@ -263,12 +388,20 @@ class TrainState:
         self.meta: dict[str, Any] = {}
         self._planner: Planner | None = None
         self._parts: tuple[_ModelPart, _OptimizerPart | None] | None = None
-        self._py_rng: Any = None
+        self._py_rng: tuple[Any, Fixed | None] = (None, None)
 
-    def snapshot(self) -> Flat:
+    def snapshot(self, *, verify: bool = True) -> Planned:
         """The checkpoint state flattened, as ``flatten(self.state_dict())`` but planned: the model's and the
         optimizer's tensors are re-read only when their structure changes (see
         :mod:`elastic_train.checkpoint.plan`), which keeps a snapshot's Python per step small.
+
+        Args:
+            verify: check every model and optimizer tensor against the plan now (storage, shape, dtype,
+                identity: C-level maps over them). With False only what costs no tensor access is checked
+                here (a registration in any module, the optimizer's groups, parameter lists and state
+                entries, a failed check of an earlier snapshot); the returned snapshot's ``verify`` then
+                does the rest and must pass before its copy is published (the memory tier calls it on its
+                copier thread before the seal; see docs/checkpoints.md, "What each step checks").
 
         Raises:
             CheckpointError: the state holds something that cannot be checkpointed.
@@ -283,12 +416,16 @@ class TrainState:
         # Python's RNG state (625 ints) rarely changes in a training loop: a part keyed by its value is
         # encoded once per change.
         py = captured["python"]
-        if py != self._py_rng:
-            self._py_rng = py
-        captured["python"] = Fixed(self._py_rng, (), partial(_identity, self._py_rng))
-        opt = opt_part.part() if opt_part is not None else None
-        state = self._state(model.part(), opt, captured, planned_optimizer=opt_part is not None)
-        return self._planner.flat(state)
+        if py is not self._py_rng[0]:
+            self._py_rng = (py, Fixed(py, (), partial(_identity, py)))
+        captured["python"] = self._py_rng[1]
+        opt = opt_part.part(full=verify) if opt_part is not None else None
+        state = self._state(model.part(full=verify), opt, captured, planned_optimizer=opt_part is not None)
+        check = None
+        if not verify:
+            checks = (model.check(), opt_part.check()) if opt_part is not None else (model.check(),)
+            check = partial(_all, checks)
+        return self._planner.flat(state, check)
 
     def restore_targets(self, specs: Sequence[TensorSpec]) -> list[torch.Tensor | None]:
         """For each tensor of a restored state, the live tensor :meth:`load_state_dict` would put it into

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+from functools import partial
 
 import numpy as np
 import pytest
@@ -41,9 +42,9 @@ def cloned(state: object) -> object:
     return state
 
 
-def as_flattened(ts: TrainState) -> None:
+def as_flattened(ts: TrainState, *, verify: bool = True) -> None:
     """The planned snapshot is exactly the flattened state dict: skeleton, specs and tensor values."""
-    planned, plain = ts.snapshot(), flatten(ts.state_dict())
+    planned, plain = ts.snapshot(verify=verify), flatten(ts.state_dict())
     assert planned.specs == plain.specs and planned.nbytes == plain.nbytes
     assert planned.layout_key == plain.layout_key
     # The RNG states are taken anew by each call: compare everything else exactly.
@@ -112,8 +113,8 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Growin
 def mgr(memdir, tmp_path):
     made = []
 
-    def new() -> CheckpointManager:
-        cfg = CheckpointConfig(url=str(tmp_path / "c"), memory_dir=memdir, every_steps=0)
+    def new(every_steps: int = 0) -> CheckpointManager:
+        cfg = CheckpointConfig(url=str(tmp_path / "c"), memory_dir=memdir, every_steps=every_steps)
         m = CheckpointManager(cfg, "run", rank=0, world_size=1, local_rank=0)
         made.append(m)
         return m
@@ -303,3 +304,163 @@ def test_a_hyper_parameter_that_becomes_a_tensor_of_the_same_value_is_a_tensor_i
     step, got = restored_state(mgr)
     lr = got["optimizer"]["param_groups"][0]["lr"]
     assert step == 2 and isinstance(lr, torch.Tensor) and float(lr) == pytest.approx(0.01)
+
+
+def renamed(module, state, prefix, local_metadata):
+    return {("hooked." + k): v for k, v in state.items()}
+
+
+@pytest.mark.parametrize(
+    "change", ["param_group", "late_state", "replaced_parameter", "new_buffer", "loaded"]
+)
+def test_changes_seen_without_touching_a_tensor_are_planned_at_once_by_the_unverified_snapshot(change):
+    """``snapshot(verify=False)`` checks registrations, the optimizer's groups, parameter lists and state
+    entries (and a loaded state): such a change makes that very snapshot a new plan."""
+    model, opt, sched, ts = make()
+    if change != "late_state":
+        train_step(model, opt, sched)
+    ts.snapshot(verify=False)
+    plans = ts._planner.plans  # type: ignore[union-attr]
+    if change == "param_group":
+        opt.add_param_group({"params": list(model[2].parameters()), "lr": 0.5})
+    elif change == "late_state":
+        train_step(model, opt, sched)  # AdamW's state appears at its first step
+    elif change == "replaced_parameter":
+        model[2].weight = torch.nn.Parameter(torch.ones(3, 8))
+    elif change == "new_buffer":
+        model[2].register_buffer("seen", torch.arange(4.0))
+    elif change == "loaded":
+        opt.load_state_dict(cloned(opt.state_dict()))
+    as_flattened(ts, verify=False)
+    assert ts._planner.plans > plans or change == "loaded"  # type: ignore[union-attr]
+
+
+MISSED = [
+    "data_swap",
+    "data_reshaped",
+    "model_to_double",
+    "optimizer_tensor_replaced",
+    "late_buffer",
+    "state_dict_hook",
+    "buffer_deleted",
+]
+
+
+def miss(change: str, model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Growing) -> bool:
+    """Make a change that only the full check sees; returns whether the model still trains after it."""
+    if change == "data_swap":
+        model[0].weight.data = torch.full_like(model[0].weight, 7.0)  # same Parameter, shape and dtype
+    elif change == "data_reshaped":
+        model[0].weight.data = torch.arange(48.0).reshape(6, 8)  # same Parameter, transposed shape
+        return False
+    elif change == "model_to_double":
+        model.to(torch.float64)
+        return False
+    elif change == "optimizer_tensor_replaced":
+        opt.state[model[0].weight]["exp_avg"] = torch.full_like(model[0].weight, 3.0)
+    elif change == "late_buffer":
+        opt.state[model[0].weight]["extra"] = torch.zeros(3)  # an entry added to a parameter's state
+    elif change == "state_dict_hook":
+        model._register_state_dict_hook(renamed)
+    elif change == "buffer_deleted":
+        del model[1].num_batches_tracked
+        return False
+    return True
+
+
+@pytest.mark.parametrize("change", MISSED)
+def test_a_change_only_the_full_check_sees_is_never_sealed_and_the_next_snapshot_is_planned_anew(change, mgr):
+    """The memory tier checks an unverified snapshot on its copier before the seal: a change the training
+    thread's cheap check missed leaves that step's slot invalid (the previous step stays the newest), and
+    the next snapshot is planned anew and restores bit-identically."""
+    model, opt, sched, ts = make()
+    m = mgr()
+    m.attach(opt)
+    assert m.memory is not None
+    fast = partial(ts.snapshot, verify=False)
+    first = 3
+    for n in range(1, first + 1):
+        train_step(model, opt, sched)
+        ts.step = n
+        m.save(n, fast)
+    m.memory.wait_idle()
+    assert m.memory.sealed_step == first and m.memory.rejected_step is None
+    trains = miss(change, model, opt, sched)
+    ts.step = first + 1
+    m.save(first + 1, fast)
+    m.memory.wait_idle()
+    assert m.memory.rejected_step == first + 1 and m.memory.sealed_step == first
+    newest = m.memory.newest_valid()
+    assert newest is not None and newest.step == first
+    plans = ts._planner.plans  # type: ignore[union-attr]
+    for n in range(first + 2, first + 4):
+        if trains:
+            train_step(model, opt, sched)
+        ts.step = n
+        m.save(n, fast)
+    m.memory.wait_idle()
+    assert m.memory.sealed_step == first + 3 and m.memory.rejected_step == first + 1
+    assert ts._planner.plans > plans  # type: ignore[union-attr]
+    as_flattened(ts, verify=False)
+    expected = cloned(ts.state_dict())
+    m.close()
+    step, got = restored_state(mgr)
+    assert step == first + 3
+    assert equal(got["model"], expected["model"])  # type: ignore[index]
+    assert equal(got["optimizer"], expected["optimizer"])  # type: ignore[index]
+
+
+@pytest.mark.parametrize("change", ["data_swap", "optimizer_tensor_replaced"])
+def test_a_durable_step_checks_the_structure_before_its_copy(change, mgr):
+    """A step with a durable checkpoint due checks the unverified snapshot on the training thread and plans
+    it anew: that step's snapshot is sealed, correct, not lost."""
+    model, opt, sched, ts = make()
+    m = mgr(every_steps=4)
+    m.attach(opt)
+    assert m.memory is not None
+    fast = partial(ts.snapshot, verify=False)
+    for n in range(1, 4):
+        train_step(model, opt, sched)
+        ts.step = n
+        m.save(n, fast)
+    train_step(model, opt, sched)
+    miss(change, model, opt, sched)
+    ts.step = 4
+    m.save(4, fast)
+    m.wait()
+    m.memory.wait_idle()
+    assert m.memory.sealed_step == 4 and m.memory.rejected_step is None
+    expected = cloned(ts.state_dict())
+    m.close()
+    step, got = restored_state(mgr)
+    assert step == 4
+    assert equal(got["model"], expected["model"])  # type: ignore[index]
+    assert equal(got["optimizer"], expected["optimizer"])  # type: ignore[index]
+
+
+def test_an_optimizer_replacing_its_state_tensors_every_step_loses_one_snapshot_then_is_checked_in_the_loop(
+    mgr,
+):
+    """LateBuffer assigns a new counter tensor at every step, which only the full check sees: after the
+    first failed check its part is checked fully on the training thread, so no later snapshot is lost."""
+    model, opt, sched, ts = make("late")
+    m = mgr()
+    m.attach(opt)
+    assert m.memory is not None
+    fast = partial(ts.snapshot, verify=False)
+    rejected = []
+    for n in range(1, 8):
+        train_step(model, opt, sched)
+        ts.step = n
+        m.save(n, fast)
+        m.memory.wait_idle()
+        if m.memory.rejected_step == n:
+            rejected.append(n)
+        else:
+            assert m.memory.sealed_step == n
+    assert rejected == [2]
+    expected = cloned(ts.state_dict())
+    m.close()
+    step, got = restored_state(mgr)
+    assert step == 7 and all("avg" in s for s in got["optimizer"]["state"].values())
+    assert equal(got["optimizer"], expected["optimizer"])  # type: ignore[index]
