@@ -323,7 +323,7 @@ class CheckpointManager:
         if me in holders and source == "memory":
             assert held is not None and self.memory is not None and held.step == step
             skeleton, specs, nbytes = held.skeleton, list(held.specs), held.nbytes
-            buf = self.memory.data(held.slot, held.nbytes)
+            reader = self.memory.reader(held.slot)
             if held.data_sum is not None:
                 check = DataCheck(held.data_sum, held.nbytes)
         elif me in holders:
@@ -350,10 +350,16 @@ class CheckpointManager:
             tensors, live = [tensor_at(buf, s) for s in specs], 0
         else:
             landing = transfer.Landing(specs, into(specs) if into is not None else None)
-            if me == src and receivers:
-                transfer.send(buf, chunks, chain=chain, group=self._ctl, check=check, landing=landing)
-            elif me in holders:
-                self._land_own(buf, chunks, landing, check)
+            if me in holders:  # read from the slot into the live tensors, hashed, sent on from there
+                try:
+                    if me == src and receivers:
+                        transfer.send(
+                            reader, chunks, chain=chain, group=self._ctl, check=check, landing=landing
+                        )
+                    else:
+                        transfer.land_own(reader, chunks, landing, check)
+                finally:
+                    reader.close()
             else:
                 transfer.receive(chunks, landing, chain=chain, rank=self._global(me), group=self._ctl)
             tensors, live = landing.tensors, landing.live
@@ -380,17 +386,6 @@ class CheckpointManager:
         return Restored(
             step=step, state=state, source=source, holder_rank=src if source == "memory" else None
         )
-
-    @staticmethod
-    def _land_own(
-        buf: torch.Tensor, chunks: Sequence[transfer.Chunk], landing: transfer.Landing, check: Any
-    ) -> None:
-        """Land this rank's own snapshot, each chunk hashed right before it is copied."""
-        for start, end, _ in chunks:
-            data = buf[start:end]
-            if check is not None:
-                check.update(data)
-            landing.land(start, data)
 
     def _torn_anywhere(self, check: DataCheck | None, held: Held | None) -> bool:
         """The verdict (collective): whether any rank's slot failed its checksum while it was read; that

@@ -161,6 +161,40 @@ class DataCheck:
         return self._read == self._nbytes and self._hash.intdigest() == self._expected
 
 
+class SlotReader:
+    """Reads a slot's data with ``pread`` straight into the tensors it lands in.
+
+    A restarted worker has the snapshot file mapped but none of its pages in its page table: reading the
+    mapping faults every 4 KiB page in (measured here: the faults cost about twice the copy itself, about
+    0.3 s per GB). ``pread`` copies from the tmpfs pages into the destination in the kernel, with no fault.
+
+    Args:
+        path: the snapshot file.
+        offset: where the slot's data starts in it.
+    """
+
+    def __init__(self, path: str, offset: int) -> None:
+        self._fd = os.open(path, os.O_RDONLY)
+        self._offset = offset
+
+    def read_into(self, start: int, dest: torch.Tensor) -> None:
+        """Fill ``dest`` (a contiguous uint8 tensor) with the data's bytes from ``start`` on.
+
+        Raises:
+            CheckpointError: the file ended first (it was truncated under the reader).
+        """
+        view = memoryview(dest.numpy()).cast("B")  # type: ignore[arg-type]  # a numpy array is a buffer
+        done = 0
+        while done < view.nbytes:
+            n = os.preadv(self._fd, [view[done:]], self._offset + start + done)
+            if n <= 0:
+                raise CheckpointError(f"shared-memory snapshot ended while a restore read it ({n})")
+            done += n
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
 @dataclass(slots=True)
 class SaveStats:
     """What each snapshot costs the training thread, recorded only when ``record`` is set (a benchmark).
@@ -442,6 +476,10 @@ class MemorySnapshot:
         if self._newest == slot:
             self._newest = None
         log.warning("memory_snapshot_torn", path=self.path, slot=slot)
+
+    def reader(self, slot: int) -> SlotReader:
+        """A reader of ``slot``'s data through the file (see :class:`SlotReader`); close it after use."""
+        return SlotReader(self.path, self._slot_base(slot) + PAGE + self._meta_cap)
 
     def data(self, slot: int, nbytes: int) -> torch.Tensor:
         """The data region of ``slot`` as a uint8 tensor view (valid until that slot is rewritten)."""

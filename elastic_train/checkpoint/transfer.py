@@ -49,6 +49,12 @@ class Check(Protocol):
     def update(self, data: torch.Tensor) -> None: ...
 
 
+class Reader(Protocol):
+    """Where a holder reads its state from (:class:`~elastic_train.checkpoint.memory.SlotReader`)."""
+
+    def read_into(self, start: int, dest: torch.Tensor) -> None: ...
+
+
 def plan(specs: Sequence[TensorSpec], nbytes: int) -> list[Chunk]:
     """The chunks the flat state of ``specs`` (``nbytes`` in all) travels in: in order, covering every byte.
 
@@ -171,7 +177,7 @@ def recv_meta(*, src: int, group: Any) -> Any:
 
 
 def send(
-    buf: torch.Tensor,
+    source: torch.Tensor | Reader,
     chunks: Sequence[Chunk],
     *,
     chain: Sequence[int],
@@ -179,25 +185,59 @@ def send(
     check: Check | None = None,
     landing: Landing | None = None,
 ) -> None:
-    """The holder's side: the flat bytes ``buf`` along ``chain`` (global ranks, the holder first).
+    """The holder's side: the flat state along ``chain`` (global ranks, the holder first).
 
     Args:
-        buf: the state's flat bytes.
+        source: the state's flat bytes (a checkpoint read from storage: sent from there), or a reader of a
+            shared-memory slot (each chunk is read into the holder's own ``landing`` first, hashed by
+            ``check`` and sent from there).
         chunks: :func:`plan` of the state.
         chain: the holder, then every receiver in the order the bytes pass them.
         group: the process group of the chain's ranks.
         check: hashes each chunk right before it goes out (the caller asks it for the verdict afterwards).
-        landing: the holder's own tensors: each chunk lands there once sent.
+        landing: the holder's own tensors (required with a reader).
     """
-    nxt = chain[1] if len(chain) > 1 else None
+    _pump(source, chunks, chain[1] if len(chain) > 1 else None, group, check, landing)
+
+
+def land_own(source: Reader, chunks: Sequence[Chunk], landing: Landing, check: Check | None) -> None:
+    """A holder that sends to nobody: its own slot read into ``landing``, each chunk hashed by ``check``."""
+    _pump(source, chunks, None, None, check, landing)
+
+
+def _pump(
+    source: torch.Tensor | Reader,
+    chunks: Sequence[Chunk],
+    nxt: int | None,
+    group: Any,
+    check: Check | None,
+    landing: Landing | None,
+) -> None:
+    bounce = []
+    if not isinstance(source, torch.Tensor):
+        assert landing is not None
+        loose = max((e - s for s, e, d in chunks if not d), default=0)
+        bounce = [torch.empty(loose, dtype=torch.uint8) for _ in range(WINDOW + 1)] if loose else []
     pending: collections.deque[Any] = collections.deque()
-    for k, (start, end, _) in enumerate(chunks):
-        data = buf[start:end]
+    used = 0
+    for k, (start, end, direct) in enumerate(chunks):
+        if isinstance(source, torch.Tensor):
+            data = source[start:end]
+        else:
+            # Read where it lands (a big tensor's chunk) or into a bounce buffer, reused WINDOW + 1 loose
+            # chunks later (its send is done by then); then hashed and sent from there.
+            if direct:
+                assert landing is not None
+                data = landing.target(start, end)
+            else:
+                data = bounce[used % len(bounce)][: end - start]
+                used += 1
+            source.read_into(start, data)
         if check is not None:
             check.update(data)
         if nxt is not None:
             pending.append(dist.isend(data, dst=nxt, group=group, tag=k))
-        if landing is not None:
+        if landing is not None and (isinstance(source, torch.Tensor) or not direct):
             landing.land(start, data)
         if len(pending) >= WINDOW:
             pending.popleft().wait()
