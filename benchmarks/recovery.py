@@ -269,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     load_start = os.getloadavg()
     bandwidth = loopback_bandwidth()
     print(f"loopback TCP: {bandwidth / 1e6:.0f} MB/s", flush=True)
-    runs = []
+    runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="et-recovery-") as tmp:
         for mb in sizes:
             need = 3 * MEMORY_FACTOR * mb * (1 << 20) + HEADROOM

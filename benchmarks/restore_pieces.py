@@ -5,7 +5,8 @@ that a restore figure can be read as the sum of them:
 
 - ``hash``: xxh3-64 (the slot checksum) over a state already in memory, one pass and per bucket (streaming);
 - ``first touch``: reading a shared-memory snapshot a new process has just mapped (page-table faults), plain
-  and with ``MAP_POPULATE``;
+  and with ``MAP_POPULATE``, and a holder's read per chunk: from a fresh mapping (hash, copy into the live
+  tensor) against ``pread`` into the live tensor and hash it there (what a restore does now);
 - ``socket``: one TCP stream over 127.0.0.1 (what recovery.py calls the loopback bandwidth);
 - ``gloo``: the same bytes from one process to another as gloo broadcasts and as send/recv, per bucket size
   and number in flight, and the fixed cost of an object broadcast / all_gather of a small object.
@@ -89,6 +90,32 @@ def first_touch(nbytes: int, directory: str) -> dict[str, float]:
             out[f"{name}_map_s"], out[f"{name}_map_and_hash_s"] = mapped, total
         resident = torch.ones(nbytes, dtype=torch.uint8)
         out["resident_hash_s"] = _best(lambda: xxhash.xxh3_64_intdigest(resident.numpy().data))
+        # What a restore's holder does per chunk: from a fresh mapping (faults, hash, copy into the live
+        # tensor) against pread into the live tensor and hash it there (memory.SlotReader).
+        dest = resident.numpy().data
+
+        def mapped_copy() -> None:
+            fd = os.open(path, os.O_RDONLY)
+            mm = mmap.mmap(fd, nbytes, prot=mmap.PROT_READ)
+            os.close(fd)
+            src = memoryview(mm)
+            h = xxhash.xxh3_64()
+            for s in range(0, nbytes, 8 * MIB):
+                h.update(src[s : s + 8 * MIB])
+                dest[s : s + 8 * MIB] = src[s : s + 8 * MIB]
+            del src
+            mm.close()
+
+        def pread() -> None:
+            fd = os.open(path, os.O_RDONLY)
+            h = xxhash.xxh3_64()
+            for s in range(0, nbytes, 8 * MIB):
+                os.preadv(fd, [dest[s : s + 8 * MIB]], s)
+                h.update(dest[s : s + 8 * MIB])
+            os.close(fd)
+
+        out["mapped_hash_copy_s"] = _best(mapped_copy)
+        out["pread_hash_s"] = _best(pread)
     finally:
         os.unlink(path)
     return out
