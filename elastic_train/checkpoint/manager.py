@@ -273,15 +273,17 @@ class CheckpointManager:
             CheckpointError: storage failure, an unreadable ``resume_from`` or a model mismatch.
         """
         started = time.perf_counter()
+        again: int | None = None
         # Each failed attempt marks one torn slot at least: a bounded number of them, the same on every rank.
         for _ in range(self.world_size * SLOTS + 1):
-            result = self._restore_once(model, into, started)
+            result = self._restore_once(model, into, started, again)
             if result is not _RETRY:
                 return result  # type: ignore[return-value]
+            again = self.stamp
         raise CheckpointError("restore: every shared-memory snapshot found failed its checksum")
 
     def _restore_once(
-        self, model: Mapping[str, Any] | None, into: Any, started: float
+        self, model: Mapping[str, Any] | None, into: Any, started: float, again: int | None
     ) -> Restored | object | None:
         """One attempt of :meth:`restore`; :data:`_RETRY` when a slot read on some rank was torn."""
         # Header and metadata verified here; the data as it is read below (DataCheck).
@@ -295,7 +297,8 @@ class CheckpointManager:
         if self.rank == 0 or not self.coordinated:
             try:
                 decision, loaded = self._decide(mem_steps)
-                decision = dataclasses.replace(decision, stamp=self._record_start(decision))
+                # A second attempt (a torn slot) records its base again under the same round.
+                decision = dataclasses.replace(decision, stamp=self._record_start(decision, again))
             except CheckpointError as exc:  # every rank raises it, of the same kind
                 decision = RestoreDecision(error=str(exc), setup_error=isinstance(exc, CheckpointSetupError))
         if self.coordinated:
@@ -400,14 +403,14 @@ class CheckpointManager:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._ctl)
         return bool(flag.item())
 
-    def _record_start(self, decision: RestoreDecision) -> int | None:
+    def _record_start(self, decision: RestoreDecision, again: int | None = None) -> int | None:
         """Rank 0 of a world in a rendezvous round records where it starts (the stale-writer rule reads it);
-        the round its checkpoints are stamped with."""
+        the round its checkpoints are stamped with (``again``: the one an earlier attempt recorded)."""
         if self.link.round is None:
             return None
         base = decision.chosen.step if decision.chosen is not None else 0
         try:
-            return durable.record_start(self.storage, self.run_path, self.link.round, base)
+            return durable.record_start(self.storage, self.run_path, self.link.round, base, again=again)
         except StorageError as exc:  # the manifests' own records still fence later; not worth a restart
             log.warning("lineage_not_recorded", round=self.link.round, base=base, error=str(exc))
             return self.link.round

@@ -119,3 +119,23 @@ def test_a_torn_only_snapshot_and_nothing_else_is_nothing_to_restore(memdir, tmp
     m = CheckpointManager(cfg, "run", rank=0, world_size=1, local_rank=0)
     assert m.restore() is None
     m.close(release_memory=True)
+
+
+def test_a_restore_that_looks_again_records_its_final_base_under_the_same_round(memdir, tmp_path) -> None:
+    from elastic_train.agentlink import AgentLink
+    from elastic_train.checkpoint import durable
+    from elastic_train.checkpoint.storage import open_storage
+
+    cfg = CheckpointConfig(url=str(tmp_path / "c"), memory_dir=memdir, every_steps=0)
+    saver = CheckpointManager(cfg, "run", rank=0, world_size=1, local_rank=0)
+    for step in (1, 2, 3):
+        saver.save(step, big_state(step))
+    saver.close()
+    _tear_newest(memdir, "run", 0.5)
+    m = CheckpointManager(cfg, "run", rank=0, world_size=1, local_rank=0, link=AgentLink(None, 4))
+    restored = m.restore()
+    assert restored is not None and restored.step == 2
+    assert m.stamp == 4 and m.base == 2  # not round 5: the first attempt's record is replaced, not added to
+    storage = open_storage(cfg.url)
+    assert durable.read_lineage(storage, storage.join(storage.root, "run")) == [(4, 2)]
+    m.close(release_memory=True)
