@@ -180,12 +180,90 @@ def gloo_rates(nbytes: int, cases: list[tuple[str, int, int]]) -> dict[str, floa
     return results
 
 
+def _restore_worker(rank: int, port: int, nbytes: int, memdir: str, out: Any) -> None:
+    """One rank of :func:`restore_once`: rank 0 holds the snapshot (a fresh process mapping it), rank 1
+    receives into a live tensor of the state's shape."""
+    from elastic_train.checkpoint import CheckpointConfig, CheckpointManager
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    cfg = CheckpointConfig(url=os.path.join(memdir, "ck"), every_steps=0, memory_dir=memdir)
+    # rank 1 looks in a run whose snapshot does not exist: it holds nothing
+    m = CheckpointManager(
+        cfg, "pieces" if rank == 0 else "none", rank=rank, world_size=2, local_rank=0, group=dist.group.WORLD
+    )
+    live = torch.zeros(nbytes // 4)
+    dist.barrier()
+    t, c = time.perf_counter(), time.process_time()
+    restored = m.restore(into=lambda specs: [live if s.path == "/w" else None for s in specs])
+    wall, cpu = time.perf_counter() - t, time.process_time() - c
+    assert restored is not None and restored.state["w"] is live
+    out.put((rank, wall, cpu))
+    m.close()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def restore_once(nbytes: int) -> dict[str, float]:
+    """A whole memory restore with one receiver: seconds (wall and process CPU) on the holder and the
+    receiver, both fresh processes (as after a restart), the holder's snapshot written by another one."""
+    from elastic_train.checkpoint import CheckpointConfig, CheckpointManager
+
+    with tempfile.TemporaryDirectory(dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as memdir:
+        os.environ["ELASTIC_TRAIN_SHM_OWNER"] = str(os.getpid())
+        cfg = CheckpointConfig(url=os.path.join(memdir, "ck"), every_steps=0, memory_dir=memdir)
+        saver = CheckpointManager(cfg, "pieces", rank=0, world_size=1, local_rank=0)
+        saver.save(1, {"w": torch.rand(nbytes // 4), "step": 1})
+        saver.close()
+        del saver
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        ctx = mp.get_context("spawn")
+        q = ctx.Queue()
+        procs = [ctx.Process(target=_restore_worker, args=(r, port, nbytes, memdir, q)) for r in range(2)]
+        for p in procs:
+            p.start()
+        got = sorted(q.get(timeout=600) for _ in procs)
+        for p in procs:
+            p.join(60)
+    return {
+        "holder_s": got[0][1],
+        "receiver_s": got[1][1],
+        "holder_cpu_s": got[0][2],
+        "receiver_cpu_s": got[1][2],
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--mb", type=int, default=1000, help="state size in MiB")
     p.add_argument("--json", metavar="FILE", help="write the results here")
+    p.add_argument(
+        "--restore",
+        type=int,
+        metavar="N",
+        help="only time N whole restores with one receiver (paired with another checkout's PYTHONPATH)",
+    )
     args = p.parse_args(argv)
     nbytes = args.mb * MIB
+    if args.restore:
+        for _ in range(args.restore):
+            bw = loopback_bandwidth()
+            r = restore_once(nbytes)
+            print(
+                json.dumps(
+                    {
+                        "load": os.getloadavg()[0],
+                        "socket_MBps": round(bw / 1e6),
+                        "ideal_s": round(nbytes / bw, 3),
+                        **{k: round(v, 3) for k, v in r.items()},
+                        "receiver_over_ideal": round(r["receiver_s"] / (nbytes / bw), 2),
+                    }
+                ),
+                flush=True,
+            )
+        return 0
     load = os.getloadavg()
     bw = loopback_bandwidth()
     res: dict[str, Any] = {"mb": args.mb, "load_start": load, "socket_bytes_per_s": bw}
