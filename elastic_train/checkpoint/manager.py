@@ -312,21 +312,21 @@ class CheckpointManager:
             log.info("restore_nothing_found", run=self.run_path)
             return None
         source, step, holder = decision.chosen.source, decision.chosen.step, decision.chosen.holder
-        world = self.world_size if self.coordinated else 1
-        me = self.rank if self.coordinated else 0
-        if source == "memory":
+        me = self.rank
+        if not self.coordinated:  # this rank decided alone, on what it found itself
+            holders, src = [me], me
+        elif source == "memory":
             # Every rank that holds the step lands its own (nothing is sent to it); the lowest one sends.
             holders = [r for r, s in enumerate(mem_steps) if s == step]
             src = holders[0] if holder is None else holder
         else:  # a checkpoint rank 0 read from storage (and verified)
             holders, src = [0], 0
-        receivers = [r for r in range(world) if r not in holders]
+        receivers = [r for r in range(self.world_size) if r not in holders] if self.coordinated else []
         chain = [self._global(r) for r in [src, *receivers]] if receivers else []
         check: DataCheck | None = None
         if me in holders and source == "memory":
             assert held is not None and self.memory is not None and held.step == step
             skeleton, specs, nbytes = held.skeleton, list(held.specs), held.nbytes
-            reader = self.memory.reader(held.slot)
             if held.data_sum is not None:
                 check = DataCheck(held.data_sum, held.nbytes)
         elif me in holders:
@@ -354,6 +354,8 @@ class CheckpointManager:
         else:
             landing = transfer.Landing(specs, into(specs) if into is not None else None)
             if me in holders:  # read from the slot into the live tensors, hashed, sent on from there
+                assert held is not None and self.memory is not None
+                reader = self.memory.reader(held.slot)
                 try:
                     if me == src and receivers:
                         transfer.send(
