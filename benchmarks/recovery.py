@@ -150,6 +150,9 @@ def breakdown(
     # the state into model and optimizer), as the slowest rank logged them.
     for key in ("find_s", "broadcast_s"):
         out[key] = max((float(r[key]) for r in restored if key in r), default=None)
+    # Ranks the state was sent to: the joiner, and a survivor whose newest snapshot is a step behind (its
+    # worker was stopped before it sealed the step the other survivor did).
+    out["receivers"] = max((int(r["receivers"]) for r in restored if "receivers" in r), default=None)
     return out
 
 
@@ -221,6 +224,8 @@ def targets(runs: list[dict[str, Any]], bandwidth: float) -> list[dict[str, Any]
             text = f"{r['state_mb']:g} MB {kind}: {b['restore']:.2f} s = {ratio:.2f}x"
             if not b.get("broadcast_s"):
                 text += " (own snapshots, nothing sent)"
+            elif (b.get("receivers") or 1) > 1:
+                text += f" ({b['receivers']} receivers: a survivor was a step behind)"
             if b.get("broadcast_s") and r["state_mb"] >= MIN_MB:
                 rows.append((ratio, text))
                 if b.get("broadcast_s"):
@@ -264,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     load_start = os.getloadavg()
     bandwidth = loopback_bandwidth()
     print(f"loopback TCP: {bandwidth / 1e6:.0f} MB/s", flush=True)
-    runs = []
+    runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="et-recovery-") as tmp:
         for mb in sizes:
             need = 3 * MEMORY_FACTOR * mb * (1 << 20) + HEADROOM
@@ -294,6 +299,7 @@ def main(argv: list[str] | None = None) -> int:
                 row["restore / ideal"] = b["restore"] / ideal if ideal else None
                 row["of which find s"] = b.get("find_s")
                 row["of which broadcast s"] = b.get("broadcast_s")
+                row["receivers"] = b.get("receivers")
             figures.append(row)
         if "error" in r:
             figures.append({"state MB": r["state_mb"], "error": r["error"]})

@@ -337,9 +337,12 @@ def read_lineage(storage: Storage, run_path: str) -> list[tuple[int, int]]:
     ]
 
 
-def record_start(storage: Storage, run_path: str, round: int, base: int) -> int:
+def record_start(storage: Storage, run_path: str, round: int, base: int, *, again: int | None = None) -> int:
     """Record that the world of rendezvous round ``round`` starts from step ``base`` (before it trains a
     step); returns the round its checkpoints carry.
+
+    ``again``: the round this world already recorded (its restore found the chosen snapshot torn and looked
+    again): that record's base is replaced and the round kept.
 
     From then on a stale world's checkpoint past ``base`` is left behind, even before this world commits
     one. The returned round is ``round``, or one more than any round the run's directory already holds when
@@ -353,7 +356,7 @@ def record_start(storage: Storage, run_path: str, round: int, base: int) -> int:
     except StorageError:
         names = []
     seen = [r for r, _ in records] + [r for r in map(step_dir_round, names) if r is not None]
-    stamp = max([round, *(r + 1 for r in seen if r >= round)])
+    stamp = again if again is not None else max([round, *(r + 1 for r in seen if r >= round)])
     kept = [{"round": r, "base": b} for r, b in records if r < stamp]
     kept.append({"round": stamp, "base": base})
     storage.write_small(storage.join(run_path, LINEAGE), json.dumps(kept[-LINEAGE_KEEP:]).encode())

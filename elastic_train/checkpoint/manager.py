@@ -49,7 +49,14 @@ from elastic_train.checkpoint.errors import (
     StorageError,
     WriteFailed,
 )
-from elastic_train.checkpoint.memory import MemorySnapshot, snapshot_files, sweep_stale
+from elastic_train.checkpoint.memory import (
+    SLOTS,
+    DataCheck,
+    Held,
+    MemorySnapshot,
+    snapshot_files,
+    sweep_stale,
+)
 from elastic_train.checkpoint.plan import Planned
 from elastic_train.checkpoint.policy import (
     SHARE_ALIGN,
@@ -107,7 +114,9 @@ class RestoreDecision:
             raise (CheckpointSetupError if self.setup_error else CheckpointError)(self.error)
 
 
-#: Bytes per broadcast (or chain hop) of a restored state, and sends in flight at once.
+#: What an attempt of :meth:`CheckpointManager.restore` returns when a slot turned out torn on some rank.
+_RETRY = object()
+#: Bytes per message (chain hop) of a restored state at most, and messages in flight at once.
 BROADCAST_BUCKET = transfer.BUCKET
 BROADCAST_WINDOW = transfer.WINDOW
 #: Attempts for the final checkpoint (whatever ``on_error`` says): it is the job's result.
@@ -243,6 +252,12 @@ class CheckpointManager:
     ) -> Restored | None:
         """Collective: find the newest valid state (memory on any rank, durable, then ``cfg.resume_from``).
 
+        A rank that holds the chosen step in its shared-memory snapshot lands its own; the holder sends it
+        to the ranks without it. A slot's data is verified as it is read — each chunk hashed right before
+        it is sent or landed — and the ranks agree on the verdict afterwards: when a slot turns out torn,
+        its rank marks it so and every rank looks again (the next-newest snapshot, or a durable one), so no
+        rank ever keeps bytes that failed their checksum and all end on the same step.
+
         Args:
             model: the current model's ``state_dict()``; when given, a checkpoint of a different model raises
                 :class:`ModelMismatch` (on every rank) instead of failing later in ``load_state_dict``.
@@ -250,7 +265,8 @@ class CheckpointManager:
                 (None where there is none), e.g. :meth:`elastic_train.TrainState.restore_targets`. A tensor
                 of the spec's dtype and shape (contiguous, on the CPU, not requiring grad) receives the
                 restored bytes directly and is the one the returned state holds; it is overwritten as the
-                bytes arrive, so after an error it may hold part of the restored state.
+                bytes arrive, so after an error (or a torn slot found on the way) it may hold other bytes
+                until the restore returns.
 
         Returns:
             The state, the same on every rank, or None when there is none anywhere.
@@ -259,7 +275,21 @@ class CheckpointManager:
             CheckpointError: storage failure, an unreadable ``resume_from`` or a model mismatch.
         """
         started = time.perf_counter()
-        held = self.memory.newest_valid() if self.memory is not None else None
+        again: int | None = None
+        # Each failed attempt marks one torn slot at least: a bounded number of them, the same on every rank.
+        for _ in range(self.world_size * SLOTS + 1):
+            result = self._restore_once(model, into, started, again)
+            if result is not _RETRY:
+                return result  # type: ignore[return-value]
+            again = self.stamp
+        raise CheckpointError("restore: every shared-memory snapshot found failed its checksum")
+
+    def _restore_once(
+        self, model: Mapping[str, Any] | None, into: Any, started: float, again: int | None
+    ) -> Restored | object | None:
+        """One attempt of :meth:`restore`; :data:`_RETRY` when a slot read on some rank was torn."""
+        # Header and metadata verified here; the data as it is read below (DataCheck).
+        held = self.memory.newest_valid(verify_data=False) if self.memory is not None else None
         mine = held.step if held is not None else None
         mem_steps = self._all_gather(mine) if self.coordinated else [mine]
         if not self.coordinated:
@@ -269,7 +299,8 @@ class CheckpointManager:
         if self.rank == 0 or not self.coordinated:
             try:
                 decision, loaded = self._decide(mem_steps)
-                decision = dataclasses.replace(decision, stamp=self._record_start(decision))
+                # A second attempt (a torn slot) records its base again under the same round.
+                decision = dataclasses.replace(decision, stamp=self._record_start(decision, again))
             except CheckpointError as exc:  # every rank raises it, of the same kind
                 decision = RestoreDecision(error=str(exc), setup_error=isinstance(exc, CheckpointSetupError))
         if self.coordinated:
@@ -283,26 +314,64 @@ class CheckpointManager:
             log.info("restore_nothing_found", run=self.run_path)
             return None
         source, step, holder = decision.chosen.source, decision.chosen.step, decision.chosen.holder
-        if source == "memory" and held is not None and all(s == step for s in mem_steps):
-            # Every rank holds the chosen step in its own snapshot (the survivors of a re-formation, or a
-            # restarted group on the same nodes): each lands its own, nothing is sent (all ranks gathered
-            # the same steps, so all take this branch together).
-            return self._restore_own(held, holder, model, into, started)
-        src_rank = 0 if holder is None else holder  # only a memory snapshot has a holder
-        if self.rank == src_rank:
-            if source == "memory":
-                assert held is not None and self.memory is not None and held.step == step
-                # Sent straight from the slot (no copy first); the slot is rewritten by later snapshots,
-                # so the holder's own state lands in live tensors or a buffer of its own meanwhile.
-                loaded = (held.skeleton, list(held.specs), self.memory.data(held.slot, held.nbytes))
+        me = self.rank
+        if not self.coordinated:  # this rank decided alone, on what it found itself
+            holders, src = [me], me
+        elif source == "memory":
+            # Every rank that holds the step lands its own (nothing is sent to it); the lowest one sends.
+            holders = [r for r, s in enumerate(mem_steps) if s == step]
+            src = holders[0] if holder is None else holder
+        else:  # a checkpoint rank 0 read from storage (and verified)
+            holders, src = [0], 0
+        receivers = [r for r in range(self.world_size) if r not in holders] if self.coordinated else []
+        chain = [self._global(r) for r in [src, *receivers]] if receivers else []
+        check: DataCheck | None = None
+        if me in holders and source == "memory":
+            assert held is not None and self.memory is not None and held.step == step
+            skeleton, specs, nbytes = held.skeleton, list(held.specs), held.nbytes
+            if held.data_sum is not None:
+                check = DataCheck(held.data_sum, held.nbytes)
+        elif me in holders:
             assert loaded is not None
+            skeleton, specs, buf = loaded[0], list(loaded[1]), loaded[2]
+            nbytes = int(buf.numel())
+        if me == src and receivers:
+            transfer.send_meta(
+                (skeleton, [s.to_json() for s in specs], nbytes), dsts=chain[1:], group=self._ctl
+            )
+        elif me not in holders:
+            skeleton, spec_json, nbytes = transfer.recv_meta(src=chain[0], group=self._ctl)
+            specs = [TensorSpec.from_json(s) for s in spec_json]
         found = time.perf_counter()
-        skeleton, specs, nbytes = self._agree_meta(loaded, src_rank)
-        if model is not None:  # before a byte lands anywhere
+        if model is not None:  # before a byte lands anywhere (every rank sees the same specs)
             why = describe_mismatch(fingerprint_from_specs(specs), model_fingerprint({"model": model}) or [])
             if why:
                 raise ModelMismatch(f"checkpoint at step {step} ({source}) is from a different model: {why}")
-        tensors, live = self._land(loaded, specs, nbytes, src_rank, source, into)
+        chunks = transfer.plan(specs, nbytes)
+        if me in holders and source != "memory":
+            # A checkpoint read from storage is this rank's own buffer: its tensors are views into it.
+            if receivers:
+                transfer.send(buf, chunks, chain=chain, group=self._ctl)
+            tensors, live = [tensor_at(buf, s) for s in specs], 0
+        else:
+            landing = transfer.Landing(specs, into(specs) if into is not None else None)
+            if me in holders:  # read from the slot into the live tensors, hashed, sent on from there
+                assert held is not None and self.memory is not None
+                reader = self.memory.reader(held.slot)
+                try:
+                    if me == src and receivers:
+                        transfer.send(
+                            reader, chunks, chain=chain, group=self._ctl, check=check, landing=landing
+                        )
+                    else:
+                        transfer.land_own(reader, chunks, landing, check)
+                finally:
+                    reader.close()
+            else:
+                transfer.receive(chunks, landing, chain=chain, rank=self._global(me), group=self._ctl)
+            tensors, live = landing.tensors, landing.live
+        if source == "memory" and self._torn_anywhere(check, held):
+            return _RETRY
         sent = time.perf_counter()
         state = unflatten(skeleton, tensors)
         self._last_durable_time = time.monotonic()
@@ -312,55 +381,40 @@ class CheckpointManager:
             "restored",
             source=source,
             step=step,
-            holder=holder,
+            holder=src if source == "memory" else None,
             bytes=nbytes,
             live_bytes=live,  # landed straight in the tensors the state is loaded into
-            find_s=round(found - started, 4),  # newest snapshot verified, decision agreed
-            broadcast_s=round(sent - found, 4),  # sent, received and landed
+            own=me in holders and source == "memory",  # this rank held the step: nothing was sent to it
+            receivers=len(receivers),
+            find_s=round(found - started, 4),  # newest snapshot found (header, metadata), decision agreed
+            broadcast_s=round(sent - found, 4) if receivers else 0.0,  # sent, received, landed, verified
             seconds=round(time.perf_counter() - started, 4),
         )
         return Restored(
-            step=step, state=state, source=source, holder_rank=holder if source == "memory" else None
+            step=step, state=state, source=source, holder_rank=src if source == "memory" else None
         )
 
-    def _restore_own(
-        self, held: Any, holder: int | None, model: Mapping[str, Any] | None, into: Any, started: float
-    ) -> Restored:
-        """Restore from this rank's own memory snapshot, of the chosen step (see :meth:`restore`)."""
-        assert self.memory is not None
-        step = held.step
-        specs = list(held.specs)
-        if model is not None:
-            why = describe_mismatch(fingerprint_from_specs(specs), model_fingerprint({"model": model}) or [])
-            if why:
-                raise ModelMismatch(f"checkpoint at step {step} (memory) is from a different model: {why}")
-        found = time.perf_counter()
-        landing = transfer.Landing(specs, into(specs) if into is not None else None)
-        landing.land_all(self.memory.data(held.slot, held.nbytes))
-        state = unflatten(held.skeleton, landing.tensors)
-        self._last_durable_time = time.monotonic()
-        log.info(
-            "restored",
-            source="memory",
-            step=step,
-            holder=holder,
-            bytes=held.nbytes,
-            live_bytes=landing.live,
-            own=True,  # every rank held the step: none was sent
-            find_s=round(found - started, 4),
-            broadcast_s=0.0,
-            seconds=round(time.perf_counter() - started, 4),
-        )
-        return Restored(step=step, state=state, source="memory", holder_rank=holder)
+    def _torn_anywhere(self, check: DataCheck | None, held: Held | None) -> bool:
+        """The verdict (collective): whether any rank's slot failed its checksum while it was read; that
+        rank marks its slot torn, so the next attempt finds an older one (or none)."""
+        torn = check is not None and not check.ok()
+        if torn:
+            assert self.memory is not None and held is not None
+            self.memory.invalidate(held.slot)
+        if not self.coordinated:
+            return torn
+        flag = torch.tensor([int(torn)], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._ctl)
+        return bool(flag.item())
 
-    def _record_start(self, decision: RestoreDecision) -> int | None:
+    def _record_start(self, decision: RestoreDecision, again: int | None = None) -> int | None:
         """Rank 0 of a world in a rendezvous round records where it starts (the stale-writer rule reads it);
-        the round its checkpoints are stamped with."""
+        the round its checkpoints are stamped with (``again``: the one an earlier attempt recorded)."""
         if self.link.round is None:
             return None
         base = decision.chosen.step if decision.chosen is not None else 0
         try:
-            return durable.record_start(self.storage, self.run_path, self.link.round, base)
+            return durable.record_start(self.storage, self.run_path, self.link.round, base, again=again)
         except StorageError as exc:  # the manifests' own records still fence later; not worth a restart
             log.warning("lineage_not_recorded", round=self.link.round, base=base, error=str(exc))
             return self.link.round
@@ -404,53 +458,6 @@ class CheckpointManager:
         out: list[Any] = [None] * self.world_size
         dist.all_gather_object(out, obj, group=group or self._ctl)
         return out
-
-    def _agree_meta(self, loaded: Any, src: int) -> tuple[Any, list[TensorSpec], int]:
-        """(skeleton, specs, bytes) of the state ``src`` holds, on every rank."""
-        if not self.coordinated:
-            skeleton, specs, buf = loaded
-            return skeleton, list(specs), int(buf.numel())
-        meta: list[Any] = [None]
-        if self.rank == src:
-            skeleton, specs, buf = loaded
-            meta = [(skeleton, [s.to_json() for s in specs], int(buf.numel()))]
-        dist.broadcast_object_list(meta, src=self._global(src), group=self._ctl)
-        skeleton, spec_json, nbytes = meta[0]
-        return skeleton, [TensorSpec.from_json(s) for s in spec_json], nbytes
-
-    def _land(
-        self, loaded: Any, specs: list[TensorSpec], nbytes: int, src: int, source: str, into: Any
-    ) -> tuple[list[torch.Tensor], int]:
-        """Move the state from ``src`` to every rank; returns this rank's tensors and the bytes that landed
-        in live tensors (see :mod:`elastic_train.checkpoint.transfer`)."""
-        buf = loaded[2] if self.rank == src else None
-        if buf is not None and source != "memory":
-            # A checkpoint read from storage is this rank's own buffer: its tensors are views into it.
-            if self.coordinated:
-                transfer.send(buf, **self._peers(src))
-            return [tensor_at(buf, s) for s in specs], 0
-        landing = transfer.Landing(specs, into(specs) if into is not None else None)
-        if buf is None:
-            transfer.receive(nbytes, landing, **self._peers(src))
-            return landing.tensors, landing.live
-        # The holder of a memory snapshot: its own state lands while the slot's bytes are sent.
-        copier = threading.Thread(target=landing.land_all, args=(buf,), name="ckpt-restore-copy")
-        copier.start()
-        try:
-            if self.coordinated:
-                transfer.send(buf, **self._peers(src))
-        finally:
-            copier.join()
-        return landing.tensors, landing.live
-
-    def _peers(self, src: int) -> dict[str, Any]:
-        return {
-            "src": src,
-            "world": self.world_size,
-            "rank": self.rank,
-            "group": self._ctl,
-            "glob": self._global,
-        }
 
     # -- save --------------------------------------------------------------------------------------------
     def save(self, step: int, state: Mapping[str, Any] | Callable[[], Mapping[str, Any] | Flat]) -> None:

@@ -1,31 +1,79 @@
-"""Moving a restored flat state from its holder to every rank, straight into the tensors it ends up in.
+"""Moving a restored flat state from its holder to the ranks without it, straight into its tensors.
 
-The holder sends the flat bytes (its shared-memory slot, or a durable checkpoint it read) in buckets of
-:data:`BUCKET` bytes, :data:`WINDOW` in flight: to one receiver as broadcasts, to two or more along a
-pipelined chain (holder → next rank → …), so the state crosses each link once.
+The holder sends the flat bytes (its shared-memory slot, or a durable checkpoint it read) to the ranks that
+do not hold the step, in chunks of at most :data:`BUCKET` bytes, :data:`WINDOW` in flight, as point-to-point
+messages along a pipelined chain (holder → first receiver → …): the state crosses each link once, and ranks
+that hold the step themselves take no part. Before a chunk of a shared-memory slot goes out, the holder
+hashes it (:class:`~elastic_train.checkpoint.memory.DataCheck`): the slot is verified while it is sent, in
+the same pass that brings its pages in, and the restore's verdict afterwards says whether the bytes may be
+used.
 
-A receiver does not collect the state in a buffer of its own first: each bucket arrives in one of a few
-reused bounce buffers (already in memory, so the receive never waits for fresh pages) and is copied at
-once to where its bytes belong — a *live* tensor the state will be loaded into (the model's parameters, an
-optimizer's existing buffers: :class:`Landing` takes them where dtype and shape match), or a compact
-buffer for the rest. Loading the state then finds the parameters already holding it (``copy_`` of a
-tensor onto itself returns at once), so the bytes are written once between the socket and the model.
+Both ends cut the state the same way (:func:`plan`, from its tensor specs alone): a tensor of at least
+:data:`DIRECT_MIN` bytes travels in chunks that lie inside it, which a receiver receives straight into where
+the tensor lands; the small tensors and the alignment gaps between them travel together, through one of a
+few reused bounce buffers, and are copied to their places. Where they land is :class:`Landing`: a *live*
+tensor the state will be loaded into (the model's parameters, an optimizer's existing buffers, where dtype
+and shape match), or a compact buffer for the rest. Loading the state then finds the parameters already
+holding it (``copy_`` of a tensor onto itself returns at once), so the bytes are written once between the
+socket and the model, and the big ones by the socket itself.
 """
 
 from __future__ import annotations
 
+import bisect
 import collections
-from collections.abc import Callable, Sequence
-from typing import Any
+import pickle
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 from elastic_train.checkpoint.codec import ALIGN, TensorSpec, dtype_of, tensor_at
 
-#: Bytes per broadcast (or chain hop) of a restored state, and sends in flight at once.
+#: Bytes per message (chain hop) of a restored state at most, and messages in flight at once.
 BUCKET = 8 << 20
 WINDOW = 4
+#: A tensor of at least this many bytes is received straight into where it lands (no bounce, no copy).
+DIRECT_MIN = 256 << 10
+#: Tags of the two messages that carry the state's metadata to a receiver (chunk k is tag k).
+_META_TAG = 1 << 28
+
+#: One chunk of the flat state: (start, end, direct): ``direct`` chunks lie inside one tensor's bytes.
+Chunk = tuple[int, int, bool]
+
+
+class Check(Protocol):
+    """What hashes a holder's bytes as they are read (:class:`~elastic_train.checkpoint.memory.DataCheck`)."""
+
+    def update(self, data: torch.Tensor) -> None: ...
+
+
+class Reader(Protocol):
+    """Where a holder reads its state from (:class:`~elastic_train.checkpoint.memory.SlotReader`)."""
+
+    def read_into(self, start: int, dest: torch.Tensor) -> None: ...
+
+
+def plan(specs: Sequence[TensorSpec], nbytes: int) -> list[Chunk]:
+    """The chunks the flat state of ``specs`` (``nbytes`` in all) travels in: in order, covering every byte.
+
+    Every rank computes the same plan from the specs: a tensor of at least :data:`DIRECT_MIN` bytes is cut
+    into chunks of its own (received in place); the bytes between such tensors (small tensors, padding) into
+    chunks of at most :data:`BUCKET`.
+    """
+    out: list[Chunk] = []
+
+    def cut(a: int, b: int, direct: bool) -> None:
+        out.extend((s, min(s + BUCKET, b), direct) for s in range(a, b, BUCKET))
+
+    pos = 0
+    for s in sorted((s for s in specs if s.nbytes >= DIRECT_MIN), key=lambda s: s.offset):
+        cut(pos, s.offset, False)
+        cut(s.offset, s.offset + s.nbytes, True)
+        pos = s.offset + s.nbytes
+    cut(pos, nbytes, False)
+    return out
 
 
 class Landing:
@@ -66,7 +114,15 @@ class Landing:
             if s.nbytes:
                 self._pieces.append((s.offset, s.nbytes, dest.reshape(-1).view(torch.uint8)))
         self._pieces.sort(key=lambda p: p[0])
+        self._starts = [p[0] for p in self._pieces]
         self._next = 0
+
+    def target(self, start: int, end: int) -> torch.Tensor:
+        """Where the flat bytes ``[start, end)``, inside one tensor's bytes (a direct chunk), land."""
+        i = bisect.bisect_right(self._starts, start) - 1
+        offset, n, raw = self._pieces[i]
+        assert offset <= start and end <= offset + n, (start, end, offset, n)
+        return raw[start - offset : end - offset]
 
     def land(self, start: int, data: torch.Tensor) -> None:
         """Copy ``data``, the flat state's bytes from ``start`` on, to their tensors (call in order)."""
@@ -99,79 +155,129 @@ def _fits(t: torch.Tensor, spec: TensorSpec) -> bool:
     )
 
 
+def send_meta(meta: Any, *, dsts: Sequence[int], group: Any) -> None:
+    """The holder's side: the state's metadata (any picklable object) to each of ``dsts`` (global ranks)."""
+    payload = torch.frombuffer(bytearray(pickle.dumps(meta)), dtype=torch.uint8)
+    size = torch.tensor([payload.numel()], dtype=torch.int64)
+    works: list[Any] = []
+    for dst in dsts:
+        works.append(dist.isend(size, dst=dst, group=group, tag=_META_TAG))
+        works.append(dist.isend(payload, dst=dst, group=group, tag=_META_TAG + 1))
+    for w in works:
+        w.wait()
+
+
+def recv_meta(*, src: int, group: Any) -> Any:
+    """A receiver's side of :func:`send_meta` (``src``: the holder's global rank)."""
+    size = torch.zeros(1, dtype=torch.int64)
+    dist.recv(size, src=src, group=group, tag=_META_TAG)
+    payload = torch.empty(int(size.item()), dtype=torch.uint8)
+    dist.recv(payload, src=src, group=group, tag=_META_TAG + 1)
+    return pickle.loads(payload.numpy().tobytes())
+
+
 def send(
-    buf: torch.Tensor, *, src: int, world: int, rank: int, group: Any, glob: Callable[[int], int]
+    source: torch.Tensor | Reader,
+    chunks: Sequence[Chunk],
+    *,
+    chain: Sequence[int],
+    group: Any,
+    check: Check | None = None,
+    landing: Landing | None = None,
 ) -> None:
-    """The holder's side: the flat bytes ``buf`` to every other rank of ``group`` (ranks are group ranks;
-    ``glob`` maps one to its global rank)."""
-    _move(buf, int(buf.numel()), None, src=src, world=world, rank=rank, group=group, glob=glob)
+    """The holder's side: the flat state along ``chain`` (global ranks, the holder first).
+
+    Args:
+        source: the state's flat bytes (a checkpoint read from storage: sent from there), or a reader of a
+            shared-memory slot (each chunk is read into the holder's own ``landing`` first, hashed by
+            ``check`` and sent from there).
+        chunks: :func:`plan` of the state.
+        chain: the holder, then every receiver in the order the bytes pass them.
+        group: the process group of the chain's ranks.
+        check: hashes each chunk right before it goes out (the caller asks it for the verdict afterwards).
+        landing: the holder's own tensors (required with a reader).
+    """
+    _pump(source, chunks, chain[1] if len(chain) > 1 else None, group, check, landing)
+
+
+def land_own(source: Reader, chunks: Sequence[Chunk], landing: Landing, check: Check | None) -> None:
+    """A holder that sends to nobody: its own slot read into ``landing``, each chunk hashed by ``check``."""
+    _pump(source, chunks, None, None, check, landing)
+
+
+def _pump(
+    source: torch.Tensor | Reader,
+    chunks: Sequence[Chunk],
+    nxt: int | None,
+    group: Any,
+    check: Check | None,
+    landing: Landing | None,
+) -> None:
+    bounce = []
+    if not isinstance(source, torch.Tensor):
+        assert landing is not None
+        loose = max((e - s for s, e, d in chunks if not d), default=0)
+        bounce = [torch.empty(loose, dtype=torch.uint8) for _ in range(WINDOW + 1)] if loose else []
+    pending: collections.deque[Any] = collections.deque()
+    used = 0
+    for k, (start, end, direct) in enumerate(chunks):
+        if isinstance(source, torch.Tensor):
+            data = source[start:end]
+        else:
+            # Read where it lands (a big tensor's chunk) or into a bounce buffer, reused WINDOW + 1 loose
+            # chunks later (its send is done by then); then hashed and sent from there.
+            if direct:
+                assert landing is not None
+                data = landing.target(start, end)
+            else:
+                data = bounce[used % len(bounce)][: end - start]
+                used += 1
+            source.read_into(start, data)
+        if check is not None:
+            check.update(data)
+        if nxt is not None:
+            pending.append(dist.isend(data, dst=nxt, group=group, tag=k))
+        if landing is not None and (isinstance(source, torch.Tensor) or not direct):
+            landing.land(start, data)
+        if len(pending) >= WINDOW:
+            pending.popleft().wait()
+    while pending:
+        pending.popleft().wait()
 
 
 def receive(
-    nbytes: int, landing: Landing, *, src: int, world: int, rank: int, group: Any, glob: Callable[[int], int]
+    chunks: Sequence[Chunk], landing: Landing, *, chain: Sequence[int], rank: int, group: Any
 ) -> None:
-    """A receiver's side: ``nbytes`` of flat state from ``src``, each bucket landed as it arrives (and, in a
-    chain, forwarded to the next rank)."""
-    _move(None, nbytes, landing, src=src, world=world, rank=rank, group=group, glob=glob)
-
-
-def _move(
-    buf: torch.Tensor | None,
-    nbytes: int,
-    landing: Landing | None,
-    *,
-    src: int,
-    world: int,
-    rank: int,
-    group: Any,
-    glob: Callable[[int], int],
-) -> None:
-    bounce = (
-        [torch.empty(min(BUCKET, nbytes), dtype=torch.uint8) for _ in range(WINDOW + 1)]
-        if buf is None
-        else []
-    )
-    starts = range(0, nbytes, BUCKET)
-
-    def bucket(k: int, start: int) -> torch.Tensor:
-        if buf is not None:
-            return buf[start : start + BUCKET]
-        return bounce[k % len(bounce)][: min(BUCKET, nbytes - start)]
-
-    pending: collections.deque[tuple[Any, int, torch.Tensor]] = collections.deque()
+    """A receiver's side: each chunk from its predecessor in ``chain`` (global ranks, the holder first),
+    straight into its tensor (direct chunks) or through a bounce buffer; forwarded to the next rank."""
+    pos = list(chain).index(rank)
+    prev, nxt = chain[pos - 1], chain[pos + 1] if pos + 1 < len(chain) else None
+    loose = max((e - s for s, e, d in chunks if not d), default=0)
+    bounce = [torch.empty(loose, dtype=torch.uint8) for _ in range(WINDOW + 1)] if loose else []
+    pending: collections.deque[tuple[Any, int, torch.Tensor | None]] = collections.deque()
 
     def finish() -> None:
         work, start, data = pending.popleft()
         work.wait()
-        if landing is not None and start >= 0:
+        if data is not None:
             landing.land(start, data)
 
-    if world <= 2:
-        # One receiver: a broadcast per bucket (gloo sends it once), a few in flight; each lands as it ends.
-        for k, start in enumerate(starts):
-            data = bucket(k, start)
-            pending.append((dist.broadcast(data, src=glob(src), group=group, async_op=True), start, data))
-            if len(pending) >= WINDOW:
-                finish()
-        while pending:
-            finish()
-        return
-    # Two or more receivers: a chain src → src+1 → … → src-1; each rank receives bucket k from its
-    # predecessor, lands it and forwards it while bucket k+1 arrives.
-    order = [(src + i) % world for i in range(world)]
-    pos = order.index(rank)
-    prev = glob(order[pos - 1]) if pos > 0 else None
-    nxt = glob(order[pos + 1]) if pos + 1 < world else None
-    for k, start in enumerate(starts):
-        data = bucket(k, start)
-        if prev is not None:
+    used = 0
+    for k, (start, end, direct) in enumerate(chunks):
+        if direct:
+            data = landing.target(start, end)
+        else:
+            # A bounce buffer is reused WINDOW + 1 loose chunks later: its receive (and send) is done by then.
+            data = bounce[used % len(bounce)][: end - start]
+            used += 1
+        if nxt is None:  # the end of the chain: receives in flight, each landed as it ends
+            pending.append((dist.irecv(data, src=prev, group=group, tag=k), start, None if direct else data))
+        else:  # in the middle: received, landed, forwarded while the next one arrives
             dist.recv(data, src=prev, group=group, tag=k)
-            if landing is not None:
+            if not direct:
                 landing.land(start, data)
-        if nxt is not None:
-            # The bounce buffer of bucket k is reused WINDOW + 1 buckets later: its send is done by then.
-            pending.append((dist.isend(data, dst=nxt, group=group, tag=k), -1, data))
-            if len(pending) >= WINDOW:
-                finish()
+            pending.append((dist.isend(data, dst=nxt, group=group, tag=k), start, None))
+        if len(pending) >= WINDOW:
+            finish()
     while pending:
         finish()

@@ -27,7 +27,7 @@ def test_breakdown_splits_a_kill_into_its_phases() -> None:
         _log("node-2", 102.5, "rendezvous_complete", round=2),
         _log("node-0", 104.0, "worker_ready", round=2, restore_s=0.5),
         _log("node-2", 104.2, "worker_ready", round=2, restore_s=0.4),
-        _log("node-2", 104.1, "restored", round=2, bytes=100, find_s=0.05, broadcast_s=0.3),
+        _log("node-2", 104.1, "restored", round=2, bytes=100, find_s=0.05, broadcast_s=0.3, receivers=1),
     ]
     b = recovery.breakdown(fault, events, logs)
     assert b == {
@@ -43,6 +43,7 @@ def test_breakdown_splits_a_kill_into_its_phases() -> None:
         "state_bytes": 100,
         "find_s": 0.05,
         "broadcast_s": 0.3,
+        "receivers": 1,
     }
     assert sum(b[p] for p in recovery.PHASES) == b["total"]
 
