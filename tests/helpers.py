@@ -3,11 +3,14 @@ and the torchrun agents, environment and weight checks of the end-to-end trainin
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -118,6 +121,28 @@ def wait_world(out: Path, world: int, after_round: int, timeout: float) -> dict[
                 return line
         time.sleep(0.1)
     raise AssertionError(f"no training at world {world} after round {after_round}: {worker_lines(out)[-3:]}")
+
+
+def made_once(factory: pytest.TempPathFactory, name: str, make: Callable[[Path], None]) -> Path:
+    """A directory ``name`` that ``make`` fills once per test session, however many xdist workers ask.
+
+    A fault-free reference run takes as long as a test: made once, it is shared by every worker instead of
+    being run again by each worker that gets a test of the module. The first worker to ask runs ``make``
+    under a file lock; the others wait for it and read the result. If ``make`` fails, its test fails and the
+    next worker that asks tries again from an empty directory.
+    """
+    base = factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent  # the session's directory, above each worker's own
+    target = base / name
+    with open(base / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (target / ".made").exists():
+            shutil.rmtree(target, ignore_errors=True)
+            target.mkdir()
+            make(target)
+            (target / ".made").touch()
+    return target
 
 
 # -- end-to-end training runs (tests/integration/test_own_loop.py, test_lightning.py, …) --------------------

@@ -29,6 +29,7 @@ from tests.helpers import (
     assert_same_weights,
     cli,
     final_weights,
+    made_once,
     script_env,
     wait_for_step,
 )
@@ -55,18 +56,22 @@ def env(**extra: str) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
-    """The same script, fault-free, as one plain process (no torchrun: a world of one)."""
-    ck = tmp_path_factory.mktemp("reference")
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), *ARGS, "--checkpoint", str(ck / "ck"), "--root", str(ck / "pl")],
-        cwd=ck,
-        env=env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert (ck / "pl" / "checkpoints" / "last.ckpt").exists(), "Lightning's own ModelCheckpoint wrote nothing"
+    """The same script, fault-free, as one plain process (no torchrun: a world of one); run once a session."""
+
+    def run(ck: Path) -> None:
+        proc = subprocess.run(
+            [sys.executable, str(SCRIPT), *ARGS, "--checkpoint", str(ck / "ck"), "--root", str(ck / "pl")],
+            cwd=ck,
+            env=env(),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        last = ck / "pl" / "checkpoints" / "last.ckpt"
+        assert last.exists(), "Lightning's own ModelCheckpoint wrote nothing"
+
+    ck = made_once(tmp_path_factory, "lightning-reference", run)
     return final_weights(ck / "ck", "default", STEPS)
 
 

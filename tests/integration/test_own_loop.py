@@ -26,6 +26,7 @@ from tests.helpers import (
     assert_resumed_once_each,
     assert_same_weights,
     final_weights,
+    made_once,
     script_env,
 )
 
@@ -46,18 +47,20 @@ env = script_env
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
-    """The same script, fault-free, as one plain process (no torchrun: a world of one)."""
-    ck = tmp_path_factory.mktemp("reference")
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), *ARGS, "--checkpoint", str(ck)],
-        cwd=ck,
-        env=env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return final_weights(ck, "default", STEPS)
+    """The same script, fault-free, as one plain process (no torchrun: a world of one); run once a session."""
+
+    def run(ck: Path) -> None:
+        proc = subprocess.run(
+            [sys.executable, str(SCRIPT), *ARGS, "--checkpoint", str(ck)],
+            cwd=ck,
+            env=env(),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+
+    return final_weights(made_once(tmp_path_factory, "own-loop-reference", run), "default", STEPS)
 
 
 def test_local_entry_kill_and_join(tmp_path: Path, reference: dict[str, torch.Tensor]) -> None:
