@@ -202,6 +202,18 @@ def assert_resumed_once_each(
     assert {3, 2} <= set(report.world_sizes.values())
 
 
+def assert_local_kill_and_join(summary: dict[str, Any], steps: int) -> None:
+    """``elastic-train local``'s summary of a run with one node killed and one added: it finished ``steps``
+    exactly once, and each fault resumed from memory (at world 2, then 3) with at most one step redone."""
+    assert summary["succeeded"] and summary["completed_steps"] == steps
+    assert summary["exactly_once"]["ok"], summary["exactly_once"]["problems"]
+    kill, join = summary["faults"]
+    assert kill["kind"] == "kill-node" and kill["source"] == "memory" and kill["resumed_world_size"] == 2
+    assert join["kind"] == "add-node" and join["source"] == "memory" and join["resumed_world_size"] == 3
+    for fault in (kill, join):
+        assert fault["steps_redone"] is not None and fault["steps_redone"] <= 1, fault
+
+
 class TorchrunAgents:
     """Plain ``torchrun --rdzv-backend=etcd3`` agents running ``script`` (no fork server, no stand-in), one
     node each, logging events to ``tmp/events.jsonl`` and the sampler's audit to ``tmp/audit``.

@@ -25,6 +25,7 @@ import torch
 from elastic_train.train.events import read_events
 from tests.helpers import (
     TorchrunAgents,
+    assert_local_kill_and_join,
     assert_resumed_once_each,
     assert_same_weights,
     cli,
@@ -118,13 +119,7 @@ def test_local_entry_kill_and_join(tmp_path: Path, reference: dict[str, torch.Te
     proc = subprocess.run(cmd, cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-2000:]}"
     summary = json.loads(summary_path.read_text())
-    assert summary["succeeded"] and summary["completed_steps"] == STEPS
-    assert summary["exactly_once"]["ok"], summary["exactly_once"]["problems"]
-    kill, join = summary["faults"]
-    assert kill["kind"] == "kill-node" and kill["source"] == "memory" and kill["resumed_world_size"] == 2
-    assert join["kind"] == "add-node" and join["source"] == "memory" and join["resumed_world_size"] == 3
-    for fault in (kill, join):
-        assert fault["steps_redone"] is not None and fault["steps_redone"] <= 1, fault
+    assert_local_kill_and_join(summary, STEPS)
     assert "exactly-once: OK" in proc.stdout
     assert_same_weights(final_weights(tmp_path / "ck", summary["run_id"], STEPS), reference, torch.float64)
 
