@@ -226,6 +226,7 @@ class TorchrunAgents:
         script: the training script and its arguments.
         env: the agents' environment (:func:`script_env`); events and audit are added.
         step_timeout: how long :meth:`wait_step` waits by default.
+        rdzv_conf: torchrun's ``--rdzv-conf``.
     """
 
     def __init__(
@@ -237,9 +238,10 @@ class TorchrunAgents:
         script: list[str],
         env: dict[str, str],
         step_timeout: float = 240.0,
+        rdzv_conf: str = "lease_ttl=2,settle=1",
     ) -> None:
         self.tmp, self.endpoint, self.reaper, self.run_id = tmp, endpoint, reaper, run_id
-        self.script, self.step_timeout = script, step_timeout
+        self.script, self.step_timeout, self.rdzv_conf = script, step_timeout, rdzv_conf
         self.events = tmp / "events.jsonl"
         self.env = {
             **env,
@@ -248,15 +250,17 @@ class TorchrunAgents:
         }
         self.procs: list[subprocess.Popen[bytes]] = []
 
-    def start(self, nodes: str = "2:3") -> subprocess.Popen[bytes]:
+    def start(self, nodes: str = "2:3", **env: str) -> subprocess.Popen[bytes]:
+        """One more node (``env``: variables for this one only)."""
         cmd = [
             sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", "--nproc-per-node=1",
             "--rdzv-backend=etcd3", f"--rdzv-endpoint={self.endpoint}", f"--rdzv-id={self.run_id}",
-            "--rdzv-conf=lease_ttl=2,settle=1", "--max-restarts=100", "--monitor-interval=0.1",
+            f"--rdzv-conf={self.rdzv_conf}", "--max-restarts=100", "--monitor-interval=0.1",
             "--local-addr=127.0.0.1", *self.script,
         ]  # fmt: skip
         log = open(self.tmp / f"agent{len(self.procs)}.log", "ab")  # noqa: SIM115 - lives with the process
-        proc = self.reaper.popen(cmd, cwd=self.tmp, stdout=log, stderr=subprocess.STDOUT, env=self.env)
+        variables = {**self.env, **env}
+        proc = self.reaper.popen(cmd, cwd=self.tmp, stdout=log, stderr=subprocess.STDOUT, env=variables)
         self.procs.append(proc)
         return proc
 
