@@ -1,9 +1,10 @@
-"""Shared fixtures: real etcd servers on free loopback ports, a reaper for every process a test starts, and a
-shared-memory directory for checkpoint snapshots."""
+"""Shared fixtures: real etcd servers on free loopback ports, a reaper for every process a test starts, a
+shared-memory directory for checkpoint snapshots; and the order of the collection (known-slow tests first)."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import subprocess
@@ -133,3 +134,50 @@ def _fresh_logging() -> Iterator[None]:
     structlog.contextvars.clear_contextvars()
     for handler in list(logging.root.handlers):
         logging.root.removeHandler(handler)
+
+
+# -- order: the known-slow tests first, spread over the xdist workers ---------------------------------------
+
+#: Seconds each known-slow test took in a whole-suite run (tests/durations.py writes it from a JUnit report).
+DURATIONS = os.path.join(os.path.dirname(__file__), "durations.json")
+
+
+@pytest.hookimpl(trylast=True)  # after -k/-m deselection: the slices are cut from what runs
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Lay the collection out so that each xdist worker starts with its share of the slow tests.
+
+    ``--dist worksteal`` hands worker *k* the *k*-th contiguous slice of the collection and later lets an idle
+    worker steal the tail of the longest queue. In file order the multi-minute end-to-end tests cluster in a
+    few slices and one of them starts last, so the run ends waiting on it alone. Here the known-slow tests
+    are dealt out longest first to the least loaded slice (by known seconds) and put at the head of their
+    slice, in that order; every other test keeps its order and fills the slices. Without xdist, slow first.
+    """
+    try:
+        with open(DURATIONS, encoding="utf-8") as f:
+            known: dict[str, float] = json.load(f)
+    except FileNotFoundError:
+        return
+    workers = int(getattr(config, "workerinput", {}).get("workercount", 1))
+    slow = sorted((i for i in items if i.nodeid in known), key=lambda i: -known[i.nodeid])
+    rest = [i for i in items if i.nodeid not in known]
+    sizes = slice_sizes(len(items), workers)
+    slices: list[list[pytest.Item]] = [[] for _ in sizes]
+    load = [0.0] * len(sizes)
+    for item in slow:
+        open_slices = [k for k in range(len(sizes)) if len(slices[k]) < sizes[k]]
+        k = min(open_slices, key=lambda k: load[k])
+        slices[k].append(item)
+        load[k] += known[item.nodeid]
+    fill = iter(rest)
+    for k, size in enumerate(sizes):
+        slices[k].extend(next(fill) for _ in range(size - len(slices[k])))
+    items[:] = [item for s in slices for item in s]
+
+
+def slice_sizes(n: int, workers: int) -> list[int]:
+    """The sizes of the first slices pytest-xdist's worksteal scheduler sends to ``workers`` idle workers."""
+    sizes = []
+    for i in range(workers):
+        sizes.append(n // (workers - i))
+        n -= sizes[-1]
+    return sizes

@@ -1,16 +1,27 @@
-"""Helpers several test files share: the CLI as a user runs it, its one-line errors, digests, certificates."""
+"""Helpers several test files share: the CLI as a user runs it, its one-line errors, digests, certificates,
+and the torchrun agents, environment and weight checks of the end-to-end training tests."""
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
+
+from elastic_train.procs import kill_tree
+
+if TYPE_CHECKING:
+    import torch
+
+ROOT = Path(__file__).resolve().parents[1]
 
 #: Environment of a CLI run: only errors logged, gloo on loopback, one thread per process.
 QUIET = {"ELASTIC_TRAIN_LOG_LEVEL": "error", "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
@@ -110,3 +121,158 @@ def wait_world(out: Path, world: int, after_round: int, timeout: float) -> dict[
                 return line
         time.sleep(0.1)
     raise AssertionError(f"no training at world {world} after round {after_round}: {worker_lines(out)[-3:]}")
+
+
+def made_once(factory: pytest.TempPathFactory, name: str, make: Callable[[Path], None]) -> Path:
+    """A directory ``name`` that ``make`` fills once per test session, however many xdist workers ask.
+
+    A fault-free reference run takes as long as a test: made once, it is shared by every worker instead of
+    being run again by each worker that gets a test of the module. The first worker to ask runs ``make``
+    under a file lock; the others wait for it and read the result. If ``make`` fails, its test fails and the
+    next worker that asks tries again from an empty directory.
+    """
+    base = factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent  # the session's directory, above each worker's own
+    target = base / name
+    with open(base / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (target / ".made").exists():
+            shutil.rmtree(target, ignore_errors=True)
+            target.mkdir()
+            make(target)
+            (target / ".made").touch()
+    return target
+
+
+# -- end-to-end training runs (tests/integration/test_own_loop.py, test_lightning.py, …) --------------------
+
+
+def script_env(extra: dict[str, str] | None = None, **more: str) -> dict[str, str]:
+    """Environment for a training script or agent a test starts: gloo on loopback, one thread, unbuffered
+    output, the repository importable (``tests.*`` stand-ins and tasks), and none of the per-run variables
+    (events, audit, rank, preload) the test process may carry; ``extra`` and ``more`` go on top."""
+    base = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    for key in ("ELASTIC_TRAIN_EVENTS", "ELASTIC_TRAIN_AUDIT_DIR", "RANK", "ELASTIC_TRAIN_PRELOAD"):
+        base.pop(key, None)
+    base["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    return {**base, **(extra or {}), **more}
+
+
+def final_weights(root: Path, run_id: str, step: int) -> dict[str, torch.Tensor]:
+    """The model's tensors in the newest durable checkpoint of ``run_id`` under ``root``, which must be
+    ``step``."""
+    from elastic_train.checkpoint import CheckpointConfig, CheckpointManager
+
+    mgr = CheckpointManager(
+        CheckpointConfig(url=str(root), memory=False), run_id, rank=0, world_size=1, local_rank=0
+    )
+    restored = mgr.restore()
+    mgr.close()
+    assert restored is not None and restored.step == step, f"no step {step} in {root}/{run_id}"
+    return dict(restored.state["model"])
+
+
+def assert_same_weights(
+    weights: dict[str, torch.Tensor], reference: dict[str, torch.Tensor], dtype: torch.dtype | None = None
+) -> None:
+    """Every tensor within 1e-5 (relative norm) of the fault-free world-1 run's, and of ``dtype`` if given."""
+    assert weights.keys() == reference.keys()
+    for key, value in reference.items():
+        assert dtype is None or weights[key].dtype == dtype, (key, weights[key].dtype)
+        rel = float((weights[key] - value).norm() / value.norm())
+        assert rel < 1e-5, f"{key} differs by {rel:.2e} relative to the fault-free world-1 run"
+
+
+def assert_resumed_once_each(
+    events: list[dict[str, Any]], steps: int, audit: Path, min_faults: int = 1
+) -> None:
+    """The run recovered only from memory, redid at most one step per fault, finished ``steps`` and trained
+    every sample exactly once at world sizes 3 and 2."""
+    from elastic_train.train.audit import check_exactly_once
+
+    resumed = [e for e in events if e["event"] == "resumed"]
+    assert len(resumed) >= min_faults and all(e["source"] == "memory" for e in resumed), resumed
+    for e in resumed:  # at most one step redone: the group resumes from the newest step any rank reached
+        last = max(s["step"] for s in events if s["event"] == "step" and s["round"] < e["round"])
+        assert e["from_step"] >= last - 1, (e, last)
+    assert events[-1]["event"] == "done" and events[-1]["step"] == steps
+    report = check_exactly_once(str(audit), steps=steps)
+    assert report.ok, report.problems
+    assert {3, 2} <= set(report.world_sizes.values())
+
+
+def assert_local_kill_and_join(summary: dict[str, Any], steps: int) -> None:
+    """``elastic-train local``'s summary of a run with one node killed and one added: it finished ``steps``
+    exactly once, and each fault resumed from memory (at world 2, then 3) with at most one step redone."""
+    assert summary["succeeded"] and summary["completed_steps"] == steps
+    assert summary["exactly_once"]["ok"], summary["exactly_once"]["problems"]
+    kill, join = summary["faults"]
+    assert kill["kind"] == "kill-node" and kill["source"] == "memory" and kill["resumed_world_size"] == 2
+    assert join["kind"] == "add-node" and join["source"] == "memory" and join["resumed_world_size"] == 3
+    for fault in (kill, join):
+        assert fault["steps_redone"] is not None and fault["steps_redone"] <= 1, fault
+
+
+class TorchrunAgents:
+    """Plain ``torchrun --rdzv-backend=etcd3`` agents running ``script`` (no fork server, no stand-in), one
+    node each, logging events to ``tmp/events.jsonl`` and the sampler's audit to ``tmp/audit``.
+
+    Args:
+        tmp: the test's directory (agent logs, events, audit).
+        endpoint: the etcd endpoint.
+        reaper: the test's process reaper (every agent is killed at teardown).
+        run_id: the rendezvous id.
+        script: the training script and its arguments.
+        env: the agents' environment (:func:`script_env`); events and audit are added.
+        step_timeout: how long :meth:`wait_step` waits by default.
+        rdzv_conf: torchrun's ``--rdzv-conf``.
+    """
+
+    def __init__(
+        self,
+        tmp: Path,
+        endpoint: str,
+        reaper: Any,
+        run_id: str,
+        script: list[str],
+        env: dict[str, str],
+        step_timeout: float = 240.0,
+        rdzv_conf: str = "lease_ttl=2,settle=1",
+    ) -> None:
+        self.tmp, self.endpoint, self.reaper, self.run_id = tmp, endpoint, reaper, run_id
+        self.script, self.step_timeout, self.rdzv_conf = script, step_timeout, rdzv_conf
+        self.events = tmp / "events.jsonl"
+        self.env = {
+            **env,
+            "ELASTIC_TRAIN_EVENTS": str(self.events),
+            "ELASTIC_TRAIN_AUDIT_DIR": str(tmp / "audit"),
+        }
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def start(self, nodes: str = "2:3", **env: str) -> subprocess.Popen[bytes]:
+        """One more node (``env``: variables for this one only)."""
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", "--nproc-per-node=1",
+            "--rdzv-backend=etcd3", f"--rdzv-endpoint={self.endpoint}", f"--rdzv-id={self.run_id}",
+            f"--rdzv-conf={self.rdzv_conf}", "--max-restarts=100", "--monitor-interval=0.1",
+            "--local-addr=127.0.0.1", *self.script,
+        ]  # fmt: skip
+        log = open(self.tmp / f"agent{len(self.procs)}.log", "ab")  # noqa: SIM115 - lives with the process
+        variables = {**self.env, **env}
+        proc = self.reaper.popen(cmd, cwd=self.tmp, stdout=log, stderr=subprocess.STDOUT, env=variables)
+        self.procs.append(proc)
+        return proc
+
+    def kill(self, proc: subprocess.Popen[bytes]) -> None:
+        """kill -9 of a node: the agent and its workers (in their own sessions)."""
+        kill_tree(proc.pid)
+        proc.wait(timeout=30)
+
+    def wait_step(self, world: int, min_step: int, timeout: float | None = None) -> dict[str, Any]:
+        return wait_for_step(self.events, world, min_step, timeout or self.step_timeout, self.tmp)
+
+    def wait_all(self, procs: list[subprocess.Popen[bytes]], timeout: float) -> None:
+        """Each of ``procs`` exits 0 within ``timeout`` seconds."""
+        for agent in procs:
+            assert agent.wait(timeout=timeout) == 0, f"agent failed; logs in {self.tmp}"

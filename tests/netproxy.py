@@ -27,6 +27,8 @@ import socket
 import sys
 import threading
 
+from elastic_train.loopthread import LoopThread
+
 
 class LatencyProxy:
     """Forward ``listen_host:listen_port`` to ``target_host:target_port``, delaying each direction.
@@ -53,14 +55,11 @@ class LatencyProxy:
         self.listen_host = listen_host
         self.port = listen_port
         self.connections = 0
-        self._loop: asyncio.AbstractEventLoop | None = None
         self._server: asyncio.Server | None = None
-        self._thread: threading.Thread | None = None
-        self._ready = threading.Event()
+        self._thread = LoopThread("latency-proxy", self.listen, self._shutdown)
         self._writers: set[asyncio.StreamWriter] = set()
         self._cut = False
         self._open: asyncio.Event | None = None  # cleared while silent
-        self._error: BaseException | None = None
 
     @property
     def endpoint(self) -> str:
@@ -69,31 +68,11 @@ class LatencyProxy:
     # -- life cycle (thread) ------------------------------------------------------------------------------
 
     def start(self) -> LatencyProxy:
-        self._thread = threading.Thread(target=self._thread_main, name="latency-proxy", daemon=True)
         self._thread.start()
-        if not self._ready.wait(10) or self._error is not None:
-            raise RuntimeError(f"latency proxy did not start: {self._error!r}")
         return self
 
-    def _thread_main(self) -> None:
-        loop = asyncio.new_event_loop()
-        self._loop = loop
-        try:
-            loop.run_until_complete(self.listen())
-        except BaseException as exc:  # reported by start()
-            self._error = exc
-            self._ready.set()
-            return
-        self._ready.set()
-        loop.run_forever()
-        loop.run_until_complete(self._shutdown())
-        loop.close()
-
     def stop(self) -> None:
-        if self._loop is not None and self._loop.is_running():
-            self._loop.call_soon_threadsafe(self._loop.stop)
-        if self._thread is not None:
-            self._thread.join(timeout=10)
+        self._thread.stop()
 
     def __enter__(self) -> LatencyProxy:
         return self.start()
@@ -108,18 +87,17 @@ class LatencyProxy:
     def cut(self) -> None:
         """Close every open connection and refuse new ones until :meth:`heal`."""
         self._cut = True
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._close_all)
+        self._thread.call(self._close_all)
 
     def silence(self) -> None:
         """Hold every byte in both directions and every new connection until :meth:`heal` (no reset)."""
-        assert self._loop is not None and self._open is not None
-        self._loop.call_soon_threadsafe(self._open.clear)
+        assert self._open is not None, "silence() before start()"
+        self._thread.call(self._open.clear)
 
     def heal(self) -> None:
         self._cut = False
-        if self._loop is not None and self._open is not None:
-            self._loop.call_soon_threadsafe(self._open.set)
+        if self._open is not None:
+            self._thread.call(self._open.set)
 
     # -- asyncio -------------------------------------------------------------------------------------------
 
@@ -133,10 +111,6 @@ class LatencyProxy:
         if self._server is not None:
             self._server.close()
         self._close_all()
-        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
 
     def _close_all(self) -> None:
         for w in list(self._writers):

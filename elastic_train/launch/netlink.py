@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import threading
+
+from elastic_train.loopthread import LoopThread
 
 
 class SilentLink:
@@ -25,58 +26,40 @@ class SilentLink:
         host, _, port = target.rpartition(":")
         self.target = (host, int(port))
         self.port = 0
-        self._loop: asyncio.AbstractEventLoop | None = None
         self._open: asyncio.Event | None = None
         self._server: asyncio.Server | None = None
-        self._ready = threading.Event()
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._main, name="etcd-link", daemon=True)
+        self._thread = LoopThread(f"etcd link to {target}", self._listen, self._close)
 
     @property
     def endpoint(self) -> str:
         return f"127.0.0.1:{self.port}"
 
     def start(self) -> SilentLink:
+        """Listen on a free loopback port (:attr:`endpoint`).
+
+        Raises:
+            RuntimeError: the link could not listen.
+        """
         self._thread.start()
-        if not self._ready.wait(10) or self._error is not None:
-            raise RuntimeError(f"etcd link to {self.target} did not start: {self._error!r}")
         return self
 
     def silence(self) -> None:
         """Hold all traffic from now on (no reset) until :meth:`heal`."""
-        if self._loop is not None and self._open is not None:
-            self._loop.call_soon_threadsafe(self._open.clear)
+        if self._open is not None:
+            self._thread.call(self._open.clear)
 
     def heal(self) -> None:
-        if self._loop is not None and self._open is not None:
-            self._loop.call_soon_threadsafe(self._open.set)
+        if self._open is not None:
+            self._thread.call(self._open.set)
 
     def stop(self) -> None:
-        if self._loop is not None and self._loop.is_running():
-            self._loop.call_soon_threadsafe(self._loop.stop)
-        if self._thread.is_alive():
-            self._thread.join(timeout=10)
+        self._thread.stop()
 
     # -- asyncio -------------------------------------------------------------------------------------------
 
-    def _main(self) -> None:
-        loop = asyncio.new_event_loop()
-        self._loop = loop
-        try:
-            loop.run_until_complete(self._listen())
-        except BaseException as exc:  # reported by start()
-            self._error = exc
-            self._ready.set()
-            return
-        self._ready.set()
-        loop.run_forever()
-        for task in asyncio.all_tasks(loop):
-            task.cancel()
-        with contextlib.suppress(Exception):
-            loop.run_until_complete(asyncio.sleep(0))
+    async def _close(self) -> None:
         if self._server is not None:
             self._server.close()
-        loop.close()
 
     async def _listen(self) -> None:
         self._open = asyncio.Event()

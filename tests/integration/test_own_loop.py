@@ -10,7 +10,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,10 +19,17 @@ import pytest
 import torch
 
 from elastic_train.checkpoint.policy import parse_step_dir
-from elastic_train.procs import kill_tree
 from elastic_train.train.audit import check_exactly_once
 from elastic_train.train.events import read_events
-from tests.helpers import wait_for_step
+from tests.helpers import (
+    TorchrunAgents,
+    assert_local_kill_and_join,
+    assert_resumed_once_each,
+    assert_same_weights,
+    final_weights,
+    made_once,
+    script_env,
+)
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("elastic_train.rendezvous.registry")
@@ -37,48 +43,25 @@ STEPS = EPOCHS * 15  # 240 samples, 16 per step
 ARGS = ["--float64", "--epochs", str(EPOCHS), "--workers", "1", "--checkpoint-every", "10"]
 
 
-def env(**extra: str) -> dict[str, str]:
-    base = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    for key in ("ELASTIC_TRAIN_EVENTS", "ELASTIC_TRAIN_AUDIT_DIR", "RANK"):
-        base.pop(key, None)
-    base["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))  # gate
-    return {**base, **extra}
-
-
-def final_weights(root: Path, run_id: str, step: int = STEPS) -> dict[str, torch.Tensor]:
-    from elastic_train.checkpoint import CheckpointConfig, CheckpointManager
-
-    mgr = CheckpointManager(
-        CheckpointConfig(url=str(root), memory=False), run_id, rank=0, world_size=1, local_rank=0
-    )
-    restored = mgr.restore()
-    mgr.close()
-    assert restored is not None and restored.step == step, f"no step {step} in {root}/{run_id}"
-    return dict(restored.state["model"])
+env = script_env
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
-    """The same script, fault-free, as one plain process (no torchrun: a world of one)."""
-    ck = tmp_path_factory.mktemp("reference")
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), *ARGS, "--checkpoint", str(ck)],
-        cwd=ck,
-        env=env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return final_weights(ck, "default")
+    """The same script, fault-free, as one plain process (no torchrun: a world of one); run once a session."""
 
+    def run(ck: Path) -> None:
+        proc = subprocess.run(
+            [sys.executable, str(SCRIPT), *ARGS, "--checkpoint", str(ck)],
+            cwd=ck,
+            env=env(),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
 
-def assert_same_weights(weights: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> None:
-    assert weights.keys() == reference.keys()
-    for key, value in reference.items():
-        assert weights[key].dtype == torch.float64
-        rel = float((weights[key] - value).norm() / value.norm())
-        assert rel < 1e-5, f"{key} differs by {rel:.2e} relative to the fault-free world-1 run"
+    return final_weights(made_once(tmp_path_factory, "own-loop-reference", run), "default", STEPS)
 
 
 def test_local_entry_kill_and_join(tmp_path: Path, reference: dict[str, torch.Tensor]) -> None:
@@ -97,87 +80,43 @@ def test_local_entry_kill_and_join(tmp_path: Path, reference: dict[str, torch.Te
     )
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-2000:]}"
     summary = json.loads(summary_path.read_text())
-    assert summary["succeeded"] and summary["completed_steps"] == STEPS
-    assert summary["exactly_once"]["ok"], summary["exactly_once"]["problems"]
-    kill, join = summary["faults"]
-    assert kill["kind"] == "kill-node" and kill["source"] == "memory" and kill["resumed_world_size"] == 2
-    assert join["kind"] == "add-node" and join["source"] == "memory" and join["resumed_world_size"] == 3
-    for fault in (kill, join):
-        assert fault["steps_redone"] is not None and fault["steps_redone"] <= 1, fault
+    assert_local_kill_and_join(summary, STEPS)
     sizes = [point["world_size"] for point in summary["world_size_timeline"]]
     assert sizes[0] == 3 and 2 in sizes and sizes[-1] == 3
     assert "exactly-once: OK" in proc.stdout
-    assert_same_weights(final_weights(tmp_path / "ck", summary["run_id"]), reference)
+    assert_same_weights(final_weights(tmp_path / "ck", summary["run_id"], STEPS), reference, torch.float64)
 
 
-class Agents:
-    """Plain torchrun agents running the script, meeting through etcd3 (no fork server, no stand-in)."""
-
-    def __init__(self, tmp: Path, endpoint: str, reaper: Any, run_id: str) -> None:
-        self.tmp, self.endpoint, self.reaper, self.run_id = tmp, endpoint, reaper, run_id
-        self.events = tmp / "events.jsonl"
-        self.hold = tmp / "hold"  # the file gate of slow_own_loop.py
-        self.procs: list[subprocess.Popen[bytes]] = []
-
-    def start(self, nodes: str = "2:3") -> subprocess.Popen[bytes]:
-        cmd = [
-            sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", "--nproc-per-node=1",
-            "--rdzv-backend=etcd3", f"--rdzv-endpoint={self.endpoint}", f"--rdzv-id={self.run_id}",
-            "--rdzv-conf=lease_ttl=2,settle=1", "--max-restarts=100", "--monitor-interval=0.1",
-            "--local-addr=127.0.0.1", str(SLOW_SCRIPT), "0.2", *ARGS, "--checkpoint", str(self.tmp / "ck"),
-        ]  # fmt: skip
-        log = open(self.tmp / f"agent{len(self.procs)}.log", "ab")  # noqa: SIM115 - lives with the process
-        variables = env(
-            ELASTIC_TRAIN_EVENTS=str(self.events),
-            ELASTIC_TRAIN_AUDIT_DIR=str(self.tmp / "audit"),
-            HOLD=str(self.hold),
-        )
-        proc = self.reaper.popen(cmd, cwd=self.tmp, stdout=log, stderr=subprocess.STDOUT, env=variables)
-        self.procs.append(proc)
-        return proc
-
-    def kill(self, proc: subprocess.Popen[bytes]) -> None:
-        """kill -9 of a node: the agent and its workers (in their own sessions)."""
-        kill_tree(proc.pid)
-        proc.wait(timeout=30)
-
-    def wait_step(self, world: int, min_step: int, timeout: float = 240.0) -> dict[str, Any]:
-        return wait_for_step(self.events, world, min_step, timeout, self.tmp)
+def agents(tmp: Path, endpoint: str, reaper: Any, run_id: str) -> TorchrunAgents:
+    """Plain torchrun agents running the slowed script; ``tmp/hold`` is its file gate (slow_own_loop.py)."""
+    script = [str(SLOW_SCRIPT), "0.2", *ARGS, "--checkpoint", str(tmp / "ck")]
+    return TorchrunAgents(tmp, endpoint, reaper, run_id, script, env(HOLD=str(tmp / "hold")))
 
 
 def test_plain_torchrun_agents_kill_and_join(
     tmp_path: Path, etcd_server: Any, reaper: Any, reference: dict[str, torch.Tensor]
 ) -> None:
-    job = Agents(tmp_path, etcd_server.endpoint, reaper, "own-loop")
+    job = agents(tmp_path, etcd_server.endpoint, reaper, "own-loop")
+    hold = tmp_path / "hold"
     for _ in range(3):
         job.start()
     job.wait_step(3, 5)
-    job.hold.write_text(f"2 {STEPS - 10}")  # at world 2 the job waits for the joiner before its last steps
+    hold.write_text(f"2 {STEPS - 10}")  # at world 2 the job waits for the joiner before its last steps
     job.kill(job.procs[2])
     shrunk = job.wait_step(2, 1)
     job.start()
     job.wait_step(3, shrunk["step"] + 1)
-    job.hold.unlink()
-    for agent in job.procs[:2] + job.procs[3:]:
-        assert agent.wait(timeout=300) == 0, f"agent failed; logs in {tmp_path}"
+    hold.unlink()
+    job.wait_all(job.procs[:2] + job.procs[3:], timeout=300)
 
-    events = read_events(str(job.events))
-    resumed = [e for e in events if e["event"] == "resumed"]
-    assert resumed and all(e["source"] == "memory" for e in resumed), resumed
-    for e in resumed:  # at most one step redone: the group resumes from the newest step any rank reached
-        last = max(s["step"] for s in events if s["event"] == "step" and s["round"] < e["round"])
-        assert e["from_step"] >= last - 1, (e, last)
-    assert events[-1]["event"] == "done" and events[-1]["step"] == STEPS
-    report = check_exactly_once(str(tmp_path / "audit"), steps=STEPS)
-    assert report.ok, report.problems
-    assert {3, 2} <= set(report.world_sizes.values())
-    assert_same_weights(final_weights(tmp_path / "ck", "own-loop"), reference)
+    assert_resumed_once_each(read_events(str(job.events)), STEPS, tmp_path / "audit")
+    assert_same_weights(final_weights(tmp_path / "ck", "own-loop", STEPS), reference, torch.float64)
 
 
 def test_every_node_killed_then_restarted_resumes_from_durable(
     tmp_path: Path, etcd_server: Any, reaper: Any
 ) -> None:
-    job = Agents(tmp_path, etcd_server.endpoint, reaper, "own-loop-restart")
+    job = agents(tmp_path, etcd_server.endpoint, reaper, "own-loop-restart")
     for _ in range(2):
         job.start("2:2")
     job.wait_step(2, 14)
@@ -191,8 +130,7 @@ def test_every_node_killed_then_restarted_resumes_from_durable(
     newest = max(parse_step_dir(name) or 0 for name in durable)
     for _ in range(2):
         job.start("2:2")
-    for agent in job.procs[2:]:
-        assert agent.wait(timeout=300) == 0, f"agent failed; logs in {tmp_path}"
+    job.wait_all(job.procs[2:], timeout=300)
 
     after = read_events(str(job.events))[len(before) :]
     resumed = [e for e in after if e["event"] == "resumed"]

@@ -29,6 +29,7 @@ import torch
 from elastic_train.train.audit import check_exactly_once
 from elastic_train.train.events import read_events
 from tests.fault_task import BUILD_DELAY, BUILD_FAIL
+from tests.helpers import TorchrunAgents, assert_same_weights, final_weights
 from tests.integration import test_own_loop as own
 from tests.integration.test_hot_recovery import HOT_STEPS, events_of, final_model, hot_job
 from tests.integration.test_hot_recovery import reference as world1_reference
@@ -201,23 +202,27 @@ def test_plain_torchrun_own_loop_joiner_builds_on_standby(
     reaper: Any,
     reference: dict[str, torch.Tensor],  # noqa: F811 - the fixture imported above
 ) -> None:
-    job = own.Agents(tmp_path, etcd_server.endpoint, reaper, "own-loop-standby")
-    job.start = hot_start(job)  # type: ignore[method-assign]
+    hold = tmp_path / "hold"  # the file gate of slow_own_loop.py
+    script = [str(own.SLOW_SCRIPT), OWN_STEP_S, *own.ARGS, "--checkpoint", str(tmp_path / "ck")]
+    variables = own.env(HOLD=str(hold), ELASTIC_TRAIN_LOG_LEVEL="info")  # model_built in the agents' logs
+    job = TorchrunAgents(
+        tmp_path, etcd_server.endpoint, reaper, "own-loop-standby", script, variables,
+        rdzv_conf="lease_ttl=2,settle=1,hot=1",
+    )  # fmt: skip
     for _ in range(2):
         job.start()
     job.wait_step(2, 5)
     survivors = job.procs[:2]
     before = wait_workers(survivors)
-    job.hold.write_text(f"2 {own.STEPS - 10}")
+    hold.write_text(f"2 {own.STEPS - 10}")
     joiner = job.start(SLOW_BUILD=str(BUILD_S))
     started = wait_workers([joiner], timeout=120)[joiner.pid]
     spawned = min(psutil_create_time(pid) for pid in started)
     job.wait_step(3, 1)
     assert wait_workers([joiner])[joiner.pid] == started, "the joiner's worker was started again"
     assert wait_workers(survivors) == before, "a survivor's worker was restarted by the join"
-    job.hold.unlink()
-    for agent in job.procs:
-        assert agent.wait(timeout=300) == 0, f"agent failed; logs in {tmp_path}"
+    hold.unlink()
+    job.wait_all(job.procs, timeout=300)
     events = read_events(str(job.events))
     steps = [e for e in events if e["event"] == "step"]
     built, during, first3 = standby_build(tmp_path / "agent2.log", steps, spawned)
@@ -226,33 +231,8 @@ def test_plain_torchrun_own_loop_joiner_builds_on_standby(
     assert events[-1]["event"] == "done" and events[-1]["step"] == own.STEPS
     report = check_exactly_once(str(tmp_path / "audit"), steps=own.STEPS)
     assert report.ok, report.problems
-    own.assert_same_weights(own.final_weights(tmp_path / "ck", "own-loop-standby"), reference)
-
-
-def hot_start(job: own.Agents) -> Any:
-    """``job.start`` with hot recovery on and structlog's info lines (``model_built``) in the agents' logs."""
-
-    def start(nodes: str = "2:3", **extra: str) -> subprocess.Popen[bytes]:
-        cmd = [
-            sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", "--nproc-per-node=1",
-            "--rdzv-backend=etcd3", f"--rdzv-endpoint={job.endpoint}", f"--rdzv-id={job.run_id}",
-            "--rdzv-conf=lease_ttl=2,settle=1,hot=1", "--max-restarts=100", "--monitor-interval=0.1",
-            "--local-addr=127.0.0.1", str(own.SLOW_SCRIPT), OWN_STEP_S, *own.ARGS,
-            "--checkpoint", str(job.tmp / "ck"),
-        ]  # fmt: skip
-        log = open(job.tmp / f"agent{len(job.procs)}.log", "ab")  # noqa: SIM115 - lives with the process
-        variables = own.env(
-            ELASTIC_TRAIN_EVENTS=str(job.events),
-            ELASTIC_TRAIN_AUDIT_DIR=str(job.tmp / "audit"),
-            HOLD=str(job.hold),
-            ELASTIC_TRAIN_LOG_LEVEL="info",
-            **extra,
-        )
-        proc = job.reaper.popen(cmd, cwd=job.tmp, stdout=log, stderr=subprocess.STDOUT, env=variables)
-        job.procs.append(proc)
-        return proc
-
-    return start
+    weights = final_weights(tmp_path / "ck", "own-loop-standby", own.STEPS)
+    assert_same_weights(weights, reference, torch.float64)
 
 
 def test_a_joiner_waits_on_standby_only_when_every_live_member_re_forms_in_process(etcd_server: Any) -> None:

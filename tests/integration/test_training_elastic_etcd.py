@@ -11,13 +11,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from elastic_train.config import load_job_config
 from elastic_train.procs import kill_tree
 from elastic_train.train.audit import check_exactly_once
 from elastic_train.train.events import read_events
-from tests.helpers import wait_for_step
+from tests.helpers import assert_same_weights, final_weights, wait_for_step
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("elastic_train.rendezvous.registry")
@@ -55,18 +54,6 @@ def env(**extra: str) -> dict[str, str]:
         filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])
     )  # fault_task
     return {**base, **extra}
-
-
-def final_model(ckpt: Path, run_id: str) -> dict[str, torch.Tensor]:
-    from elastic_train.checkpoint import CheckpointConfig, CheckpointManager
-
-    mgr = CheckpointManager(
-        CheckpointConfig(url=str(ckpt), memory=False), run_id, rank=0, world_size=1, local_rank=0
-    )
-    restored = mgr.restore()
-    mgr.close()
-    assert restored is not None and restored.step == STEPS
-    return restored.state["model"]
 
 
 class ElasticJob:
@@ -147,9 +134,6 @@ def test_kill_and_join_keep_weights_and_exactly_once(tmp_path: Path, etcd_server
     assert report.ok, report.problems
     assert {3, 2} <= set(report.world_sizes.values())
 
-    reference = final_model(ref, "train-elastic")
-    weights = final_model(tmp_path / "ck", "train-elastic")
-    for key, value in reference.items():
-        rel = float((weights[key] - value).norm() / value.norm())
-        assert rel < 1e-5, f"{key} differs by {rel:.2e} relative to the world-1 run"
+    reference = final_weights(ref, "train-elastic", STEPS)
+    assert_same_weights(final_weights(tmp_path / "ck", "train-elastic", STEPS), reference)
     (tmp_path / "summary.json").write_text(json.dumps({"world_sizes": sizes}))

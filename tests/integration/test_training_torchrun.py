@@ -15,6 +15,7 @@ import torch
 
 from elastic_train.train.audit import check_exactly_once
 from elastic_train.train.events import read_events
+from tests.helpers import made_once
 
 pytestmark = pytest.mark.slow
 
@@ -113,15 +114,19 @@ def assert_exactly_once(work: Path) -> Any:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """The fault-free runs at world sizes 1, 2 and 3 (shared by the tests below)."""
+    """The fault-free runs at world sizes 1, 2 and 3 (shared by the tests below; run once a session)."""
     from tests.conftest import Reaper
 
-    tmp = tmp_path_factory.mktemp("train")
-    reaper = Reaper()
-    try:
-        return {str(n): torchrun(reaper, tmp, f"world{n}", n) for n in (1, 2, 3)}
-    finally:
-        reaper.reap()
+    def run(tmp: Path) -> None:
+        reaper = Reaper()
+        try:
+            for n in (1, 2, 3):
+                torchrun(reaper, tmp, f"world{n}", n)
+        finally:
+            reaper.reap()
+
+    tmp = made_once(tmp_path_factory, "torchrun-fault-free", run)
+    return {str(n): tmp / f"world{n}" for n in (1, 2, 3)}
 
 
 def test_world_sizes_1_2_3_end_with_the_same_weights(runs: dict[str, Path]) -> None:

@@ -25,7 +25,7 @@ import torch
 
 from elastic_train.checkpoint import CheckpointConfig, CheckpointManager, durable
 from elastic_train.checkpoint.storage import open_storage
-from tests.helpers import QUIET, cli, one_line, tree_digest
+from tests.helpers import QUIET, cli, made_once, one_line, tree_digest
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -41,13 +41,17 @@ def all_valid(run: Path, steps: tuple[str, ...]) -> None:
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A checkpoint root with run ``job``: checkpoints of steps 2, 4 and 6 written by a real worker."""
-    root = tmp_path_factory.mktemp("trained") / "ckpt"
-    proc = cli(
-        *TASK, "--set", "rendezvous.run_id=job", "--steps", "6", "--checkpoint", str(root),
-        "--checkpoint-every", "2", module="elastic_train.worker",
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
+    """A checkpoint root with run ``job``: checkpoints of steps 2, 4 and 6 written by a real worker (once a
+    session; each test works on a copy, :func:`root`)."""
+
+    def train(tmp: Path) -> None:
+        proc = cli(
+            *TASK, "--set", "rendezvous.run_id=job", "--steps", "6", "--checkpoint", str(tmp / "ckpt"),
+            "--checkpoint-every", "2", module="elastic_train.worker",
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+
+    root = made_once(tmp_path_factory, "trained", train) / "ckpt"
     assert sorted(os.listdir(root / "job")) == ["latest", *STEPS]
     return root
 

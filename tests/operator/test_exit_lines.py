@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from elastic_train.etcd.client import Etcd, connect
+from elastic_train.etcd.client import Etcd
 from elastic_train.rendezvous.status import read_status
 from tests.netproxy import LatencyProxy
 from tests.operator.test_run_faults import RDZV_WORKER, ROOT, Runs, base_env, error_lines, wait_for
@@ -28,18 +28,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 LATE_WINDOW = 120
 #: A log record of torch's own (glog style: level letter, date, time).
 TORCH_LOG = re.compile(r"^[IWEF]\d{4} \d\d:\d\d:\d\d")
-
-
-@pytest.fixture
-def runs(tmp_path: Path, etcd_server: Any, reaper: Any) -> Runs:
-    return Runs(tmp_path, etcd_server.endpoint, reaper)
-
-
-@pytest.fixture
-def etcd(etcd_server: Any) -> Any:
-    client = connect(etcd_server.endpoint)
-    yield client
-    client.close()
 
 
 def only_line(stderr: str) -> str:

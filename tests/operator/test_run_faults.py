@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from elastic_train.checkpoint.policy import parse_step_dir
-from elastic_train.etcd.client import Etcd, connect
+from elastic_train.etcd.client import Etcd
 from elastic_train.procs import signal_tree
 from elastic_train.rendezvous.status import read_status
 from elastic_train.train.jsonl import parse_json_lines
@@ -165,18 +165,6 @@ def verify(ckpt: Path, run_id: str) -> str:
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout
-
-
-@pytest.fixture
-def runs(tmp_path: Path, etcd_server: Any, reaper: Any) -> Runs:
-    return Runs(tmp_path, etcd_server.endpoint, reaper)
-
-
-@pytest.fixture
-def etcd(etcd_server: Any) -> Any:
-    client = connect(etcd_server.endpoint)
-    yield client
-    client.close()
 
 
 @pytest.mark.parametrize(

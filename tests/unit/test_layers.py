@@ -19,6 +19,7 @@ LAYER_OF = {
     "errors": "foundation",
     "log": "foundation",
     "net": "foundation",
+    "loopthread": "foundation",
     "procs": "foundation",
     "agentlink": "foundation",
     "envvars": "foundation",
