@@ -588,7 +588,8 @@ class MemorySnapshot:
         # The seal (metadata, checksums, header) always runs on the copier thread: it costs the training
         # thread nothing, and the slot is not valid before it is done.
         with self._cond:
-            self._job, self._copying, self._sealing = job, bool(later), slot
+            # The fence also waits for a pending structure check: the state may change once it returns.
+            self._job, self._copying, self._sealing = job, bool(later) or verify is not None, slot
             if self._worker is None or not self._worker.is_alive():
                 self._worker = threading.Thread(target=self._work, name="ckpt-memory-copy", daemon=True)
                 self._worker.start()
@@ -795,7 +796,8 @@ class MemorySnapshot:
             self._error = exc
 
     def fence(self) -> None:
-        """Return once the last snapshot's tensors are copied: they may be modified from now on.
+        """Return once the last snapshot's tensors are copied (and a planned snapshot's structure checked):
+        they may be modified from now on.
 
         On a GPU the copies are ordered before the current stream's later kernels instead (the host does
         not wait). The seal (checksums) may still be running.
