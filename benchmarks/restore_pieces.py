@@ -21,7 +21,6 @@ import collections
 import json
 import mmap
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -36,6 +35,8 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 import xxhash  # noqa: E402
 from recovery import loopback_bandwidth  # noqa: E402
+
+from elastic_train.net import free_port  # noqa: E402
 
 MIB = 1 << 20
 
@@ -163,21 +164,25 @@ def _gloo_worker(rank: int, port: int, nbytes: int, cases: list[tuple[str, int, 
     dist.destroy_process_group()
 
 
-def gloo_rates(nbytes: int, cases: list[tuple[str, int, int]]) -> dict[str, float]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+def _two_ranks(target: Any, args: tuple[Any, ...], results: int) -> list[Any]:
+    """Run ``target(rank, port, *args, queue)`` as ranks 0 and 1 of a gloo group in fresh (spawned)
+    processes; returns the first ``results`` items they put on the queue."""
+    port = free_port()
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=_gloo_worker, args=(r, port, nbytes, cases, q)) for r in range(2)]
+    procs = [ctx.Process(target=target, args=(r, port, *args, q)) for r in range(2)]
     for p in procs:
         p.start()
     try:
-        results = q.get(timeout=600)
+        return [q.get(timeout=600) for _ in range(results)]
     finally:
         for p in procs:
             p.join(60)
-    return results
+
+
+def gloo_rates(nbytes: int, cases: list[tuple[str, int, int]]) -> dict[str, float]:
+    (results,) = _two_ranks(_gloo_worker, (nbytes, cases), 1)  # rank 1 reports
+    return results  # type: ignore[no-any-return]
 
 
 def _restore_worker(rank: int, port: int, nbytes: int, memdir: str, out: Any) -> None:
@@ -216,17 +221,7 @@ def restore_once(nbytes: int) -> dict[str, float]:
         saver.save(1, {"w": torch.rand(nbytes // 4), "step": 1})
         saver.close()
         del saver
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        ctx = mp.get_context("spawn")
-        q = ctx.Queue()
-        procs = [ctx.Process(target=_restore_worker, args=(r, port, nbytes, memdir, q)) for r in range(2)]
-        for p in procs:
-            p.start()
-        got = sorted(q.get(timeout=600) for _ in procs)
-        for p in procs:
-            p.join(60)
+        got = sorted(_two_ranks(_restore_worker, (nbytes, memdir), 2))
     return {
         "holder_s": got[0][1],
         "receiver_s": got[1][1],
