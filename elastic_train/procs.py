@@ -111,13 +111,26 @@ def _not_zombie(pid: int) -> bool:
 _SCRATCH_RE = re.compile(r"^elastic_train-(?P<kind>[a-z]+)-(?P<pid>\d+)(?:-(?P<start>\d+))?(?:[-.]|$)")
 
 
-def _start_ms(pid: int) -> int:
+def start_ms(pid: int) -> int:
+    """Start time of process ``pid`` in ms: with the PID, an identity no later process reuses.
+
+    Raises:
+        psutil.NoSuchProcess: no such process.
+    """
     return int(psutil.Process(pid).create_time() * 1000)
+
+
+def owner_alive(pid: int, started_ms: int) -> bool:
+    """Whether the process ``pid`` that started at ``started_ms`` (:func:`start_ms`) still runs."""
+    try:
+        return start_ms(pid) == started_ms
+    except psutil.NoSuchProcess:
+        return False
 
 
 def _owner() -> str:
     pid = os.getpid()
-    return f"{pid}-{_start_ms(pid)}"
+    return f"{pid}-{start_ms(pid)}"
 
 
 def scratch_dir(kind: str) -> str:
@@ -144,10 +157,7 @@ def sweep_scratch(kind: str, directory: str | None = None) -> list[str]:
             if m is None or m["kind"] != kind:
                 continue
             pid = int(m["pid"])
-            try:
-                alive = _start_ms(pid) == int(m["start"]) if m["start"] else psutil.pid_exists(pid)
-            except psutil.NoSuchProcess:
-                alive = False
+            alive = owner_alive(pid, int(m["start"])) if m["start"] else psutil.pid_exists(pid)
             if alive:
                 continue
             path = os.path.join(base, name)

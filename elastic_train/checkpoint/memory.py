@@ -44,6 +44,7 @@ from elastic_train.checkpoint.errors import CheckpointError
 from elastic_train.checkpoint.plan import Planned
 from elastic_train.envvars import ENV_SHM_OWNER
 from elastic_train.log import get_logger
+from elastic_train.procs import owner_alive, start_ms
 
 log = get_logger(__name__)
 
@@ -76,7 +77,7 @@ def owner_identity() -> tuple[int, int]:
     """(pid, start time in ms) of the owner process, which scopes the snapshot's lifetime."""
     pid = int(os.environ.get(ENV_SHM_OWNER) or os.getppid())
     try:
-        return pid, int(psutil.Process(pid).create_time() * 1000)
+        return pid, start_ms(pid)
     except psutil.NoSuchProcess:
         return pid, 0
 
@@ -104,11 +105,7 @@ def sweep_stale(directory: str) -> list[str]:
             if not m:
                 continue
             pid, ctime = int(m["pid"]), int(m["ctime"])
-            try:
-                alive = int(psutil.Process(pid).create_time() * 1000) == ctime
-            except psutil.NoSuchProcess:
-                alive = False
-            if not alive:
+            if not owner_alive(pid, ctime):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(os.path.join(directory, name))
                     removed.append(os.path.join(directory, name))
