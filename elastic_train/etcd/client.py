@@ -347,6 +347,9 @@ class Etcd:
 
         ``timeout`` (default: the RPC timeout) bounds the whole exchange, failover included; a keep-alive
         must not outlast the lease it refreshes.
+
+        Raises:
+            EtcdError: etcd failed, or closed the stream without an answer (the lease's fate is unknown).
         """
         self.counts.leases += 1
         deadline = time.monotonic() + (timeout if timeout is not None else self.raw.timeout)
@@ -358,7 +361,9 @@ class Etcd:
             )
             for resp in it:
                 return int(resp.TTL)
-            return 0
+            # etcd answers a lease it does not know with TTL 0; a stream closed without an answer says
+            # nothing about the lease (a connection torn down while it healed) and must not count as lost
+            raise EtcdError(f"etcd closed the keep-alive of lease {lease_id:x} without an answer")
 
         return self._call(once)
 
