@@ -220,21 +220,27 @@ class HotPath:
         """Why this node's workers will not reach the step boundary the change waits for, or None.
 
         A member of the round that lost its lease after the change was announced (a peer that stopped or
-        was cut off: the workers are blocked in a collective with it), or, while the workers still form the
-        round's group, a member that asks for a newer round: it left this round (its workers exited, or its
-        node was fenced and torchrun restarts them), so the group it was to form with never completes.
+        was cut off: the workers are blocked in a collective with it), or a member that asks for a newer
+        round (it left this round: its workers exited, or its node was fenced and torchrun restarts them)
+        while the workers still form the round's group, which then never completes, or while no step
+        finished for a stall's length (:attr:`blocked`: they wait on the member's workers, which are gone).
+        A member asking while the workers step is one whose workers reached the boundary first.
         """
         lost = participant.lost_members()
         if lost:
             return f"member(s) {sorted(lost)} lost their lease"
         assert self.round is not None
-        if all(r >= self.round for r in self.channel.ready().values()):
-            return None  # formed: they train and stop at their next step
         left = sorted(m for m in asking_beyond(participant, self.round) if m in participant.members)
         left = [m for m in left if m != participant.node_id]
-        if left:
+        if not left:
+            return None
+        if any(r < self.round for r in self.channel.ready().values()):
             return f"member(s) {left} asked for a newer round while the group of round {self.round} formed"
-        return None
+        if self.blocked():
+            # formed, but the member's workers are gone: a collective (or a wait on the round's store) with
+            # them does not return, and no step finished for a stall's length
+            return f"member(s) {left} asked for a newer round while the workers are blocked"
+        return None  # formed and stepping: they stop at their next step
 
     def _dead_workers(self) -> set[int]:
         """Local ranks whose registered process is gone (exited, or a zombie not reaped yet)."""

@@ -203,6 +203,35 @@ def test_a_member_that_leaves_the_forming_round_shortens_the_step_grace(view, mo
     hp.close()
 
 
+def test_a_member_that_left_a_formed_round_shortens_the_grace_once_the_workers_are_blocked(
+    view, monkeypatch
+) -> None:
+    """Formed with the member's workers, which are gone since (its node was fenced just after the round
+    closed): the workers wait on them and finish no step. A member asking while the workers step is one that
+    reached the step boundary first, and the grace stays."""
+    members = ["a", "b", "c"]
+    live(view, *members)
+    participant: Any = FakeParticipant("a", members, view)
+    participant.num_waiting = lambda: 1
+    hp = hot_path(participant, monkeypatch)
+    hp.round, hp._nproc = 2, 1
+    hp.channel.register(0, 2)
+    blocked = [False]
+    hp.blocked = lambda: blocked[0]
+    view.keys["join/c"] = json.dumps({"target": 3, "reason": "rejoin"}).encode()
+    hp._tick()  # announced with the step grace: c is alive and asks
+    assert hp._announced is not None and hp._announced[1] == hot_mod.STEP_GRACE
+    hp._tick()
+    assert hp._announced[1] == hot_mod.STEP_GRACE and hp.fallback is None
+    blocked[0] = True
+    hp._tick()  # shortened ...
+    assert hp._announced[1] == hot_mod.LOST_GRACE and hp.fallback is None
+    hp._announced = (hp._announced[0] - hot_mod.LOST_GRACE - 0.01, hot_mod.LOST_GRACE)
+    hp._tick()  # ... and past it, the restart path
+    assert hp.fallback is not None and "step boundary" in hp.fallback
+    hp.close()
+
+
 def test_workers_blocked_after_a_member_lost_its_lease_fall_back_at_once(view, monkeypatch) -> None:
     members = ["a", "b", "c"]
     live(view, "a", "b")  # c's lease expired (a stopped node)
