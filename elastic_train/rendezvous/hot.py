@@ -419,12 +419,17 @@ class HotPath:
 
     def give_up(self, reason: str) -> None:
         """Leave this change (and every later one in this round) to torchrun's restart path. Once this
-        returns no assignment is published: a round joined meanwhile is handed to torchrun's path."""
+        returns no assignment is published: a round joined meanwhile is handed to torchrun's path, and
+        the run's view no longer says that this node re-forms in-process."""
         with self._state:
-            if self.fallback is None:
-                self.fallback = reason
-                self.channel.give_up(reason)
-                log.warning("hot_fallback", round=self.round, reason=reason)
+            if self.fallback is not None:
+                return
+            self.fallback = reason
+            self.channel.give_up(reason)
+            log.warning("hot_fallback", round=self.round, reason=reason)
+        # at once, not at the next monitor tick: a peer restarting its workers now must not start them on
+        # standby for admission by this node's workers, which torchrun is about to restart too
+        self._participant().advertise_inproc(False)
 
     def close(self) -> None:
         self._stop.set()

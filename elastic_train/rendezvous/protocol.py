@@ -273,6 +273,7 @@ class Participant:
         self.failure_report: dict[str, Any] | None = None
         #: Whether ``inproc/<node>`` says this node's workers re-form in-process (:meth:`advertise_inproc`).
         self.inproc = False
+        self._inproc_lock = threading.Lock()
 
     # -- lifecycle -------------------------------------------------------------------------------------
 
@@ -575,23 +576,26 @@ class Participant:
         joining a round whose live members all say so starts its workers on standby (:mod:`.standby`).
         Only changes are written; an etcd error is logged and the change is written at the next call.
         """
-        if on == self.inproc or not self._started:
-            return
-        key = self.prefix + "inproc/" + self.node_id
-        try:
-            if on:
-                self.etcd.put(key, b"1", self.lease.lease_id)
-            else:
-                self.etcd.delete(key)
-        except EtcdError as exc:
-            log.warning("rendezvous_etcd_retry", node=self.node_id, error=str(exc))
-            return
-        self.inproc = on
+        with self._inproc_lock:  # the monitor tick and the hot path's fallback both call this
+            if on == self.inproc or not self._started:
+                return
+            key = self.prefix + "inproc/" + self.node_id
+            try:
+                if on:
+                    self.etcd.put(key, b"1", self.lease.lease_id)
+                else:
+                    self.etcd.delete(key)
+            except EtcdError as exc:
+                log.warning("rendezvous_etcd_retry", node=self.node_id, error=str(exc))
+                return
+            self.inproc = on
 
     def standby_round(self) -> int | None:
         """The run's last round when this node may start its workers on standby for the next one: the run is
-        open and every live member of that round other than this node (at least one) re-forms in-process,
-        so its workers will admit this node's at a step boundary. ``None`` otherwise (start as usual)."""
+        open, every member of that round other than this node is live (none lost: the others re-form now,
+        and a peer that stopped makes them restart), and every one of them (at least one) re-forms
+        in-process, so its workers will admit this node's at a step boundary. ``None`` otherwise (start as
+        usual)."""
         with self.view.cond:
             if self._closed() is not None:
                 return None
@@ -599,7 +603,9 @@ class Participant:
             if rec is None:
                 return None
             live = self._live()
-            others = [m for m in rec.members if m != self.node_id and m in live]
+            if any(m not in live for m in rec.members if m != self.node_id):
+                return None
+            others = [m for m in rec.members if m != self.node_id]
             inproc = self.view.under("inproc/")
             return rec.round if others and all(m in inproc for m in others) else None
 

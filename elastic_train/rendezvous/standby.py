@@ -144,7 +144,7 @@ class Standby:
     def monitor(self, engaged: bool) -> bool:
         """Called every torchrun monitor tick: say in etcd whether this node's workers re-form in-process
         (``engaged``); True while its standby workers wait for admission (torchrun must leave them be)."""
-        self._participant().advertise_inproc(engaged)
+        self._participant().advertise_inproc(engaged and self._hot.fallback is None)
         return self._waiting
 
     def _admit(self, generation: int, workers: int) -> None:

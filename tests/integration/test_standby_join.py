@@ -235,7 +235,9 @@ def test_plain_torchrun_own_loop_joiner_builds_on_standby(
     assert_same_weights(weights, reference, torch.float64)
 
 
-def test_a_joiner_waits_on_standby_only_when_every_live_member_re_forms_in_process(etcd_server: Any) -> None:
+def test_a_joiner_waits_on_standby_only_when_every_member_is_live_and_re_forms_in_process(
+    etcd_server: Any,
+) -> None:
     from elastic_train.etcd.client import connect
     from elastic_train.rendezvous.protocol import Participant, ProtocolSettings
 
@@ -259,11 +261,19 @@ def test_a_joiner_waits_on_standby_only_when_every_live_member_re_forms_in_proce
         while joiner.standby_round() != 1:
             assert time.monotonic() < deadline, "the joiner never saw both members re-form in-process"
             time.sleep(0.05)
-        b.leave()  # a member that is gone does not count
         a.advertise_inproc(False)
         deadline = time.monotonic() + 10
         while joiner.standby_round() is not None:
-            assert time.monotonic() < deadline, "the joiner still waits on standby for nobody"
+            assert time.monotonic() < deadline, "the joiner still waits on standby for a member that restarts"
+            time.sleep(0.05)
+        a.advertise_inproc(True)
+        while joiner.standby_round() != 1:
+            assert time.monotonic() < deadline, "the joiner never saw both members re-form in-process again"
+            time.sleep(0.05)
+        b.leave()  # a member of the round is gone: the others re-form now (or restart, after a stop)
+        deadline = time.monotonic() + 10
+        while joiner.standby_round() is not None:
+            assert time.monotonic() < deadline, "the joiner waits on standby although the round lost a member"
             time.sleep(0.05)
     finally:
         for p in (a, b, joiner):

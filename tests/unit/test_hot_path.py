@@ -51,6 +51,9 @@ class FakeParticipant:
     def num_waiting(self) -> int:
         return 0
 
+    def advertise_inproc(self, on: bool) -> None:
+        self.inproc = on
+
     def join(self) -> RoundResult:
         self.joined.set()
         assert self.release.wait(10)
@@ -250,4 +253,5 @@ def test_workers_blocked_after_a_member_lost_its_lease_fall_back_at_once(view, m
     hp._tick()
     assert hp.fallback is not None and "blocked in a collective" in hp.fallback
     assert hp.channel.fallback() == hp.fallback
+    assert participant.inproc is False  # withdrawn at once: a peer restarting now starts as usual
     hp.close()
