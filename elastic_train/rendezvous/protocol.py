@@ -67,6 +67,8 @@ log = get_logger(__name__)
 #: almost every join. Others only step in when the closer is silent for a lease TTL, so they look less often.
 CLOSER_EVAL_INTERVAL = 0.02
 FOLLOWER_EVAL_INTERVAL = 0.25
+#: Longest wait for the watch to show this node's own join before the forming round is evaluated again.
+OWN_JOIN_WAIT = 0.05
 #: Seconds a node leaves its workers running after members re-joined because theirs failed before any step
 #: (their own failure, if it is the same, then reaches the round first; see ``_hold_for_startup_failures``).
 STARTUP_REPORT_GRACE = 3.0
@@ -720,6 +722,12 @@ class Participant:
         """
         live = self._live()
         joins = {n: j for n, j in self._joins().items() if j.target == state.target and n in live}
+        if self.node_id not in joins:
+            # the watch has not delivered this node's own join yet (or its lease is being re-created):
+            # deciding now would leave it out of the prospective order, and the prospective rank 0 would
+            # then look again only after a follower's interval
+            self.view.cond.wait(OWN_JOIN_WAIT)
+            return None
         if joins and state.first_join_seen is None:
             state.first_join_seen = now
         decision = decide_close(
