@@ -359,6 +359,10 @@ def run(body: Callable[[group.World], T], env: WorkerEnv, backend: str = "auto")
     if reformer is None:
         return body(group.init(backend, env=env))
     if reformer.standby is not None:
+        # The body's Checkpointer imports the checkpoint package on first use (0.1-0.3 s of imports): here,
+        # before admission, that costs the running job nothing; after it, the join waits for it.
+        import elastic_train.checkpoint  # noqa: F401
+
         # What the script built before admission (all of torch's modules, the model ...) is kept out of the
         # collection that takes its provisional group down (a full one walks it all: ~0.2 s, paid between
         # "ready" and forming the job's group).
