@@ -5,12 +5,17 @@ it in :data:`~elastic_train.envvars.ENV_REFORM_DIR`; its workers inherit the var
 JSON file replaced atomically, so a reader never sees half a record and a dead writer leaves nothing
 half-written:
 
-- ``ready-<local_rank>.json`` (worker → agent) ``{"round"}``: this worker re-forms in-process from that round
-  on. The agent handles a membership change in-process only when every local worker registered.
+- ``ready-<local_rank>.json`` (worker → agent) ``{"round", "pid", "cut"}``: this worker re-forms in-process
+  from that round on. The agent handles a membership change in-process only when every local worker
+  registered. ``cut``: the worker watches ``cut.json`` (a gloo group's connections can be cut from another
+  thread).
 - ``request-<local_rank>.json`` (worker → agent) ``{"round", "reason"}``: the worker's group of that round
   failed (a collective error) or it stopped at a step boundary; it waits for the next assignment.
 - ``change.json`` (agent → workers) ``{"round"}``: the group of that round must re-form; workers stop at their
   next step boundary.
+- ``cut.json`` (agent → workers) ``{"round"}``: the workers are blocked in a collective of that round with a
+  member whose lease expired (a stopped peer): cut the group's connections, so that the collective fails
+  and the group re-forms without it.
 - ``assignment.json`` (agent → workers): the new round, this node's rank among the nodes, the number of nodes
   and processes per node, and the new group's bootstrap address.
 - ``standby-<local_rank>.json`` (worker → agent) ``{"round", "pid"}``: a worker started on standby (a node
@@ -126,9 +131,18 @@ class Channel:
         return out
 
     # -- worker side ---------------------------------------------------------------------------------------
-    def register(self, local_rank: int, round: int) -> None:
-        """This worker re-forms in-process from ``round`` on (written once its group is formed)."""
-        self._write(f"ready-{local_rank}.json", {"round": round, "pid": os.getpid()})
+    def register(self, local_rank: int, round: int, *, cut: bool = False) -> None:
+        """This worker re-forms in-process from ``round`` on (written once its group is formed); ``cut``: it
+        cuts its group's connections when the agent asks (:meth:`cut_asked`)."""
+        self._write(f"ready-{local_rank}.json", {"round": round, "pid": os.getpid(), "cut": cut})
+
+    def cut_asked(self, round: int) -> bool:
+        """True when the agent asked the workers of ``round`` (or a later one) to cut their group's
+        connections."""
+        if not os.path.exists(self._path("cut.json")):  # one stat in the common case
+            return False
+        d = self._read("cut.json")
+        return d is not None and isinstance(d.get("round"), int) and d["round"] >= round
 
     def request(self, local_rank: int, round: int, reason: str) -> None:
         """The group of ``round`` failed or stopped here; this worker waits for the next assignment."""
@@ -169,6 +183,15 @@ class Channel:
     def ready(self) -> dict[int, int]:
         """Local rank → the round from which that worker re-forms in-process."""
         return {r: int(d["round"]) for r, d in self._per_rank("ready-").items()}
+
+    def cuttable(self) -> bool:
+        """True when every registered worker cuts its group's connections when asked."""
+        registered = self._per_rank("ready-").values()
+        return bool(registered) and all(d.get("cut") is True for d in registered)
+
+    def cut(self, round: int) -> None:
+        """Ask the workers of ``round`` to cut their group's connections (a stopped peer blocks them)."""
+        self._write("cut.json", {"round": round, "time": time.time()})
 
     def standbys(self) -> dict[int, dict[str, Any]]:
         """Local rank → its standby record ``{"round", "pid"}`` (built, waiting for admission)."""

@@ -56,6 +56,9 @@ TICK = 0.005
 LOST_GRACE = 1.0
 #: Seconds the workers get to reach a step boundary after a newcomer or a member asked for a new round.
 STEP_GRACE = 120.0
+#: Seconds gloo workers blocked with a stopped peer get to ask for the next round once their agent asked them
+#: to cut their group's connections (they fail at once), before the restart path.
+CUT_GRACE = 1.0
 #: Seconds the agents of a round formed here get to exchange their workers' ranks (all of them are at it
 #: already). A member found gone meanwhile (lease expired, store port refused, or it asked for a newer round)
 #: abandons the round at once and the others join the next one in-process; past this, the restart path.
@@ -105,6 +108,8 @@ class HotPath:
         self._agent: Any = None
         self._nproc = 0
         self._announced: tuple[float, float] | None = None  # (when, grace)
+        #: When the workers were asked to cut their group's connections (a stopped peer), in this round.
+        self._cut_at: float | None = None
         #: True while this node's workers finish no step for as long as the fence counts as a stall (the
         #: handler sets it to :meth:`Fence.workers_blocked`): after a member's lease expired, such workers
         #: wait in a collective with a stopped peer and reach no step boundary, so there is no grace to wait.
@@ -128,6 +133,7 @@ class HotPath:
         self.round = result.round
         self.fallback = None
         self._announced = None
+        self._cut_at = None
         self._find_agent()
         if self._thread is None and self._nproc > 0:
             self._thread = threading.Thread(target=self._loop, name="hot-recovery", daemon=True)
@@ -202,10 +208,18 @@ class HotPath:
             self.channel.announce(self.round)
             log.info("hot_change_announced", round=self.round, lost=sorted(lost), grace_s=grace)
         elif self._announced[1] <= LOST_GRACE and participant.lost_members() and self.blocked():
-            self.give_up(
-                "workers blocked in a collective with a member whose lease expired (a stopped peer): "
-                "no step boundary to wait for"
-            )
+            # a stopped peer: no step boundary comes. gloo workers cut their group's connections when asked,
+            # their collective fails and they ask for the next round (the tick above); others restart
+            if self._cut_at is None and self.channel.cuttable():
+                self._cut_at = now
+                self.channel.cut(self.round)
+                log.info("hot_links_cut", round=self.round, lost=sorted(participant.lost_members()))
+            elif self._cut_at is None or now - self._cut_at > CUT_GRACE:
+                after_cut = f", and still {CUT_GRACE:g} s after the cut" if self._cut_at is not None else ""
+                self.give_up(
+                    "workers blocked in a collective with a member whose lease expired (a stopped peer): "
+                    f"no step boundary to wait for{after_cut}"
+                )
         elif self._announced[1] > LOST_GRACE and (why := self._no_boundary_coming(participant)):
             # the workers cannot reach a step boundary: waiting the step grace would only delay the restart
             self._announced = (now, LOST_GRACE)
@@ -292,6 +306,7 @@ class HotPath:
                 os.environ[ENV_ROUND] = str(result.round)
                 self.round = result.round
                 self._announced = None
+                self._cut_at = None
                 self.channel.publish(
                     Assignment(
                         round=result.round,

@@ -9,6 +9,7 @@ import os
 import socket
 import stat
 import sys
+import threading
 import time
 import types
 from dataclasses import dataclass
@@ -39,6 +40,10 @@ last_formation: dict[str, float] = {}
 #: group formed (what :func:`init_process_group` opened, listeners left out) and cut by a broken group's
 #: :func:`shutdown`.
 _LINKS: dict[int, int] = {}
+#: The round of the group :data:`_LINKS` belongs to (-1: none recorded).
+_LINKS_ROUND = [-1]
+#: Orders recording and cutting: a watcher thread may cut while the training thread re-forms.
+_LINKS_LOCK = threading.Lock()
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,9 +180,11 @@ def _form_group(backend: str, device: torch.device, env: WorkerEnv, timeout: tim
     before = _stream_sockets() if backend == "gloo" else {}
     dist.init_process_group(backend, rank=env.rank, world_size=env.world_size, **kwargs)
     if backend == "gloo":
-        _LINKS.clear()
         opened = _stream_sockets(connected=True)
-        _LINKS.update({fd: ino for fd, ino in opened.items() if before.get(fd) != ino})
+        with _LINKS_LOCK:
+            _LINKS.clear()
+            _LINKS.update({fd: ino for fd, ino in opened.items() if before.get(fd) != ino})
+            _LINKS_ROUND[0] = env.round
     last_formation.clear()
     last_formation.update(store_s=formed - started, pg_s=time.perf_counter() - formed)
 
@@ -247,17 +254,25 @@ def shutdown(*, broken: bool = False) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
     _WORLD = None
-    _LINKS.clear()
+    with _LINKS_LOCK:
+        _LINKS.clear()
 
 
-def cut_links() -> int:
+def cut_links(round: int | None = None) -> int:
     """Shut down the current gloo group's connections to its peers (both directions); returns how many.
 
     Only the sockets the group opened are touched: each is checked by inode, since gloo closes a failed
     pair's socket itself and its descriptor may by now belong to another connection of this process.
+    ``round``: only if the group is that round's (another thread asks for a group that may have re-formed
+    meanwhile).
     """
+    with _LINKS_LOCK:
+        if round is not None and _LINKS_ROUND[0] != round:
+            return 0
+        links = list(_LINKS.items())
+        _LINKS.clear()
     cut = 0
-    for fd, inode in list(_LINKS.items()):
+    for fd, inode in links:
         try:
             sock = socket.socket(fileno=os.dup(fd))
         except OSError:  # closed by gloo already
@@ -270,7 +285,6 @@ def cut_links() -> int:
             pass
         finally:
             sock.close()  # the duplicate only
-    _LINKS.clear()
     return cut
 
 

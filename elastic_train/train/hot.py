@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import gc
 import os
+import threading
 import time
 from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
@@ -48,6 +49,8 @@ T = TypeVar("T")
 
 #: Seconds a worker waits for its agent to hand it the next round before it gives up (the restart path).
 ASSIGNMENT_TIMEOUT = 120.0
+#: Seconds between two looks of a gloo worker's watcher at its agent's request to cut the group's connections.
+CUT_POLL = 0.01
 #: Text of the errors gloo and c10d raise when a peer of a collective is gone.
 _GROUP_ERROR_MARKERS = (
     "gloo/transport",
@@ -195,6 +198,7 @@ class Reformer:
         """True once the agent was told this worker re-forms in-process (:meth:`register`)."""
         #: Seconds this worker may wait for its admission when its agent started it on standby, else None.
         self.standby: float | None = None
+        self._watcher: threading.Thread | None = None
 
     @classmethod
     def from_environ(cls, env: WorkerEnv, backend: str = "auto") -> Reformer | None:
@@ -227,8 +231,26 @@ class Reformer:
         elif world.backend != "gloo":
             log.info("hot_recovery_off", reason=f"backend {world.backend}: membership changes restart")
             return
-        self.channel.register(self.env.local_rank, world.round)
+        gloo = world.backend == "gloo"
+        if gloo and self._watcher is None:
+            self._watcher = threading.Thread(target=self._watch_cuts, name="group-cut-watch", daemon=True)
+            self._watcher.start()
+        self.channel.register(self.env.local_rank, world.round, cut=gloo)
         self.registered = True
+
+    def _watch_cuts(self) -> None:
+        """Cut the gloo group's connections when the agent asks (a thread): the training thread is blocked in
+        a collective with a peer that stopped (SIGSTOP, a hung machine), which gloo cannot abort and which
+        never fails on its own. With its sockets shut down the collective raises, and the group re-forms
+        in-process without that peer. The agent asks each node's workers, since a rank fails only on a
+        connection it waits on."""
+        done = -1
+        while True:
+            time.sleep(CUT_POLL)
+            current = self.env.round
+            if current != done and self.channel.cut_asked(current):
+                done = current
+                log.warning("group_links_cut", round=current, links=group.cut_links(current))
 
     def boundary(self, step: int) -> None:
         """Call at each step boundary: raises :class:`GroupChanged` once the agent announced a change."""

@@ -83,3 +83,57 @@ def test_cutting_a_groups_links_fails_a_peer_blocked_on_it(tmp_path: Path) -> No
     assert cutter["cut"] >= 1  # rank 1's connection(s) to rank 0
     assert cutter["again"] == 0  # forgotten once cut
     assert cutter["echo"] == "still open", "a socket outside the group was cut"
+
+
+SELF_CUT = textwrap.dedent(
+    """
+    import json, os, sys, threading, time
+    import torch
+    import torch.distributed as dist
+    from elastic_train.train import group
+
+    out = sys.argv[1]
+    world = group.init("gloo")
+    if world.rank == 1:  # alive, never sends: a peer that stopped
+        time.sleep(60)
+        os._exit(0)
+    other = group.cut_links(world.round + 1)  # a group that is not the current one: nothing
+    cut = []
+    threading.Timer(1.0, lambda: cut.append(group.cut_links(world.round))).start()
+    started = time.monotonic()
+    try:
+        dist.recv(torch.zeros(4), src=1)
+        error = None
+    except RuntimeError as exc:
+        error = str(exc).splitlines()[0]
+    json.dump({"error": error, "blocked_s": time.monotonic() - started, "other": other, "cut": cut},
+              open(out, "w"))
+    os._exit(0)
+    """
+)
+
+
+def test_a_rank_blocked_on_a_silent_peer_fails_once_another_thread_cuts_its_own_links(tmp_path: Path) -> None:
+    """What a gloo worker's cut watcher does when its agent asks (a stopped peer): the training thread's
+    collective with the silent peer fails; a cut for another round's group does nothing."""
+    port = free_port()
+    out = tmp_path / "rank0.json"
+    procs = []
+    try:
+        for rank in range(2):
+            env = dict(
+                os.environ, RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="1",
+                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONPATH=os.getcwd(),
+            )  # fmt: skip
+            procs.append(subprocess.Popen([sys.executable, "-c", SELF_CUT, str(out)], env=env))
+        assert procs[0].wait(timeout=120) == 0
+        result = json.loads(out.read_text())
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert result["other"] == 0
+    assert result["cut"] and result["cut"][0] >= 1
+    assert result["error"], "the receive from the silent peer did not fail"
+    assert result["blocked_s"] >= 0.9  # it failed because of the cut, not before

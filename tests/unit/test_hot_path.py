@@ -255,3 +255,41 @@ def test_workers_blocked_after_a_member_lost_its_lease_fall_back_at_once(view, m
     assert hp.channel.fallback() == hp.fallback
     assert participant.inproc is False  # withdrawn at once: a peer restarting now starts as usual
     hp.close()
+
+
+def test_gloo_workers_blocked_with_a_stopped_peer_are_asked_to_cut_their_links_first(
+    view, monkeypatch
+) -> None:
+    """Workers that cut their group's connections when asked (gloo) get the cut, not the restart path; only
+    when they have not asked for the next round a grace after it does the node restart them."""
+    members = ["a", "b", "c"]
+    live(view, "a", "b")  # c stopped: its lease expired
+    participant: Any = FakeParticipant("a", members, view)
+    participant.num_waiting = lambda: 1
+    hp = hot_path(participant, monkeypatch)
+    hp._nproc = 1
+    hp.channel.register(0, 1, cut=True)
+    hp.blocked = lambda: True
+    assert not hp.channel.cut_asked(1)
+    hp._tick()  # announced
+    hp._tick()  # blocked with a lost member: cut
+    assert hp.channel.cut_asked(1) and not hp.channel.cut_asked(2)
+    assert hp.fallback is None
+    hp._tick()
+    assert hp.fallback is None  # the workers have the grace to fail and ask
+    assert hp._cut_at is not None
+    hp._cut_at -= hot_mod.CUT_GRACE + 0.01
+    hp._tick()
+    assert hp.fallback is not None and "after the cut" in hp.fallback
+    hp.close()
+
+
+def test_a_cut_is_asked_only_when_every_registered_worker_can_cut(view, monkeypatch) -> None:
+    participant: Any = FakeParticipant("a", ["a"], view)
+    hp = hot_path(participant, monkeypatch)
+    assert not hp.channel.cuttable()  # nobody registered
+    hp.channel.register(0, 1, cut=True)
+    assert hp.channel.cuttable()
+    hp.channel.register(1, 1)  # e.g. an NCCL worker
+    assert not hp.channel.cuttable()
+    hp.close()
