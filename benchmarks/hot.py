@@ -10,8 +10,9 @@ over both modes:
   moment it could train) -> the first step of the round that admits it (at world 3). Where the worker
   logs no ``model_built`` the joiner's start is used instead and the run says so (``join_basis``).
 - ``stop``: node 1 is stopped (SIGSTOP, agent and worker) after ``--kill-step`` and never resumed; the
-  figure is the stop -> the first step without it. Its peers are blocked in a collective that gloo cannot
-  abort: they wait for its lease to expire, and hot recovery falls back to the restart path (by design).
+  figure is the stop -> the first step without it. Its peers are blocked in a collective that never fails
+  on its own: they wait for its lease to expire; then hot recovery has them cut their group's connections
+  and re-form in-process, and the restart path restarts them.
 
 Loops: ``builtin`` (the built-in worker), ``own`` (``examples/own_loop.py`` under ``--entry``),
 ``compiled`` (``benchmarks/hot_compiled.py``: a ``torch.compile``d model of 8 small blocks, kill only; the
@@ -480,8 +481,8 @@ def build_doc(
             "one run (alternating order); loops: the built-in worker, `examples/own_loop.py` (--entry), "
             "`benchmarks/hot_compiled.py` (a torch.compile'd model, warm inductor cache). kill: kill -9 of "
             "node 1 -> first step at world 2; join: the joiner's model built -> first step at world 3; stop: "
-            "SIGSTOP of node 1 -> first step without it (peers wait for its lease; hot falls back to the "
-            f"restart path). Load average {load[0]:.1f} at the start, {load_end[0]:.1f} at the end."
+            "SIGSTOP of node 1 -> first step without it (peers wait for its lease; hot cuts their group's "
+            f"connections and re-forms in-process). Load average {load[0]:.1f} at the start, {load_end[0]:.1f} at the end."
         ),
         "loadavg": load,
         "loadavg_end": load_end,
