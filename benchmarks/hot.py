@@ -482,7 +482,8 @@ def build_doc(
             "`benchmarks/hot_compiled.py` (a torch.compile'd model, warm inductor cache). kill: kill -9 of "
             "node 1 -> first step at world 2; join: the joiner's model built -> first step at world 3; stop: "
             "SIGSTOP of node 1 -> first step without it (peers wait for its lease; hot cuts their group's "
-            f"connections and re-forms in-process). Load average {load[0]:.1f} at the start, {load_end[0]:.1f} at the end."
+            "connections and re-forms in-process). "
+            f"Load average {load[0]:.1f} at the start, {load_end[0]:.1f} at the end."
         ),
         "loadavg": load,
         "loadavg_end": load_end,
