@@ -348,6 +348,7 @@ class CheckpointManager:
             if why:
                 raise ModelMismatch(f"checkpoint at step {step} ({source}) is from a different model: {why}")
         chunks = transfer.plan(specs, nbytes)
+        prepared = 0.0
         if me in holders and source != "memory":
             # A checkpoint read from storage is this rank's own buffer: its tensors are views into it.
             if receivers:
@@ -355,6 +356,7 @@ class CheckpointManager:
             tensors, live = [tensor_at(buf, s) for s in specs], 0
         else:
             landing = transfer.Landing(specs, into(specs) if into is not None else None)
+            prepared = time.perf_counter()
             if me in holders:  # read from the slot into the live tensors, hashed, sent on from there
                 assert held is not None and self.memory is not None
                 reader = self.memory.reader(held.slot)
@@ -370,6 +372,7 @@ class CheckpointManager:
             else:
                 transfer.receive(chunks, landing, chain=chain, rank=self._global(me), group=self._ctl)
             tensors, live = landing.tensors, landing.live
+        moved = time.perf_counter()
         if source == "memory" and self._torn_anywhere(check, held):
             return _RETRY
         sent = time.perf_counter()
@@ -388,6 +391,10 @@ class CheckpointManager:
             receivers=len(receivers),
             find_s=round(found - started, 4),  # newest snapshot found (header, metadata), decision agreed
             broadcast_s=round(sent - found, 4) if receivers else 0.0,  # sent, received, landed, verified
+            # of which: the landing prepared (the live tensors looked up), then the bytes moved (read, hashed,
+            # sent or received, landed); the rest is the verdict agreed on
+            prepare_s=round(prepared - found, 4) if prepared else 0.0,
+            move_s=round(moved - prepared, 4) if prepared else 0.0,
             seconds=round(time.perf_counter() - started, 4),
         )
         return Restored(

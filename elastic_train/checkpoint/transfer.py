@@ -23,6 +23,8 @@ from __future__ import annotations
 import bisect
 import collections
 import pickle
+import queue
+import threading
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -34,6 +36,8 @@ from elastic_train.checkpoint.codec import ALIGN, TensorSpec, dtype_of, tensor_a
 #: Bytes per message (chain hop) of a restored state at most, and messages in flight at once.
 BUCKET = 8 << 20
 WINDOW = 4
+#: Chunks of a shared-memory slot its holder reads (and hashes) ahead of the one it sends.
+AHEAD = 2
 #: A tensor of at least this many bytes is received straight into where it lands (no bounce, no copy).
 DIRECT_MIN = 256 << 10
 #: Tags of the two messages that carry the state's metadata to a receiver (chunk k is tag k).
@@ -213,36 +217,94 @@ def _pump(
     check: Check | None,
     landing: Landing | None,
 ) -> None:
-    bounce = []
     if not isinstance(source, torch.Tensor):
         assert landing is not None
-        loose = max((e - s for s, e, d in chunks if not d), default=0)
-        bounce = [torch.empty(loose, dtype=torch.uint8) for _ in range(WINDOW + 1)] if loose else []
+        _pump_slot(source, chunks, nxt, group, check, landing)
+        return
     pending: collections.deque[Any] = collections.deque()
-    used = 0
-    for k, (start, end, direct) in enumerate(chunks):
-        if isinstance(source, torch.Tensor):
-            data = source[start:end]
-        else:
-            # Read where it lands (a big tensor's chunk) or into a bounce buffer, reused WINDOW + 1 loose
-            # chunks later (its send is done by then); then hashed and sent from there.
-            if direct:
-                assert landing is not None
-                data = landing.target(start, end)
-            else:
-                data = bounce[used % len(bounce)][: end - start]
-                used += 1
-            source.read_into(start, data)
+    for k, (start, end, _) in enumerate(chunks):
+        data = source[start:end]
         if check is not None:
             check.update(data)
         if nxt is not None:
             pending.append(dist.isend(data, dst=nxt, group=group, tag=k))
-        if landing is not None and (isinstance(source, torch.Tensor) or not direct):
+        if landing is not None:
             landing.land(start, data)
         if len(pending) >= WINDOW:
             pending.popleft().wait()
     while pending:
         pending.popleft().wait()
+
+
+def _pump_slot(
+    source: Reader,
+    chunks: Sequence[Chunk],
+    nxt: int | None,
+    group: Any,
+    check: Check | None,
+    landing: Landing,
+) -> None:
+    """A shared-memory slot's chunks: read and hashed by a reader thread up to :data:`AHEAD` chunks ahead of
+    this one, which sends each (and lands the loose ones) as soon as it is read.
+
+    The read (a copy out of the slot) and the hash then overlap the sends instead of taking turns with them
+    on one thread: ``pread`` and xxh3 release the GIL, and the holder keeps the link busy while it reads.
+    The hash still sees every chunk in order, and a verdict is only asked for after :func:`send` returns.
+    """
+    loose = max((e - s for s, e, d in chunks if not d), default=0)
+    # A bounce buffer is read into again len(bounce) loose chunks later: by then this thread has taken the
+    # chunk (the queue holds AHEAD), sent it and waited for its send (WINDOW in flight).
+    bounce = [torch.empty(loose, dtype=torch.uint8) for _ in range(WINDOW + AHEAD + 2)] if loose else []
+    ready: queue.Queue[tuple[torch.Tensor, BaseException | None]] = queue.Queue(maxsize=AHEAD)
+    stop = threading.Event()
+
+    def read() -> None:
+        used = 0
+        try:
+            for start, end, direct in chunks:
+                if direct:  # read where it lands: the holder's own tensor
+                    data = landing.target(start, end)
+                else:
+                    data = bounce[used % len(bounce)][: end - start]
+                    used += 1
+                source.read_into(start, data)
+                if check is not None:
+                    check.update(data)
+                if not _put(ready, (data, None), stop):
+                    return
+        except BaseException as exc:  # handed to the sending thread, which raises it
+            _put(ready, (torch.empty(0), exc), stop)
+
+    reader = threading.Thread(target=read, name="restore-reader", daemon=True)
+    reader.start()
+    pending: collections.deque[Any] = collections.deque()
+    try:
+        for k, (start, _, direct) in enumerate(chunks):
+            data, error = ready.get()
+            if error is not None:
+                raise error
+            if nxt is not None:
+                pending.append(dist.isend(data, dst=nxt, group=group, tag=k))
+            if not direct:
+                landing.land(start, data)
+            if len(pending) >= WINDOW:
+                pending.popleft().wait()
+        while pending:
+            pending.popleft().wait()
+    finally:
+        stop.set()
+        reader.join()
+
+
+def _put(q: queue.Queue[Any], item: Any, stop: threading.Event) -> bool:
+    """Put ``item`` on ``q`` unless ``stop`` is set first (the consumer gave up); whether it was put."""
+    while not stop.is_set():
+        try:
+            q.put(item, timeout=0.1)
+            return True
+        except queue.Full:
+            continue
+    return False
 
 
 def receive(
