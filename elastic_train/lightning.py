@@ -41,6 +41,7 @@ from pytorch_lightning.trainer.states import RunningStage
 from torch.utils.data import DataLoader, IterableDataset
 
 from elastic_train import elastic as et
+from elastic_train.checkpoint import drain
 from elastic_train.checkpoint.config import CheckpointConfig
 from elastic_train.errors import NonRetryableError
 from elastic_train.log import get_logger
@@ -295,8 +296,9 @@ class ElasticStrategy(DDPStrategy):
         super().on_train_start()
         # Lightning's SIGTERM handler broadcasts from inside the signal handler, which deadlocks when the
         # signal lands while a collective (a checkpoint barrier) is in flight. The state is in shared memory
-        # after every step: a stopped worker may simply end.
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        # after every step: a stopped worker may simply end, once the snapshot copy in flight is sealed.
+        if not drain.install(claim=True):
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)

@@ -38,7 +38,7 @@ import psutil
 import torch
 import xxhash
 
-from elastic_train.checkpoint import schema
+from elastic_train.checkpoint import drain, schema
 from elastic_train.checkpoint.codec import Flat, TensorSpec, destinations
 from elastic_train.checkpoint.errors import CheckpointError
 from elastic_train.checkpoint.plan import Planned
@@ -331,6 +331,8 @@ class MemorySnapshot:
         self._meta_prefix: dict[int, str] = {}
         self.stats = SaveStats()
         self._skeleton_json = _SkeletonJson()
+        if os.environ.get("TORCHELASTIC_RUN_ID"):  # a worker torchrun started (and stops with SIGTERM)
+            drain.register(self)
 
     # -- lifecycle -------------------------------------------------------------------------------------
     def _allocate(self, flat: Flat, meta_len: int) -> None:
@@ -816,11 +818,20 @@ class MemorySnapshot:
             exc, self._error = self._error, None
             raise CheckpointError(f"sealing the shared-memory snapshot failed: {exc}") from exc
 
-    def wait_idle(self) -> None:
-        """Block until the last snapshot is copied and sealed (or failed)."""
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Block until the last snapshot is copied and sealed (or failed); False if it still is not after
+        ``timeout`` seconds."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while self._sealing is not None or self._job is not None:
-                self._cond.wait()
+                if deadline is None:
+                    self._cond.wait()
+                    continue
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
 
     def pin(self, slot: int) -> None:
         """Keep ``slot`` from being rewritten (while a background copy reads it)."""
