@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import time
 from typing import TYPE_CHECKING, Any
@@ -133,6 +134,9 @@ def run(args: argparse.Namespace) -> int:
     job = LocalJob(cfg, LocalOptions(config_path=args.config, overrides=overrides, nodes=args.initial_nodes,
                                      faults=faults, workdir=workdir, timeout=args.timeout,
                                      etcd_members=args.etcd_members, entry=entry))  # fmt: skip
+    # SIGTERM (a CI timeout, `kill`) ends the job like Ctrl-C does: every node, etcd and the snapshots are
+    # cleaned up; the nodes run in sessions of their own and would otherwise train on unwatched
+    signal.signal(signal.SIGTERM, _stop_on_sigterm)
     summary = job.run()
     if not steps_known:  # a script decides its own length
         summary.steps = summary.completed_steps
@@ -171,3 +175,7 @@ def _check_exactly_once(cfg: JobConfig, job: LocalJob, *, from_meta: bool = Fals
         audit_dir, steps=job.completed_step, global_batch=global_batch, first_step=first
     )
     return report.to_json()
+
+
+def _stop_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
