@@ -54,6 +54,9 @@ MAGIC = b"ETSNAP01"
 _HDR = struct.Struct("<8sQQQ64s")  # magic, slot_bytes, meta_cap, data_cap, layout key
 _SLOT = struct.Struct("<IqQQQQQ")  # state, step, seq, sum_data, sum_meta, meta_len, data_len
 _SLOT_CRC = struct.Struct("<I")
+#: What a slot header reads while the slot is being written: all zero (no valid state, no CRC).
+_INVALID_LEN = _SLOT.size + _SLOT_CRC.size
+_INVALID = bytes(_INVALID_LEN)
 #: Slots per snapshot file: two alternate every step; the third lets a durable write read its step straight
 #: from shared memory (pinned) while the two others keep alternating. The writer needs no private copy of
 #: the state, so the memory used is the same as two slots plus a staging buffer.
@@ -507,7 +510,8 @@ class MemorySnapshot:
             CheckpointError: the shared memory cannot hold the state (needed and free sizes in the message),
                 or a previous background copy or seal failed.
         """
-        self.raise_error()
+        if self._error is not None:
+            self.raise_error()
         self.wait_idle()  # the previous snapshot is sealed (normally long before the next step ends)
         if self._mm is None:
             self._open_existing()
@@ -525,19 +529,18 @@ class MemorySnapshot:
         if self._meta_need > self._meta_cap:
             self._allocate(flat, self._meta_need)
             self._meta_need = 0
-        with self._cond:
-            while True:
-                # The oldest slot that is neither the newest snapshot nor pinned by a durable write: with
-                # one slot pinned, the other two still alternate, so a crash mid-copy always leaves the
-                # previous step valid.
-                free = [s for s in range(SLOTS) if s != self._newest and s not in self._pinned]
-                if free:
-                    slot = min(free, key=lambda s: self._slot_seq[s])
-                    break
-                self._cond.wait()
+        # The oldest slot that is neither the newest snapshot nor pinned by a durable write: with one slot
+        # pinned, the other two still alternate, so a crash mid-copy always leaves the previous step valid.
+        # Nothing else changes these while the copier is idle but a durable writer unpinning; only this
+        # thread pins, so a slot is only waited for (under the lock) when one is pinned.
+        slot = self._oldest_free() if not self._pinned else None
+        if slot is None:
+            with self._cond:
+                while (slot := self._oldest_free()) is None:
+                    self._cond.wait()
         assert self._mm is not None and self._buf is not None
-        base = self._slot_base(slot)
-        self._mm[base : base + _SLOT.size + _SLOT_CRC.size] = bytes(_SLOT.size + _SLOT_CRC.size)  # invalid
+        base = PAGE + slot * self._slot_bytes
+        self._mm[base : base + _INVALID_LEN] = _INVALID
         dests = self._dests.get(slot)
         if dests is None:
             dests = self._dests[slot] = destinations(flat.specs, self.data(slot, flat.nbytes))
@@ -591,6 +594,16 @@ class MemorySnapshot:
                 self._worker = threading.Thread(target=self._work, name="ckpt-memory-copy", daemon=True)
                 self._worker.start()
             self._cond.notify_all()
+        return slot
+
+    def _oldest_free(self) -> int | None:
+        """The slot with the lowest sequence that is neither the newest nor pinned (the first such in
+        order), or None."""
+        newest, pinned, seq = self._newest, self._pinned, self._slot_seq
+        slot = None
+        for s in range(SLOTS):
+            if s != newest and s not in pinned and (slot is None or seq[s] < seq[slot]):
+                slot = s
         return slot
 
     def _route(
@@ -818,6 +831,10 @@ class MemorySnapshot:
 
     def wait_idle(self) -> None:
         """Block until the last snapshot is copied and sealed (or failed)."""
+        if self._job is None and self._sealing is None:
+            # Only save() (the training thread) sets them, and the copier clears them once done (the job
+            # first): both None is idle, and stays so until the next save.
+            return
         with self._cond:
             while self._sealing is not None or self._job is not None:
                 self._cond.wait()
