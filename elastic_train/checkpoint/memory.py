@@ -317,6 +317,7 @@ class MemorySnapshot:
         self._job: _CopyJob | None = None
         self._copying = False
         self._worker: threading.Thread | None = None
+        self._worker_pid = 0
         self._stream: Any = None
         self._pinned_ptr: int | None = None
         self._specs_json: tuple[str, bytes] = ("", b"")
@@ -545,7 +546,8 @@ class MemorySnapshot:
         if dests is None:
             dests = self._dests[slot] = destinations(flat.specs, self.data(slot, flat.nbytes))
         event = None
-        on_gpu = self._on_gpu(flat, dests)
+        gpu = self._gpu  # decided once per specs object (see _on_gpu)
+        on_gpu = gpu[1] if gpu is not None and gpu[0] is flat.specs else self._on_gpu(flat, dests)
         if on_gpu:
             event = self._copy_from_gpu(flat, dests, on_gpu, defer)
             later: list[int] = []
@@ -563,14 +565,24 @@ class MemorySnapshot:
             # others at every all-reduce, and the seal (JSON, checksums) fills such a wait instead of
             # lengthening the step (measured: sealing inside save cost the 17 ms step ~+5%).
             small = flat.nbytes <= INLINE_BYTES  # (no CUDA tensor here)
-            now, later, now_dests, pick = self._route(slot, flat, defer if background and not small else ())
-            if now and self.stats.record:
-                t0, c0 = time.perf_counter(), time.thread_time()
-                torch._foreach_copy_(now_dests, pick(flat.tensors))
-                self.stats.copy_s += time.perf_counter() - t0
-                self.stats.copy_cpu_s += time.thread_time() - c0
-            elif now:
-                torch._foreach_copy_(now_dests, pick(flat.tensors))
+            deferred = defer if background and not small else ()
+            route = self._routes.get(slot)
+            if (
+                route is None
+                or route[0] is not flat.specs
+                or not (route[1] is deferred or route[1] == deferred)
+            ):
+                route = self._route(slot, flat, deferred)
+            now, later, now_dests, take = route[2]
+            if now:
+                sources = list(take(flat.tensors)) if take is not None else [flat.tensors[now[0]]]
+                if self.stats.record:
+                    t0, c0 = time.perf_counter(), time.thread_time()
+                    torch._foreach_copy_(now_dests, sources)
+                    self.stats.copy_s += time.perf_counter() - t0
+                    self.stats.copy_cpu_s += time.thread_time() - c0
+                else:
+                    torch._foreach_copy_(now_dests, sources)
         self._seq += 1
         self._slot_seq[slot] = self._seq
         device = flat.tensors[on_gpu[0]].device if on_gpu else None
@@ -590,8 +602,10 @@ class MemorySnapshot:
         with self._cond:
             # The fence also waits for a pending structure check: the state may change once it returns.
             self._job, self._copying, self._sealing = job, bool(later) or verify is not None, slot
-            if self._worker is None or not self._worker.is_alive():
+            # The copier never returns but by an exception (it then clears _worker); a forked child has none.
+            if self._worker is None or self._worker_pid != os.getpid():
                 self._worker = threading.Thread(target=self._work, name="ckpt-memory-copy", daemon=True)
+                self._worker_pid = os.getpid()
                 self._worker.start()
             self._cond.notify_all()
         return slot
@@ -606,24 +620,16 @@ class MemorySnapshot:
                 slot = s
         return slot
 
-    def _route(
-        self, slot: int, flat: Flat, defer: Container[int]
-    ) -> tuple[list[int], list[int], list[Any], Any]:
-        """The tensors copied now and those the copier copies, kept per slot and layout: (indices now,
-        indices later, destinations now, a function picking the sources now from ``flat.tensors``)."""
-        cached = self._routes.get(slot)
-        if cached is not None and cached[0] is flat.specs and (cached[1] is defer or cached[1] == defer):
-            return cached[2]
+    def _route(self, slot: int, flat: Flat, defer: Container[int]) -> tuple[Any, Any, Any]:
+        """The tensors copied now and those the copier copies, kept per slot and layout: (specs, ``defer``,
+        (indices now, indices later, destinations now, an itemgetter of the sources now from
+        ``flat.tensors`` where there are several, else None))."""
         dests = self._dests[slot]
         now = [i for i, d in enumerate(dests) if d is not None and i not in defer]
         later = [i for i, d in enumerate(dests) if d is not None and i in defer]
         take = operator.itemgetter(*now) if len(now) > 1 else None
-
-        def pick(ts: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
-            return list(take(ts)) if take is not None else [ts[i] for i in now]
-
-        route = (now, later, [dests[i] for i in now], pick)
-        self._routes[slot] = (flat.specs, defer, route)
+        route = (flat.specs, defer, (now, later, [dests[i] for i in now], take))
+        self._routes[slot] = route
         return route
 
     def _on_gpu(self, flat: Flat, dests: list[torch.Tensor | None]) -> list[int]:
@@ -707,6 +713,14 @@ class MemorySnapshot:
 
     def _work(self) -> None:
         """The background copier: finishes each snapshot's deferred copies, then seals it."""
+        try:
+            self._work_loop()
+        finally:  # (an exception outside the per-job handlers) the next save starts another copier
+            with self._cond:
+                if self._worker is threading.current_thread():
+                    self._worker = None
+
+    def _work_loop(self) -> None:
         while True:
             with self._cond:
                 while self._job is None:

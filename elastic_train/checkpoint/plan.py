@@ -114,6 +114,8 @@ class _PlanWalker(Walker):
         if kind in _PLAIN:
             return v
         if kind is dict and _STR.issuperset(map(type, v)) and MARKERS.isdisjoint(v):
+            if _PLAIN.issuperset(map(type, v.values())):  # e.g. the data cursor: a copy, made in C
+                return dict(v)
             enc, other = self.enc, self.other
             return {
                 k: x
