@@ -81,8 +81,9 @@ def python_state() -> Any:
 
 #: numpy's global generator when last captured: (bit generator, its MT19937 words and position, capture).
 _numpy_last: tuple[Any, bytes, list[Any]] | None = None
-#: numpy's bit generator whose C state is read, and a ctypes array over that state (made once per generator).
-_numpy_words: tuple[Any, Any] | None = None
+#: (numpy, its global RandomState, that one's bit generator, a ctypes array over the generator's C state),
+#: made once per generator.
+_numpy_words: tuple[Any, Any, Any, Any] | None = None
 _MT_BYTES = 624 * 4 + 4
 
 
@@ -97,15 +98,21 @@ def numpy_state() -> list[Any] | None:
     is still exact.
     """
     global _numpy_last, _numpy_words
-    np = sys.modules.get("numpy")
-    if np is None:
-        return None
+    words = _numpy_words
+    if words is None:
+        np = sys.modules.get("numpy")
+        if np is None:
+            return None
+    else:
+        np = words[0]
     try:
-        bits = np.random.mtrand._rand._bit_generator
-        words = _numpy_words
-        if words is None or words[0] is not bits:
-            words = _numpy_words = (bits, (ctypes.c_char * _MT_BYTES).from_address(bits.ctypes.state_address))
-        raw = words[1].raw
+        # np.random's functions are bound to mtrand's _rand (kept here), which keeps its bit generator.
+        rand = words[1] if words is not None else np.random.mtrand._rand
+        bits = rand._bit_generator
+        if words is None or words[2] is not bits:
+            address = bits.ctypes.state_address
+            words = _numpy_words = (np, rand, bits, (ctypes.c_char * _MT_BYTES).from_address(address))
+        raw = words[3].raw
     except (AttributeError, TypeError):  # another numpy layout: capture every time
         bits, raw = None, b""
     last = _numpy_last

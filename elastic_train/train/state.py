@@ -442,6 +442,7 @@ class TrainState:
         self._planner: Planner | None = None
         self._parts: tuple[_ModelPart, _OptimizerPart | None] | None = None
         self._rng = _RngPart()
+        self._check: tuple[tuple[Any, Any], Callable[[], bool]] | None = None
 
     def snapshot(self, *, verify: bool = True) -> Planned:
         """The checkpoint state flattened, as ``flatten(self.state_dict())`` but planned: the model's and the
@@ -471,8 +472,13 @@ class TrainState:
         )
         check = None
         if not verify:
-            checks = (model.check(), opt_part.check()) if opt_part is not None else (model.check(),)
-            check = partial(_all, checks)
+            # The same check object while the parts' marks are the same (they are replaced, never changed).
+            marks = (model.marks, opt_part.marks if opt_part is not None else None)
+            cached = self._check
+            if cached is None or cached[0][0] is not marks[0] or cached[0][1] is not marks[1]:
+                checks = (model.check(), opt_part.check()) if opt_part is not None else (model.check(),)
+                cached = self._check = (marks, partial(_all, checks))
+            check = cached[1]
         return self._planner.flat(state, check)
 
     def restore_targets(self, specs: Sequence[TensorSpec]) -> list[torch.Tensor | None]:
