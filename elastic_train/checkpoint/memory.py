@@ -575,7 +575,12 @@ class MemorySnapshot:
                 route = self._route(slot, flat, deferred)
             now, later, now_dests, take = route[2]
             if now:
-                sources = list(take(flat.tensors)) if take is not None else [flat.tensors[now[0]]]
+                if take is True:
+                    sources = flat.tensors
+                elif take is not None:
+                    sources = take(flat.tensors)
+                else:
+                    sources = (flat.tensors[now[0]],)
                 if self.stats.record:
                     t0, c0 = time.perf_counter(), time.thread_time()
                     torch._foreach_copy_(now_dests, sources)
@@ -622,12 +627,12 @@ class MemorySnapshot:
 
     def _route(self, slot: int, flat: Flat, defer: Container[int]) -> tuple[Any, Any, Any]:
         """The tensors copied now and those the copier copies, kept per slot and layout: (specs, ``defer``,
-        (indices now, indices later, destinations now, an itemgetter of the sources now from
-        ``flat.tensors`` where there are several, else None))."""
+        (indices now, indices later, destinations now, how to take the sources now from the tensors))."""
         dests = self._dests[slot]
         now = [i for i, d in enumerate(dests) if d is not None and i not in defer]
         later = [i for i, d in enumerate(dests) if d is not None and i in defer]
-        take = operator.itemgetter(*now) if len(now) > 1 else None
+        # The sources now: every tensor (the tensors as they are: True), an itemgetter of several, or one.
+        take: Any = True if len(now) == len(dests) else operator.itemgetter(*now) if len(now) > 1 else None
         route = (flat.specs, defer, (now, later, [dests[i] for i in now], take))
         self._routes[slot] = route
         return route

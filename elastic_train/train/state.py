@@ -370,6 +370,7 @@ class _RngPart:
         #: compared by identity, as a numpy capture holds a tensor).
         self._last: tuple[Any, Any, object] = (None, None, object())
         self._python: Fixed | None = None
+        self._layout: tuple[int, tuple[int, ...], bool] = (-1, (), False)
 
     def part(self) -> Fixed:
         cpu = torch.default_generator.get_state()
@@ -384,7 +385,9 @@ class _RngPart:
                 py_part = self._python = Fixed(python, (), partial(_identity, python))
         assert py_part is not None
         tensors = [cpu, *cuda] if numpy is None else [cpu, *cuda, numpy[1]]
-        layout = (cpu.nbytes, tuple(map(_nbytes, cuda)), numpy is not None)
+        layout = self._layout  # the same object while it holds: recognised by identity
+        if cuda or cpu.nbytes != layout[0] or (numpy is not None) is not layout[2]:
+            layout = self._layout = (cpu.nbytes, tuple(map(_nbytes, cuda)), numpy is not None)
         build = partial(_rng_state, cpu, cuda, py_part, numpy)
         return Fixed(last[2], tensors, build, layout)
 
