@@ -584,3 +584,21 @@ def test_a_part_whose_places_belie_its_layout_is_planned_by_its_places():
         plain = flatten({"a": torch.zeros(3), "p": {"x": torch.arange(6.0)}, "b": torch.ones(2)})
         assert got.specs == plain.specs and got.nbytes == plain.nbytes
         assert json.dumps(got.skeleton) == json.dumps(plain.skeleton)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_generator_states_are_those_of_get_rng_state_all_and_in_the_planned_snapshot():
+    """Once CUDA is used, every device's generator state is read (without get_rng_state_all's device
+    switches) and is in the snapshot: a new plan (the RNG part's layout grew), equal to the flattened
+    state."""
+    model, opt, sched, ts = make()
+    train_step(model, opt, sched)
+    ts.snapshot()
+    plans = ts._planner.plans  # type: ignore[union-attr]
+    torch.cuda.init()
+    torch.rand(3, device="cuda")
+    states = rng.cuda_states()
+    assert len(states) == torch.cuda.device_count()
+    assert all(torch.equal(a, b) for a, b in zip(states, torch.cuda.get_rng_state_all(), strict=True))
+    as_flattened(ts)
+    assert ts._planner.plans > plans  # type: ignore[union-attr]
