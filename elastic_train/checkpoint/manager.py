@@ -501,7 +501,11 @@ class CheckpointManager:
         if self.memory is not None:
             # Which tensors the copier may copy later is decided once per plan; a small state is copied
             # whole inside the memory tier's save anyway.
-            defer = self._deferrable(flat)
+            cached = self._defer_cache
+            if cached is not None and cached[0] is flat.specs and cached[1] == len(self._attached):
+                defer = cached[2]
+            else:
+                defer = self._deferrable(flat)
             slot = self.memory.save(step, flat, defer=defer)
             if timed:
                 self.memory.stats.add_save(time.perf_counter() - started, time.thread_time() - cpu)

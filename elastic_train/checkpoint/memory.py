@@ -54,6 +54,9 @@ MAGIC = b"ETSNAP01"
 _HDR = struct.Struct("<8sQQQ64s")  # magic, slot_bytes, meta_cap, data_cap, layout key
 _SLOT = struct.Struct("<IqQQQQQ")  # state, step, seq, sum_data, sum_meta, meta_len, data_len
 _SLOT_CRC = struct.Struct("<I")
+#: What a slot header reads while the slot is being written: all zero (no valid state, no CRC).
+_INVALID_LEN = _SLOT.size + _SLOT_CRC.size
+_INVALID = bytes(_INVALID_LEN)
 #: Slots per snapshot file: two alternate every step; the third lets a durable write read its step straight
 #: from shared memory (pinned) while the two others keep alternating. The writer needs no private copy of
 #: the state, so the memory used is the same as two slots plus a staging buffer.
@@ -314,6 +317,7 @@ class MemorySnapshot:
         self._job: _CopyJob | None = None
         self._copying = False
         self._worker: threading.Thread | None = None
+        self._worker_pid = 0
         self._stream: Any = None
         self._pinned_ptr: int | None = None
         self._specs_json: tuple[str, bytes] = ("", b"")
@@ -509,7 +513,8 @@ class MemorySnapshot:
             CheckpointError: the shared memory cannot hold the state (needed and free sizes in the message),
                 or a previous background copy or seal failed.
         """
-        self.raise_error()
+        if self._error is not None:
+            self.raise_error()
         self.wait_idle()  # the previous snapshot is sealed (normally long before the next step ends)
         if self._mm is None:
             self._open_existing()
@@ -527,24 +532,24 @@ class MemorySnapshot:
         if self._meta_need > self._meta_cap:
             self._allocate(flat, self._meta_need)
             self._meta_need = 0
-        with self._cond:
-            while True:
-                # The oldest slot that is neither the newest snapshot nor pinned by a durable write: with
-                # one slot pinned, the other two still alternate, so a crash mid-copy always leaves the
-                # previous step valid.
-                free = [s for s in range(SLOTS) if s != self._newest and s not in self._pinned]
-                if free:
-                    slot = min(free, key=lambda s: self._slot_seq[s])
-                    break
-                self._cond.wait()
+        # The oldest slot that is neither the newest snapshot nor pinned by a durable write: with one slot
+        # pinned, the other two still alternate, so a crash mid-copy always leaves the previous step valid.
+        # Nothing else changes these while the copier is idle but a durable writer unpinning; only this
+        # thread pins, so a slot is only waited for (under the lock) when one is pinned.
+        slot = self._oldest_free() if not self._pinned else None
+        if slot is None:
+            with self._cond:
+                while (slot := self._oldest_free()) is None:
+                    self._cond.wait()
         assert self._mm is not None and self._buf is not None
-        base = self._slot_base(slot)
-        self._mm[base : base + _SLOT.size + _SLOT_CRC.size] = bytes(_SLOT.size + _SLOT_CRC.size)  # invalid
+        base = PAGE + slot * self._slot_bytes
+        self._mm[base : base + _INVALID_LEN] = _INVALID
         dests = self._dests.get(slot)
         if dests is None:
             dests = self._dests[slot] = destinations(flat.specs, self.data(slot, flat.nbytes))
         event = None
-        on_gpu = self._on_gpu(flat, dests)
+        gpu = self._gpu  # decided once per specs object (see _on_gpu)
+        on_gpu = gpu[1] if gpu is not None and gpu[0] is flat.specs else self._on_gpu(flat, dests)
         if on_gpu:
             event = self._copy_from_gpu(flat, dests, on_gpu, defer)
             later: list[int] = []
@@ -562,14 +567,29 @@ class MemorySnapshot:
             # others at every all-reduce, and the seal (JSON, checksums) fills such a wait instead of
             # lengthening the step (measured: sealing inside save cost the 17 ms step ~+5%).
             small = flat.nbytes <= INLINE_BYTES  # (no CUDA tensor here)
-            now, later, now_dests, pick = self._route(slot, flat, defer if background and not small else ())
-            if now and self.stats.record:
-                t0, c0 = time.perf_counter(), time.thread_time()
-                torch._foreach_copy_(now_dests, pick(flat.tensors))
-                self.stats.copy_s += time.perf_counter() - t0
-                self.stats.copy_cpu_s += time.thread_time() - c0
-            elif now:
-                torch._foreach_copy_(now_dests, pick(flat.tensors))
+            deferred = defer if background and not small else ()
+            route = self._routes.get(slot)
+            if (
+                route is None
+                or route[0] is not flat.specs
+                or not (route[1] is deferred or route[1] == deferred)
+            ):
+                route = self._route(slot, flat, deferred)
+            now, later, now_dests, take = route[2]
+            if now:
+                if take is True:
+                    sources = flat.tensors
+                elif take is not None:
+                    sources = take(flat.tensors)
+                else:
+                    sources = (flat.tensors[now[0]],)
+                if self.stats.record:
+                    t0, c0 = time.perf_counter(), time.thread_time()
+                    torch._foreach_copy_(now_dests, sources)
+                    self.stats.copy_s += time.perf_counter() - t0
+                    self.stats.copy_cpu_s += time.thread_time() - c0
+                else:
+                    torch._foreach_copy_(now_dests, sources)
         self._seq += 1
         self._slot_seq[slot] = self._seq
         device = flat.tensors[on_gpu[0]].device if on_gpu else None
@@ -589,30 +609,34 @@ class MemorySnapshot:
         with self._cond:
             # The fence also waits for a pending structure check: the state may change once it returns.
             self._job, self._copying, self._sealing = job, bool(later) or verify is not None, slot
-            if self._worker is None or not self._worker.is_alive():
+            # The copier never returns but by an exception (it then clears _worker); a forked child has none.
+            if self._worker is None or self._worker_pid != os.getpid():
                 self._worker = threading.Thread(target=self._work, name="ckpt-memory-copy", daemon=True)
+                self._worker_pid = os.getpid()
                 self._worker.start()
             self._cond.notify_all()
         return slot
 
-    def _route(
-        self, slot: int, flat: Flat, defer: Container[int]
-    ) -> tuple[list[int], list[int], list[Any], Any]:
-        """The tensors copied now and those the copier copies, kept per slot and layout: (indices now,
-        indices later, destinations now, a function picking the sources now from ``flat.tensors``)."""
-        cached = self._routes.get(slot)
-        if cached is not None and cached[0] is flat.specs and (cached[1] is defer or cached[1] == defer):
-            return cached[2]
+    def _oldest_free(self) -> int | None:
+        """The slot with the lowest sequence that is neither the newest nor pinned (the first such in
+        order), or None."""
+        newest, pinned, seq = self._newest, self._pinned, self._slot_seq
+        slot = None
+        for s in range(SLOTS):
+            if s != newest and s not in pinned and (slot is None or seq[s] < seq[slot]):
+                slot = s
+        return slot
+
+    def _route(self, slot: int, flat: Flat, defer: Container[int]) -> tuple[Any, Any, Any]:
+        """The tensors copied now and those the copier copies, kept per slot and layout: (specs, ``defer``,
+        (indices now, indices later, destinations now, how to take the sources now from the tensors))."""
         dests = self._dests[slot]
         now = [i for i, d in enumerate(dests) if d is not None and i not in defer]
         later = [i for i, d in enumerate(dests) if d is not None and i in defer]
-        take = operator.itemgetter(*now) if len(now) > 1 else None
-
-        def pick(ts: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
-            return list(take(ts)) if take is not None else [ts[i] for i in now]
-
-        route = (now, later, [dests[i] for i in now], pick)
-        self._routes[slot] = (flat.specs, defer, route)
+        # The sources now: every tensor (the tensors as they are: True), an itemgetter of several, or one.
+        take: Any = True if len(now) == len(dests) else operator.itemgetter(*now) if len(now) > 1 else None
+        route = (flat.specs, defer, (now, later, [dests[i] for i in now], take))
+        self._routes[slot] = route
         return route
 
     def _on_gpu(self, flat: Flat, dests: list[torch.Tensor | None]) -> list[int]:
@@ -696,6 +720,14 @@ class MemorySnapshot:
 
     def _work(self) -> None:
         """The background copier: finishes each snapshot's deferred copies, then seals it."""
+        try:
+            self._work_loop()
+        finally:  # (an exception outside the per-job handlers) the next save starts another copier
+            with self._cond:
+                if self._worker is threading.current_thread():
+                    self._worker = None
+
+    def _work_loop(self) -> None:
         while True:
             with self._cond:
                 while self._job is None:
@@ -821,6 +853,10 @@ class MemorySnapshot:
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Block until the last snapshot is copied and sealed (or failed); False if it still is not after
         ``timeout`` seconds."""
+        if self._job is None and self._sealing is None:
+            # Only save() (the training thread) sets them, and the copier clears them once done (the job
+            # first): both None is idle, and stays so until the next save.
+            return True
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while self._sealing is not None or self._job is not None:

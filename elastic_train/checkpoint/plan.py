@@ -41,8 +41,13 @@ class Fixed:
 
     Equal ``key``s (``==``) promise the same skeleton and the same tensors in ``tensors`` (same objects or
     storage, order, shapes, dtypes): only their values change between steps. A part without tensors
-    (small values that rarely change: param groups' hyper-parameters, Python's RNG state) uses the values
-    themselves, with their types, as its key: its skeleton is then encoded once per change, not per step.
+    (small values that rarely change: param groups' hyper-parameters) uses the values themselves, with
+    their types, as its key: its skeleton is then encoded once per change, not per step.
+
+    A part whose tensors are handed over anew at each step (the RNG states: each read is a new tensor)
+    but keep their paths, shapes and dtypes gives those as its ``layout``: while the layout is equal the
+    part's tensors keep their places in the plan, and a new key (its small values changed) only walks the
+    part again, without a new plan.
     """
 
     key: Any
@@ -50,6 +55,9 @@ class Fixed:
     """The part's tensors in the order its state dict holds them (detached: nothing records autograd)."""
     build: Callable[[], Any]
     """The part's full state (its ``state_dict()``), walked when the part is planned."""
+    layout: Any = None
+    """Equal layouts promise the same paths, dtypes and shapes of ``tensors`` (not their storage); None:
+    the key decides the layout too."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,9 +76,14 @@ class Planned(Flat):
 @dataclass(frozen=True, slots=True)
 class _Part:
     key: Any
+    layout: Any
     base: int
     skeleton: Any
     places: list[tuple[str, str, tuple[int, ...], int]]
+    mark: tuple[str, Any, int]
+    """The part's entry in the plan's signature: (path, layout or None without tensors, base)."""
+    nested: dict[str, _Part]
+    """The parts met inside this one's full state when it was walked: kept while this one is reused."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +98,9 @@ class _PlanWalker(Walker):
     __slots__ = ("fresh", "parts", "signature")
 
     def __init__(self, parts: dict[str, _Part]) -> None:
-        super().__init__()
+        self.tensors = []  # Walker's attributes, without its call (every step)
+        self.places = []
+        self.offset = 0
         self.parts = parts
         #: Per Fixed part (path, key, first tensor index), per other tensor its place: equal signatures,
         #: equal layouts.
@@ -94,13 +109,32 @@ class _PlanWalker(Walker):
 
     def enc(self, v: Any, path: str) -> Any:
         # As Walker.enc, with the cases of a step's small values short-cut: a dict with str keys whose plain
-        # values are taken as they are (no path built for them), a Fixed part straight to other().
+        # values are taken as they are (no path built for them), a dict of only such values copied in C (the
+        # data cursor), a Fixed part straight to other(). One loop, no call per value of those kinds: each
+        # Python frame costs microseconds with the caches cold after a training step.
         kind = type(v)
         if kind in _PLAIN:
             return v
         if kind is dict and _STR.issuperset(map(type, v)) and MARKERS.isdisjoint(v):
-            enc = self.enc
-            return {k: x if type(x) in _PLAIN else enc(x, f"{path}/{k}") for k, x in v.items()}
+            if _PLAIN.issuperset(map(type, v.values())):
+                return dict(v)
+            out = {}
+            for k, x in v.items():
+                kind = type(x)
+                if kind in _PLAIN:
+                    out[k] = x
+                elif kind is Fixed:
+                    out[k] = self.other(x, f"{path}/{k}")
+                elif (
+                    kind is dict
+                    and _STR.issuperset(map(type, x))
+                    and MARKERS.isdisjoint(x)
+                    and _PLAIN.issuperset(map(type, x.values()))
+                ):
+                    out[k] = dict(x)
+                else:
+                    out[k] = self.enc(x, f"{path}/{k}")
+            return out
         if kind is Fixed:
             return self.other(v, path)
         return super().enc(v, path)
@@ -111,34 +145,46 @@ class _PlanWalker(Walker):
         return i
 
     def other(self, v: Any, path: str) -> Any:
-        if not isinstance(v, Fixed):
+        if type(v) is not Fixed:
             return super().other(v, path)
-        base = len(self.tensors)
+        tensors = self.tensors
+        base = len(tensors)
         part = self.parts.get(path)
+        layout = v.key if v.layout is None else v.layout
         if (
             part is not None
             and (part.key is v.key or part.key == v.key)
             and part.base == base
+            and (part.layout is layout or part.layout == layout)
             and len(v.tensors) == len(part.places)
         ):
             if part.places:
-                self.tensors.extend(v.tensors)
+                tensors.extend(v.tensors)
                 self.places.extend(part.places)
-            self.signature.append((path, v.key if part.places else None, base))
+            self.signature.append(part.mark)
             self.fresh[path] = part
+            if part.nested:
+                self.fresh.update(part.nested)
             return part.skeleton
         # Planned from the full state; the owner's tensors must be exactly the ones it holds.
         mark = len(self.signature)
         skeleton = self.enc(v.build(), path)
-        built = self.tensors[base:]
+        built = tensors[base:]
         if len(built) == len(v.tensors) and all(
             a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.dtype == b.dtype
             for a, b in zip(built, v.tensors, strict=True)
         ):
             del self.signature[mark:]
+            places = self.places[base:]
             # A part without tensors (small values whose key is the values) changes no layout.
-            self.signature.append((path, v.key if v.tensors else None, base))
-            self.fresh[path] = _Part(v.key, base, skeleton, self.places[base:])
+            entry = (path, layout if v.tensors else None, base)
+            self.signature.append(entry)
+            if part is not None and part.mark == entry and part.places != places:
+                # A layout its tensors' places belie: they decide this plan (a new one), not the layout.
+                self.signature.extend(places)
+            inner = path + "/"
+            nested = {k: p for k, p in self.fresh.items() if k.startswith(inner)}
+            self.fresh[path] = _Part(v.key, layout, base, skeleton, places, entry, nested)
         else:  # read from its state dict at every step (its places are in the signature)
             log.debug("snapshot_part_unplanned", path=path)
         return skeleton

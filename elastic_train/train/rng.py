@@ -18,17 +18,22 @@ import torch
 
 def capture() -> dict[str, Any]:
     """The current state of the torch (CPU and CUDA), Python and numpy generators."""
-    state: dict[str, Any] = {
+    np_state = numpy_state()
+    return {
         "torch": torch.get_rng_state(),
-        # is_initialized() is cheap and False until CUDA is used, when there is no CUDA RNG state to keep.
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else [],
-        "python": _python_state(),
-        "numpy": None,
+        "cuda": cuda_states(),
+        "python": python_state(),
+        "numpy": list(np_state) if np_state is not None else None,
     }
-    np = sys.modules.get("numpy")
-    if np is not None:
-        state["numpy"] = _numpy_state(np)
-    return state
+
+
+def cuda_states() -> list[torch.Tensor]:
+    """Every CUDA device's generator state, as ``torch.cuda.get_rng_state_all()``; empty until CUDA is used
+    (``is_initialized()`` is cheap, and there is no CUDA RNG state to keep before)."""
+    if not torch.cuda.is_initialized():
+        return []
+    # What get_rng_state_all() returns, without its per-device context switch.
+    return [g.get_state() for g in torch.cuda.default_generators]
 
 
 #: Python's global generator when last captured: (its Mersenne Twister words and index, gauss_next,
@@ -40,24 +45,32 @@ _PY_OFFSET = 16  # CPython: the RandomObject's int index and uint32 state[624] f
 _PY_BYTES = 4 + 624 * 4
 
 
+#: (the generator ``random.getstate()`` reads, a ctypes array over its C words: ``.raw`` copies them in C).
+_py_words: tuple[Any, Any] | None = None
+
+
 def _python_raw() -> bytes:
     return ctypes.string_at(id(random._inst) + _PY_OFFSET, _PY_BYTES)
 
 
-def _python_state() -> Any:
+def python_state() -> Any:
     """``random.getstate()``, the very same tuple as at the last capture while nothing drew from the
     generator (building it anew is 625 ints per step; an unchanged state is then also recognised by
     identity, see ``TrainState.snapshot``)."""
-    global _python_last, _PY_RAW
+    global _python_last, _PY_RAW, _py_words
     if _PY_RAW is None:  # once: does the C state read here match what getstate() reports?
         state = random.getstate()
         raw = _python_raw() if sys.implementation.name == "cpython" else b""
         words = tuple(int.from_bytes(raw[i : i + 4], "little") for i in range(4, _PY_BYTES, 4))
         index = int.from_bytes(raw[:4], "little", signed=True) if raw else None
         _PY_RAW = bool(raw) and sys.byteorder == "little" and state[1] == (*words, index)
-    if not _PY_RAW:
+        if _PY_RAW:  # the module's functions are bound to this instance, which they keep alive
+            inst = random._inst
+            _py_words = (inst, (ctypes.c_char * _PY_BYTES).from_address(id(inst) + _PY_OFFSET))
+    if _py_words is None:
         return random.getstate()
-    raw, gauss = _python_raw(), random._inst.gauss_next  # type: ignore[attr-defined]
+    inst, words = _py_words
+    raw, gauss = words.raw, inst.gauss_next
     last = _python_last
     if last is not None and last[0] == raw and last[1] == gauss:
         return last[2]
@@ -68,30 +81,48 @@ def _python_state() -> Any:
 
 #: numpy's global generator when last captured: (bit generator, its MT19937 words and position, capture).
 _numpy_last: tuple[Any, bytes, list[Any]] | None = None
+#: (numpy, its global RandomState, that one's bit generator, a ctypes array over the generator's C state),
+#: made once per generator.
+_numpy_words: tuple[Any, Any, Any, Any] | None = None
 _MT_BYTES = 624 * 4 + 4
 
 
-def _numpy_state(np: Any) -> list[Any]:
-    """numpy's global RNG state, as ``np.random.get_state()`` gives it (about 0.1 ms per call).
+def numpy_state() -> list[Any] | None:
+    """numpy's global RNG state as ``np.random.get_state()`` gives it (its key words as an int64 tensor), or
+    None while numpy is not imported. The very same list as at the last capture while nothing drew from the
+    generator: callers must not change it.
 
-    When numpy's MT19937 words and position are the ones of the last capture (read from the generator's
-    C state, 2.5 KB) and no cached Gaussian was pending then, nothing drew from it since (every draw moves
-    the position or consumes the Gaussian), so the last capture is still exact.
+    ``np.random.get_state()`` costs about 0.1 ms. When numpy's MT19937 words and position are the ones of
+    the last capture (read from the generator's C state, 2.5 KB) and no cached Gaussian was pending then,
+    nothing drew from it since (every draw moves the position or consumes the Gaussian), so the last capture
+    is still exact.
     """
-    global _numpy_last
+    global _numpy_last, _numpy_words
+    words = _numpy_words
+    if words is None:
+        np = sys.modules.get("numpy")
+        if np is None:
+            return None
+    else:
+        np = words[0]
     try:
-        bits = np.random.mtrand._rand._bit_generator
-        raw = ctypes.string_at(bits.ctypes.state_address, _MT_BYTES)
+        # np.random's functions are bound to mtrand's _rand (kept here), which keeps its bit generator.
+        rand = words[1] if words is not None else np.random.mtrand._rand
+        bits = rand._bit_generator
+        if words is None or words[2] is not bits:
+            address = bits.ctypes.state_address
+            words = _numpy_words = (np, rand, bits, (ctypes.c_char * _MT_BYTES).from_address(address))
+        raw = words[3].raw
     except (AttributeError, TypeError):  # another numpy layout: capture every time
         bits, raw = None, b""
     last = _numpy_last
     if bits is not None and last is not None and last[0] is bits and last[1] == raw and last[2][3] == 0:
-        return list(last[2])
+        return last[2]
     name, keys, pos, has_gauss, cached = np.random.get_state()
     out = [name, torch.from_numpy(keys.astype("int64")), int(pos), int(has_gauss), float(cached)]
     if bits is not None:
         _numpy_last = (bits, ctypes.string_at(bits.ctypes.state_address, _MT_BYTES), out)
-    return list(out)
+    return out
 
 
 def restore(state: Mapping[str, Any]) -> None:

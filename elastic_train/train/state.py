@@ -59,10 +59,6 @@ def _marks(tensors: list[torch.Tensor]) -> tuple[list[int], list[Any], list[Any]
     return list(map(_ptr, tensors)), list(map(_shape, tensors)), list(map(_dtype, tensors))
 
 
-def _identity(value: Any) -> Any:
-    return value
-
-
 def _all(checks: tuple[Callable[[], bool], ...]) -> bool:
     """Every check run (each marks its own part stale), then whether all passed."""
     return all([c() for c in checks])
@@ -273,6 +269,8 @@ class _OptimizerPart:
         #: Snapshots left that check fully although asked for the cheap check (see RECHECK_STEPS).
         self.recheck = 0
         self.marks: _OptimizerMarks | None = None
+        #: The last part returned, with the key and hyper-parameters it was made for.
+        self._last: tuple[int, list[Any], dict[str, Any]] | None = None
         self._refresh()
 
     def _refresh(self) -> None:
@@ -321,19 +319,77 @@ class _OptimizerPart:
             if not self.plain:
                 return self.opt.state_dict()
         # The hyper-parameters (a scheduler changes them) are the key of a part without tensors: their
-        # skeleton is encoded again only when one changes.
+        # skeleton is encoded again only when one changes, and while none does the part is the same object
+        # as at the last step (the plan recognises it by identity).
         hyper = _hyper(self.opt.param_groups)
+        last = self._last
+        if last is not None and last[0] == self.key and last[1] == hyper:
+            return last[2]
         indices = self._indices
         groups = Fixed(
             (self.key, hyper),
             (),
             lambda: [{**h, "params": i} for h, i in zip(hyper[::2], indices, strict=True)],
         )
-        return {"state": self.fixed, "param_groups": groups}
+        part = {"state": self.fixed, "param_groups": groups}
+        self._last = (self.key, hyper, part)
+        return part
 
     def check(self) -> Callable[[], bool]:
         """As :meth:`_ModelPart.check`."""
         return partial(_verify, self, self.marks if self.plain else None)
+
+
+def _identity(value: Any) -> Any:
+    return value
+
+
+def _rng_state(cpu: torch.Tensor, cuda: list[torch.Tensor], python: Fixed, numpy: Any) -> dict[str, Any]:
+    """The RNG part's full state: what :func:`rng.capture` returns for these reads, Python's state as its
+    own part (see :class:`_RngPart`)."""
+    return {"torch": cpu, "cuda": cuda, "python": python, "numpy": list(numpy) if numpy is not None else None}
+
+
+_nbytes = attrgetter("nbytes")
+
+
+class _RngPart:
+    """The generators' states for a planned snapshot, read at every step.
+
+    torch's generator states are new tensors at each read (the built-in loop re-seeds at every step) but of
+    a fixed size, and numpy's key words a tensor of a fixed size: they are the part's tensors, with their
+    sizes as its layout. Python's state and numpy's capture are the very same objects while nothing drew
+    from those generators (:func:`rng.python_state`, :func:`rng.numpy_state`): they make the part's key, so
+    the part is walked again only when one of them changes. Python's state (625 ints) is a part of its own
+    inside, keyed by its value: its skeleton is encoded once per change of that state, not whenever numpy's
+    state moves.
+    """
+
+    def __init__(self) -> None:
+        #: The last reads of Python's and numpy's states and the key they make (a new object per change:
+        #: compared by identity, as a numpy capture holds a tensor).
+        self._last: tuple[Any, Any, object] = (None, None, object())
+        self._python: Fixed | None = None
+        self._layout: tuple[int, tuple[int, ...], bool] = (-1, (), False)
+
+    def part(self) -> Fixed:
+        cpu = torch.default_generator.get_state()
+        cuda = rng.cuda_states() if torch.cuda.is_initialized() else []
+        python = rng.python_state()
+        numpy = rng.numpy_state()
+        last = self._last
+        py_part = self._python
+        if last[0] is not python or last[1] is not numpy:
+            last = self._last = (python, numpy, object())
+            if py_part is None or py_part.key is not python:
+                py_part = self._python = Fixed(python, (), partial(_identity, python))
+        assert py_part is not None
+        tensors = [cpu, *cuda] if numpy is None else [cpu, *cuda, numpy[1]]
+        layout = self._layout  # the same object while it holds: recognised by identity
+        if cuda or cpu.nbytes != layout[0] or (numpy is not None) is not layout[2]:
+            layout = self._layout = (cpu.nbytes, tuple(map(_nbytes, cuda)), numpy is not None)
+        build = partial(_rng_state, cpu, cuda, py_part, numpy)
+        return Fixed(last[2], tensors, build, layout)
 
 
 class TrainState:
@@ -388,7 +444,8 @@ class TrainState:
         self.meta: dict[str, Any] = {}
         self._planner: Planner | None = None
         self._parts: tuple[_ModelPart, _OptimizerPart | None] | None = None
-        self._py_rng: tuple[Any, Fixed | None] = (None, None)
+        self._rng = _RngPart()
+        self._check: tuple[tuple[Any, Any], Callable[[], bool]] | None = None
 
     def snapshot(self, *, verify: bool = True) -> Planned:
         """The checkpoint state flattened, as ``flatten(self.state_dict())`` but planned: the model's and the
@@ -412,19 +469,19 @@ class TrainState:
             plain_opt = isinstance(opt, torch.optim.Optimizer)
             self._parts = (_ModelPart(self.model), _OptimizerPart(opt) if plain_opt else None)  # type: ignore[arg-type]
         model, opt_part = self._parts
-        captured = rng.capture()
-        # Python's RNG state (625 ints) rarely changes in a training loop: a part keyed by its value is
-        # encoded once per change.
-        py = captured["python"]
-        if py is not self._py_rng[0]:
-            self._py_rng = (py, Fixed(py, (), partial(_identity, py)))
-        captured["python"] = self._py_rng[1]
         opt = opt_part.part(full=verify) if opt_part is not None else None
-        state = self._state(model.part(full=verify), opt, captured, planned_optimizer=opt_part is not None)
+        state = self._state(
+            model.part(full=verify), opt, self._rng.part(), planned_optimizer=opt_part is not None
+        )
         check = None
         if not verify:
-            checks = (model.check(), opt_part.check()) if opt_part is not None else (model.check(),)
-            check = partial(_all, checks)
+            # The same check object while the parts' marks are the same (they are replaced, never changed).
+            marks = (model.marks, opt_part.marks if opt_part is not None else None)
+            cached = self._check
+            if cached is None or cached[0][0] is not marks[0] or cached[0][1] is not marks[1]:
+                checks = (model.check(), opt_part.check()) if opt_part is not None else (model.check(),)
+                cached = self._check = (marks, partial(_all, checks))
+            check = cached[1]
         return self._planner.flat(state, check)
 
     def restore_targets(self, specs: Sequence[TensorSpec]) -> list[torch.Tensor | None]:
@@ -446,9 +503,7 @@ class TrainState:
         """The checkpoint state; tensors are referenced, not copied (the checkpoint manager copies them)."""
         return self._state(self.model.state_dict(), None, rng.capture(), planned_optimizer=False)
 
-    def _state(
-        self, model: Any, optimizer: Any, captured: dict[str, Any], *, planned_optimizer: bool
-    ) -> dict[str, Any]:
+    def _state(self, model: Any, optimizer: Any, captured: Any, *, planned_optimizer: bool) -> dict[str, Any]:
         """The state around the given model part, optimizer part (when ``planned_optimizer``) and RNG states:
         the one layout :meth:`snapshot` and :meth:`state_dict` share."""
         if not planned_optimizer:
