@@ -39,3 +39,7 @@ ENV_STANDBY = "ELASTIC_TRAIN_STANDBY"
 (:mod:`elastic_train.rendezvous.standby`): the seconds they may wait to be admitted to the running job.
 They build the model first and form no group of the job's until their agent hands them a round; unset
 otherwise."""
+ENV_START_BARRIER = "ELASTIC_TRAIN_START_BARRIER"
+"""``DIR:N`` (``elastic-train local``): the job's initial nodes enter their first rendezvous together, once
+N of them are ready (each leaves a file in DIR), so that nodes started at once on shared cores are not
+split across two rounds by an uneven start."""

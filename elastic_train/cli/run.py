@@ -80,16 +80,19 @@ def run(args: argparse.Namespace) -> int:
 
         check_settings(cfg.checkpoint, cfg.rendezvous.run_id)
     forkserver = (
-        launch_run.ForkServerSupervisor(os.environ, preload) if args.worker_start == "forkserver" else None
+        launch_run.ForkServerSupervisor(os.environ, preload, fork=True)
+        if args.worker_start == "forkserver"
+        else None
     )
-    ready = None
-    if forkserver is not None and preload:
-        from functools import partial
 
-        from elastic_train.worker.forkserver import CONNECT_WAIT
+    def ready() -> None:
+        if forkserver is not None and preload:
+            from elastic_train.worker.forkserver import CONNECT_WAIT
 
-        # join with the imports done (its worker would make the restarted group wait for them)
-        ready = partial(forkserver.wait_ready, CONNECT_WAIT)
+            # join with the imports done (its worker would make the restarted group wait for them)
+            forkserver.wait_ready(CONNECT_WAIT)
+        launch_run.start_barrier(os.environ)
+
     try:
         return launch_run.launch(argv, before_rendezvous=ready)
     finally:

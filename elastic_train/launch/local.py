@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 import psutil
 
 from elastic_train.config import JobConfig
-from elastic_train.envvars import ENV_AUDIT_DIR, ENV_EVENTS, ENV_NODE_ID
+from elastic_train.envvars import ENV_AUDIT_DIR, ENV_EVENTS, ENV_NODE_ID, ENV_START_BARRIER
 from elastic_train.etcd.errors import EtcdError
 from elastic_train.etcd.server import EmbeddedEtcd, EtcdCluster
 from elastic_train.launch.faults import CLUSTER_KINDS, COLLISION_KINDS, KINDS, Fault, FaultRecord, due
@@ -162,13 +162,23 @@ class LocalJob:
         self.opts.out.write(text + "\n")
         self.opts.out.flush()
 
-    def start_node(self) -> Node:
-        node = self._spawn(len(self.nodes), f"node-{len(self.nodes)}", {})
+    def start_node(self, *, initial: bool = False) -> Node:
+        """Start the next node; ``initial``: one of the nodes the job starts with, which enter their first
+        rendezvous together (:data:`~elastic_train.envvars.ENV_START_BARRIER`)."""
+        env = {}
+        if initial:
+            barrier = os.path.join(self.opts.workdir, "start-barrier")
+            os.makedirs(barrier, exist_ok=True)
+            env[ENV_START_BARRIER] = f"{barrier}:{self.opts.nodes}"
+        node = self._spawn(len(self.nodes), f"node-{len(self.nodes)}", {}, env)
         self.nodes.append(node)
         return node
 
-    def _spawn(self, index: int, name: str, extra: dict[str, Any]) -> Node:
-        """Start one ``elastic-train run`` agent (``extra``: overrides applied after the job's own)."""
+    def _spawn(
+        self, index: int, name: str, extra: dict[str, Any], extra_env: dict[str, str] | None = None
+    ) -> Node:
+        """Start one ``elastic-train run`` agent (``extra``: overrides applied after the job's own;
+        ``extra_env``: its environment's additions)."""
         assert self.etcd is not None
         rdzv = self.cfg.rendezvous
         links: list[SilentLink] = []
@@ -201,6 +211,7 @@ class LocalJob:
                 "GLOO_SOCKET_IFNAME": "lo",
                 "PYTHONUNBUFFERED": "1",
                 "ELASTIC_TRAIN_LOG_FORMAT": "json",
+                **(extra_env or {}),
             }
         )
         log_path = os.path.join(self.opts.workdir, f"{name}.log")
@@ -511,7 +522,7 @@ class LocalJob:
             self._print(f"etcd {self.etcd.version} on {self.etcd.endpoint}; run id {self.run_id}")
             self.t0 = time.time()
             for _ in range(self.opts.nodes):
-                self.start_node()
+                self.start_node(initial=True)
             self._print(
                 f"started {self.opts.nodes} nodes (min {self.cfg.rendezvous.min_nodes}, "
                 f"max {self.cfg.rendezvous.max_nodes}); logs in {self.opts.workdir}"

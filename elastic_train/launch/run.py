@@ -6,9 +6,11 @@ with the same config file and the same overrides, so every process of the job se
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -17,7 +19,7 @@ from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from typing import Any
 
 from elastic_train.config import JobConfig
-from elastic_train.envvars import ENV_NODE_ID
+from elastic_train.envvars import ENV_NODE_ID, ENV_START_BARRIER
 from elastic_train.etcd.endpoints import parse_endpoints
 from elastic_train.log import get_logger
 from elastic_train.procs import die_with_parent, scratch_path
@@ -149,15 +151,66 @@ def preflight(cfg: JobConfig) -> None:
     open_etcd(cfg.rendezvous).close()
 
 
+class ForkedServer:
+    """A fork server forked from this process: the part of :class:`subprocess.Popen` the supervisor uses
+    (``pid``, ``poll``, ``wait``, ``terminate``, ``kill``). Any thread may poll or wait; one reaps."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+        self._lock = threading.Lock()
+
+    def poll(self) -> int | None:
+        with self._lock:
+            if self.returncode is None:
+                try:
+                    pid, status = os.waitpid(self.pid, os.WNOHANG)
+                except ChildProcessError:  # reaped elsewhere: gone, its status unknown
+                    self.returncode = -1
+                else:
+                    if pid:
+                        self.returncode = os.waitstatus_to_exitcode(status)
+            return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        import time
+
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while (code := self.poll()) is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"fork server {self.pid}", timeout or 0.0)
+            time.sleep(0.05)
+        return code
+
+    def terminate(self) -> None:
+        self._signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self._signal(signal.SIGKILL)
+
+    def _signal(self, sig: int) -> None:
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
+
+
 class ForkServerSupervisor:
     """Runs this node's worker fork server for the agent's lifetime, restarting it if it dies.
 
     It imports torch while the agent meets the others in the rendezvous; a worker started before it listens
     waits for it (see :mod:`elastic_train.worker.forkserver`). Workers learn its socket and PID from the
     environment they inherit from the agent, so a restarted server is used by the next worker group.
+
+    ``fork``: start the first server as a fork of this process, once it imported torch (which the agent
+    needs anyway), instead of a fresh interpreter that imports torch again: a node's start then costs one
+    import of torch, not two (1.5 CPU-s on a busy 2-core machine). Only while this process runs no other
+    thread (no gRPC channel, no agent yet): a fork copies no thread but every lock another thread may hold.
+    A server that dies is replaced by a fresh interpreter (the agent has threads by then).
     """
 
-    def __init__(self, environ: MutableMapping[str, str], preload: Sequence[str] = ()) -> None:
+    def __init__(
+        self, environ: MutableMapping[str, str], preload: Sequence[str] = (), *, fork: bool = False
+    ) -> None:
         from elastic_train.worker.forkserver import ENV_PID, ENV_SOCKET
 
         self.environ = environ
@@ -166,10 +219,43 @@ class ForkServerSupervisor:
         self._env_pid = ENV_PID
         environ[ENV_SOCKET] = self.path
         self._stopping = threading.Event()
-        self.proc = self._start()
+        self.proc: subprocess.Popen[bytes] | ForkedServer = self._fork() if fork else self._start()
         self.restarts = 0
         self._thread = threading.Thread(target=self._watch, name="forkserver-supervisor", daemon=True)
         self._thread.start()
+
+    def _fork(self) -> subprocess.Popen[bytes] | ForkedServer:
+        if _threads() > 1 or self.environ is not os.environ:  # a thread (gRPC's, Python's) runs already
+            return self._start()
+        import torch  # noqa: F401  # what both processes need, imported once (its own thread is fork-safe:
+
+        # the server forks every worker the same way)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:  # the server
+            code = 1
+            try:
+                die_with_parent()
+                devnull = os.open(os.devnull, os.O_RDONLY)
+                os.dup2(devnull, 0)
+                os.close(devnull)
+                from elastic_train.worker.forkserver import serve
+
+                serve(self.path, self.preload)
+                code = 0
+            except BaseException:
+                import traceback
+
+                traceback.print_exc()
+            finally:
+                with contextlib.suppress(Exception):
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+                os._exit(code)
+        self.environ[self._env_pid] = str(pid)
+        log.debug("forkserver_started", pid=pid, socket=self.path, forked=True)
+        return ForkedServer(pid)
 
     def _start(self) -> subprocess.Popen[bytes]:
         proc = subprocess.Popen(
@@ -220,6 +306,44 @@ class ForkServerSupervisor:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+
+#: Most seconds an initial node of ``elastic-train local`` waits for the others before its first rendezvous.
+START_BARRIER_WAIT = 60.0
+
+
+def start_barrier(environ: Mapping[str, str], timeout: float = START_BARRIER_WAIT) -> bool:
+    """Wait until the initial nodes named by :data:`~elastic_train.envvars.ENV_START_BARRIER` are all ready
+    to enter the rendezvous (each leaves a file in its directory); True at once without one. Past
+    ``timeout`` (a node that failed to start) the node goes on alone and says so.
+    """
+    import time
+
+    spec = environ.get(ENV_START_BARRIER)
+    if not spec:
+        return True
+    directory, _, count = spec.rpartition(":")
+    try:
+        expected = int(count)
+        open(os.path.join(directory, str(os.getpid())), "w").close()
+    except (ValueError, OSError) as exc:
+        log.warning("start_barrier_unusable", barrier=spec, error=str(exc))
+        return False
+    deadline = time.monotonic() + timeout
+    while len(os.listdir(directory)) < expected:
+        if time.monotonic() > deadline:
+            log.warning("start_barrier_timeout", expected=expected, ready=len(os.listdir(directory)))
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def _threads() -> int:
+    """Threads of this process, native ones included (1 where ``/proc`` cannot tell)."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return 1 if threading.active_count() == 1 else threading.active_count()
 
 
 def _import_quietly(module: str) -> bool:

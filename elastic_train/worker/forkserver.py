@@ -2,8 +2,10 @@
 
 On a small job most of a recovery is worker start-up: a fresh interpreter importing torch, torch.distributed
 and DDP takes 1.5 s or more per worker, every time the group restarts. ``elastic-train run`` therefore starts
-one fork server per node (a plain exec'd process, never a fork of the agent, whose gRPC threads must not be
-duplicated), which imports everything a worker needs once and then forks a worker on request.
+one fork server per node, which imports everything a worker needs once and then forks a worker on request.
+The first one is a fork of the agent taken right after the agent imported torch, while the agent runs no
+other thread yet (no gRPC channel: a fork copies every lock another thread may hold), so that torch is
+imported once per node; a replacement for a server that died is a fresh interpreter.
 
 torchrun still starts ``python -m elastic_train.worker`` as usual. When :data:`ENV_SOCKET` is set, that
 process is a thin *stand-in*: it hands its argv, environment, working directory and stdio to the fork server,
