@@ -50,7 +50,7 @@ T = TypeVar("T")
 #: Seconds a worker waits for its agent to hand it the next round before it gives up (the restart path).
 ASSIGNMENT_TIMEOUT = 120.0
 #: Seconds between two looks of a gloo worker's watcher at its agent's request to cut the group's connections.
-CUT_POLL = 0.01
+CUT_POLL = 0.05
 #: Text of the errors gloo and c10d raise when a peer of a collective is gone.
 _GROUP_ERROR_MARKERS = (
     "gloo/transport",
