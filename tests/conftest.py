@@ -107,6 +107,19 @@ def _no_leaked_snapshots() -> Iterator[None]:
     sweep_stale("/dev/shm")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _no_snapshots_of_this_process() -> Iterator[None]:
+    """At the session's end, remove snapshots owned by this test process: a script a test ran directly (a
+    world of one, stopped before it finalized) names its parent, this process, as the owner, which the
+    per-test sweep finds alive."""
+    yield
+    from elastic_train.checkpoint.memory import owned_by
+
+    for path in owned_by("/dev/shm", os.getpid()):
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
 @pytest.fixture(autouse=True)
 def _restored_environ() -> Iterator[None]:
     """Give every test the environment the session started with.

@@ -115,6 +115,17 @@ def sweep_stale(directory: str) -> list[str]:
     return removed
 
 
+def owned_by(directory: str, pid: int) -> list[str]:
+    """Paths of every snapshot file in ``directory`` whose owner is process ``pid``."""
+    with contextlib.suppress(OSError):
+        return sorted(
+            os.path.join(directory, n)
+            for n in os.listdir(directory)
+            if (m := _NAME_RE.match(n)) and int(m["pid"]) == pid
+        )
+    return []
+
+
 def snapshot_files(directory: str, run_id: str) -> list[str]:
     """Paths of every snapshot file of ``run_id`` in ``directory`` (any owner, any local rank)."""
     with contextlib.suppress(OSError):
