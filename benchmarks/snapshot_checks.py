@@ -23,8 +23,10 @@ from typing import Any
 CONFIGS: dict[str, dict[str, Any]] = {"17ms": {}, "200ms": {"width": 256, "layers": 4}}
 
 
-def measure(config: str, blocks: int, steps: int) -> dict[str, list[float]]:
-    """Per mode, the median Python seconds per save of each block."""
+def one_rank_trainer(config: str, name: str) -> tuple[Any, Any]:
+    """A wrapped built-in Trainer of one rank (gloo, CPU, one thread) on a ``config`` of :data:`CONFIGS` and
+    its checkpoint manager, the memory snapshot taken every step under run id ``name``-PID (what both
+    snapshot benchmarks time)."""
     import torch
     import torch.distributed as dist
 
@@ -40,7 +42,7 @@ def measure(config: str, blocks: int, steps: int) -> dict[str, list[float]]:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     manager = CheckpointManager(
         CheckpointConfig(url=tempfile.mkdtemp(), every_steps=0, memory_every_steps=1),
-        f"snapshot-checks-{os.getpid()}",
+        f"{name}-{os.getpid()}",
         rank=0,
         world_size=1,
         local_rank=0,
@@ -58,6 +60,14 @@ def measure(config: str, blocks: int, steps: int) -> dict[str, list[float]]:
         events=EventWriter(None, round=0, world_size=1),
     )
     trainer.wrap()
+    return trainer, manager
+
+
+def measure(config: str, blocks: int, steps: int) -> dict[str, list[float]]:
+    """Per mode, the median Python seconds per save of each block."""
+    import torch.distributed as dist
+
+    trainer, manager = one_rank_trainer(config, "snapshot-checks")
 
     def step() -> None:
         result = trainer.train_step()

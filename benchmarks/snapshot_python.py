@@ -22,50 +22,20 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from typing import Any
 
-CONFIGS: dict[str, dict[str, Any]] = {"17ms": {}, "200ms": {"width": 256, "layers": 4}}
+from snapshot_checks import CONFIGS, one_rank_trainer
+
 #: The target overhead.py checks the figure against (seconds per save).
 TARGET_S = 0.2e-3
 
 
 def measure(config: str, steps: int, warmup: int = 10) -> dict[str, float]:
     """Median CPU seconds per save: the save's Python (no copies) and the snapshot's part of it."""
-    import torch
     import torch.distributed as dist
 
-    from elastic_train.checkpoint import CheckpointConfig, CheckpointManager
-    from elastic_train.net import free_port
-    from elastic_train.train import rng
-    from elastic_train.train.api import load_task
-    from elastic_train.train.config import TrainConfig
-    from elastic_train.train.events import EventWriter
-    from elastic_train.train.loop import Trainer
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    manager = CheckpointManager(
-        CheckpointConfig(url=tempfile.mkdtemp(), every_steps=0, memory_every_steps=1),
-        f"snapshot-python-{os.getpid()}",
-        rank=0,
-        world_size=1,
-        local_rank=0,
-        group=dist.group.WORLD,
-    )
-    rng.seed_all(0)
-    trainer = Trainer(
-        TrainConfig(task="charlm", steps=10**9, global_batch=48, micro_batch=0, seed=0),
-        load_task("charlm", CONFIGS[config]),
-        rank=0,
-        world_size=1,
-        round=0,
-        device=torch.device("cpu"),
-        checkpointer=manager,
-        events=EventWriter(None, round=0, world_size=1),
-    )
-    trainer.wrap()
+    trainer, manager = one_rank_trainer(config, "snapshot-python")
     snapshot_cpu: list[float] = []
     unverified = trainer.ckpt._unverified_snapshot
 
