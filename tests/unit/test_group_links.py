@@ -47,6 +47,15 @@ CHILD = textwrap.dedent(
 )
 
 
+def start_rank(rank: int, port: int, script: str, *args: str) -> subprocess.Popen[bytes]:
+    """Rank ``rank`` of a 2-rank group on loopback ``port``, running ``script`` with ``args``."""
+    env = dict(
+        os.environ, RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="1",
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONPATH=os.getcwd(),
+    )  # fmt: skip
+    return subprocess.Popen([sys.executable, "-c", script, *args], env=env)
+
+
 def test_cutting_a_groups_links_fails_a_peer_blocked_on_it(tmp_path: Path) -> None:
     port = free_port()
     flag = tmp_path / "cut-now"
@@ -54,11 +63,7 @@ def test_cutting_a_groups_links_fails_a_peer_blocked_on_it(tmp_path: Path) -> No
     procs = []
     try:
         for rank in range(2):
-            env = dict(
-                os.environ, RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="1",
-                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONPATH=os.getcwd(),
-            )  # fmt: skip
-            procs.append(subprocess.Popen([sys.executable, "-c", CHILD, str(outs[rank]), str(flag)], env=env))
+            procs.append(start_rank(rank, port, CHILD, str(outs[rank]), str(flag)))
         deadline = time.monotonic() + 120
         while not Path(str(outs[0]) + ".ready0").exists():
             assert time.monotonic() < deadline, "the group did not form"
@@ -121,11 +126,7 @@ def test_a_rank_blocked_on_a_silent_peer_fails_once_another_thread_cuts_its_own_
     procs = []
     try:
         for rank in range(2):
-            env = dict(
-                os.environ, RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="1",
-                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONPATH=os.getcwd(),
-            )  # fmt: skip
-            procs.append(subprocess.Popen([sys.executable, "-c", SELF_CUT, str(out)], env=env))
+            procs.append(start_rank(rank, port, SELF_CUT, str(out)))
         assert procs[0].wait(timeout=120) == 0
         result = json.loads(out.read_text())
     finally:
