@@ -115,26 +115,24 @@ def sweep_stale(directory: str) -> list[str]:
     return removed
 
 
-def owned_by(directory: str, pid: int) -> list[str]:
-    """Paths of every snapshot file in ``directory`` whose owner is process ``pid``."""
+def _snapshots(directory: str, keep: Callable[[re.Match[str]], bool]) -> list[str]:
+    """Paths of the snapshot files in ``directory`` whose parsed name ``keep`` accepts."""
     with contextlib.suppress(OSError):
         return sorted(
-            os.path.join(directory, n)
-            for n in os.listdir(directory)
-            if (m := _NAME_RE.match(n)) and int(m["pid"]) == pid
+            os.path.join(directory, n) for n in os.listdir(directory) if (m := _NAME_RE.match(n)) and keep(m)
         )
     return []
+
+
+def owned_by(directory: str, pid: int) -> list[str]:
+    """Paths of every snapshot file in ``directory`` whose owner is process ``pid``."""
+    return _snapshots(directory, lambda m: int(m["pid"]) == pid)
 
 
 def snapshot_files(directory: str, run_id: str) -> list[str]:
     """Paths of every snapshot file of ``run_id`` in ``directory`` (any owner, any local rank)."""
-    with contextlib.suppress(OSError):
-        return sorted(
-            os.path.join(directory, n)
-            for n in os.listdir(directory)
-            if (m := _NAME_RE.match(n)) and m["run"] == _safe(run_id)
-        )
-    return []
+    run = _safe(run_id)
+    return _snapshots(directory, lambda m: m["run"] == run)
 
 
 @dataclass(frozen=True, slots=True)
