@@ -1,8 +1,10 @@
 """Recovery time against state size: kill -9 of a node and a node joining, with where the time goes.
 
 For each state size (default about 10 MB, 100 MB and 1 GB: the charlm task plus a frozen ballast
-parameter, :mod:`recovery_task`) one ``elastic-train local`` job runs 3 nodes of one worker each on loopback,
-kills node 1 (agent and worker, SIGKILL) and later adds a node. From the job's event stream and the nodes'
+parameter, :mod:`recovery_task`) and each recovery path (``hot``: the default, survivors keep their worker
+processes and the state they hold; ``restart``: ``rendezvous.hot=false``, every worker restarts and restores
+from shared memory) one ``elastic-train local`` job runs 3 nodes of one worker each on loopback, kills node 1
+(agent and worker, SIGKILL) and later adds a node. From the job's event stream and the nodes'
 JSON logs each fault's time to training again is split into:
 
 - ``detect``: the fault → the first surviving agent joining a new rendezvous round;
@@ -13,8 +15,8 @@ JSON logs each fault's time to training again is split into:
 
 The loopback TCP bandwidth is measured in the same run (two sockets, 256 MiB per repeat); the target is
 restore <= 1.3 x (state bytes / that bandwidth) with one receiver from 100 MB on, and the state received at
->= 0.9 x that bandwidth. A size whose processes and snapshots would not fit in the free memory is skipped with
-the reason.
+>= 0.9 x that bandwidth, on each path. A size whose processes and snapshots would not fit in the free
+memory is skipped with the reason.
 
     PYTHONPATH=. .venv/bin/python benchmarks/recovery.py --json recovery.json
     PYTHONPATH=. .venv/bin/python benchmarks/recovery.py --sizes 10 --quick
@@ -131,7 +133,13 @@ def breakdown(
         if r.get("event") == "rendezvous_join" and r["t"] >= fired_at and r["node_log"] != joiner
         and r.get("reason") != "start"
     ]  # fmt: skip
-    done = [r["t"] for r in logs if r.get("event") == "rendezvous_complete" and r.get("round") == new_round]
+    # the round is complete on a node when its agent holds its rank: started workers (rendezvous_complete) or
+    # workers kept on the hot path (hot_round)
+    done = [
+        r["t"]
+        for r in logs
+        if r.get("event") in ("rendezvous_complete", "hot_round") and r.get("round") == new_round
+    ]
     ready = [r for r in logs if r.get("event") == "worker_ready" and r.get("round") == new_round]
     restored = [r for r in logs if r.get("event") == "restored" and r.get("round") == new_round]
     if not (joins and done and ready):
@@ -156,9 +164,10 @@ def breakdown(
     return out
 
 
-def run_size(mb: float, args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    """One job at ``mb`` MiB of ballast: kill node 1, then add a node; the two faults' breakdowns."""
-    workdir = work / f"state-{mb:g}MB"
+def run_size(mb: float, args: argparse.Namespace, work: Path, path: str) -> dict[str, Any]:
+    """One job at ``mb`` MiB of ballast on recovery ``path`` (``hot``, ``restart``): kill node 1, then add a
+    node; the two faults' breakdowns."""
+    workdir = work / f"state-{mb:g}MB-{path}"
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(ROOT), str(HERE), os.environ.get("PYTHONPATH", "")]),
@@ -168,9 +177,9 @@ def run_size(mb: float, args: argparse.Namespace, work: Path) -> dict[str, Any]:
         sys.executable, "-m", "elastic_train", "local",
         "--task", "recovery_task:build",
         "--set", f"train.task_args.ballast_mb={mb}",
-        # the restart path: every rank's state travels from its holder (with hot recovery the survivors land
-        # their own snapshot and only a joiner receives; benchmarks/hot.py measures that path)
-        "--set", "rendezvous.hot=false",
+        # hot: survivors keep their processes and hash the state they hold in place, a joiner receives it;
+        # restart: every worker starts anew and lands its own snapshot, or receives it from a holder
+        "--set", f"rendezvous.hot={'true' if path == 'hot' else 'false'}",
         "--nodes", "3", "--min-nodes", "1", "--max-nodes", "4",
         "--steps", str(add_at + args.tail_steps),
         "--kill-node", f"1@step={kill_at}",
@@ -179,7 +188,7 @@ def run_size(mb: float, args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "--workdir", str(workdir), "--summary", str(workdir / "summary.json"),
         "--timeout", str(args.timeout),
     ]  # fmt: skip
-    print(f"== {mb:g} MB: {' '.join(cmd[2:])}", flush=True)
+    print(f"== {mb:g} MB, {path}: {' '.join(cmd[2:])}", flush=True)
     t = time.time()
     proc = subprocess.run(
         cmd, env=env, cwd=str(ROOT), capture_output=True, text=True, timeout=args.timeout + 120
@@ -188,7 +197,7 @@ def run_size(mb: float, args: argparse.Namespace, work: Path) -> dict[str, Any]:
     summary_path = workdir / "summary.json"
     if not summary_path.exists():
         tail = (proc.stdout + proc.stderr).strip().splitlines()[-3:]
-        return {"state_mb": mb, "error": f"exit {proc.returncode}: {' | '.join(tail)[:300]}"}
+        return {"state_mb": mb, "path": path, "error": f"exit {proc.returncode}: {' | '.join(tail)[:300]}"}
     summary = json.loads(summary_path.read_text())
     from elastic_train.train.events import read_events
 
@@ -200,20 +209,36 @@ def run_size(mb: float, args: argparse.Namespace, work: Path) -> dict[str, Any]:
     )
     return {
         "state_mb": mb,
+        "path": path,
         "succeeded": summary.get("succeeded"),
         "faults": faults,
         "seconds": round(took, 1),
     }
 
 
+#: How a path is named in the targets' names.
+PATH_NAMES = {"hot": "hot recovery (the default)", "restart": "restart path"}
+
+
 def targets(runs: list[dict[str, Any]], bandwidth: float) -> list[dict[str, Any]]:
-    """The restore targets: with one receiver and at least :data:`MIN_MB` of state, the whole restore (find
-    and verify the newest snapshot, receive, load into model and optimizer) within :data:`TARGET` x state
-    bytes / loopback bandwidth, and the state received at >= :data:`RATE_TARGET` x that bandwidth. A rank
-    that holds the chosen step lands its own snapshot, so after a kill nothing is sent (reported, not a
-    receive); the joiner of the join is the one receiver. Other sizes are reported."""
-    name = "restore vs state size / loopback bandwidth, one receiver"
-    rate_name = "receive rate of the restored state, one receiver"
+    """The restore targets, per recovery path measured (a run without ``path`` is a restart-path run): with
+    one receiver and at least :data:`MIN_MB` of state, the whole restore (find and verify the newest
+    snapshot, receive, load into model and optimizer) within :data:`TARGET` x state bytes / loopback
+    bandwidth, and the state received at >= :data:`RATE_TARGET` x that bandwidth. A rank that holds the
+    chosen step lands its own snapshot (or, on the hot path, hashes the state it holds in place), so after a
+    kill nothing is sent (reported, not a receive); the joiner of the join is the one receiver. Other sizes
+    are reported."""
+    paths = sorted({r.get("path", "restart") for r in runs}) or [""]
+    out: list[dict[str, Any]] = []
+    for path in paths:
+        out += _path_targets([r for r in runs if r.get("path", "restart") == path], bandwidth, path)
+    return out
+
+
+def _path_targets(runs: list[dict[str, Any]], bandwidth: float, path: str) -> list[dict[str, Any]]:
+    suffix = f", {PATH_NAMES.get(path, path)}" if path else ""
+    name = f"restore vs state size / loopback bandwidth, one receiver{suffix}"
+    rate_name = f"receive rate of the restored state, one receiver{suffix}"
     rows, rates, others = [], [], []
     for r in runs:
         for kind, b in (r.get("faults") or {}).items():
@@ -228,13 +253,12 @@ def targets(runs: list[dict[str, Any]], bandwidth: float) -> list[dict[str, Any]
                 text += f" ({b['receivers']} receivers: a survivor was a step behind)"
             if b.get("broadcast_s") and r["state_mb"] >= MIN_MB:
                 rows.append((ratio, text))
-                if b.get("broadcast_s"):
-                    rate = b["state_bytes"] / b["broadcast_s"] / bandwidth
-                    rates.append((rate, f"{r['state_mb']:g} MB: {rate:.2f}x ({b['broadcast_s']:.2f} s)"))
+                rate = b["state_bytes"] / b["broadcast_s"] / bandwidth
+                rates.append((rate, f"{r['state_mb']:g} MB: {rate:.2f}x ({b['broadcast_s']:.2f} s)"))
             else:
                 others.append(text)
     threshold = f"<= {TARGET}x, >= {MIN_MB:g} MB (loopback {bandwidth / 1e6:.0f} MB/s)"
-    out = [
+    return [
         {
             "name": name,
             "threshold": threshold,
@@ -252,7 +276,6 @@ def targets(runs: list[dict[str, Any]], bandwidth: float) -> list[dict[str, Any]
             "why": "bytes / (decision agreed -> every byte landed in its tensor)",
         },
     ]
-    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -263,30 +286,35 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tail-steps", type=int, default=800, help="steps after the join (it takes seconds)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per job")
     p.add_argument("--quick", action="store_true", help="10 MB only")
+    p.add_argument("--paths", default="hot,restart", help="recovery paths, comma-separated: hot, restart")
     p.add_argument("--json", metavar="FILE", help="write the results here")
     args = p.parse_args(argv)
     sizes = [10.0] if args.quick else [float(s) for s in args.sizes.split(",")]
+    paths = [x.strip() for x in args.paths.split(",") if x.strip()]
+    if not paths or any(x not in PATH_NAMES for x in paths):
+        p.error(f"--paths: a comma-separated list of {', '.join(PATH_NAMES)}")
     load_start = os.getloadavg()
     bandwidth = loopback_bandwidth()
     print(f"loopback TCP: {bandwidth / 1e6:.0f} MB/s", flush=True)
     runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="et-recovery-") as tmp:
         for mb in sizes:
-            need = 3 * MEMORY_FACTOR * mb * (1 << 20) + HEADROOM
-            free = min(psutil.virtual_memory().available, psutil.disk_usage("/dev/shm").free)
-            if need > free:
-                why = (
-                    f"skipped: needs about {need / 2**30:.1f} GiB of memory ({HEADROOM >> 30} GiB left to "
-                    f"the rest of the machine), {free / 2**30:.1f} GiB free"
-                )
-                print(f"== {mb:g} MB: {why}", flush=True)
-                runs.append({"state_mb": mb, "error": why})
-                continue
-            runs.append(run_size(mb, args, Path(tmp)))
+            for path in paths:
+                need = 3 * MEMORY_FACTOR * mb * (1 << 20) + HEADROOM
+                free = min(psutil.virtual_memory().available, psutil.disk_usage("/dev/shm").free)
+                if need > free:
+                    why = (
+                        f"skipped: needs about {need / 2**30:.1f} GiB of memory ({HEADROOM >> 30} GiB left "
+                        f"to the rest of the machine), {free / 2**30:.1f} GiB free"
+                    )
+                    print(f"== {mb:g} MB, {path}: {why}", flush=True)
+                    runs.append({"state_mb": mb, "path": path, "error": why})
+                    continue
+                runs.append(run_size(mb, args, Path(tmp), path))
     figures = []
     for r in runs:
         for kind, b in (r.get("faults") or {}).items():
-            row: dict[str, Any] = {"state MB": r["state_mb"], "fault": kind}
+            row: dict[str, Any] = {"state MB": r["state_mb"], "path": r.get("path"), "fault": kind}
             if "error" in b:
                 row["error"] = b["error"]
             else:
@@ -302,13 +330,15 @@ def main(argv: list[str] | None = None) -> int:
                 row["receivers"] = b.get("receivers")
             figures.append(row)
         if "error" in r:
-            figures.append({"state MB": r["state_mb"], "error": r["error"]})
+            figures.append({"state MB": r["state_mb"], "path": r.get("path"), "error": r["error"]})
     if args.json:
         doc = {
             "benchmark": "recovery",
             "description": (
                 "3 nodes x 1 worker on loopback (charlm + frozen ballast, memory tier every step): "
-                "kill -9 of node 1, then a 4th node joins. Seconds per phase (see benchmarks/recovery.py); "
+                "kill -9 of node 1, then a 4th node joins, on each recovery path (hot: the default, "
+                "survivors keep their processes; restart: rendezvous.hot=false). Seconds per phase (see "
+                "benchmarks/recovery.py); "
                 f"loopback TCP {bandwidth / 1e6:.0f} MB/s measured in this run; load average at start "
                 f"{list(load_start)}, at end {list(os.getloadavg())}."
             ),

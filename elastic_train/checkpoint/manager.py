@@ -238,6 +238,7 @@ class CheckpointManager:
         self._writer: threading.Thread | None = None
         self._attached: list[_Attachment] = []
         self._defer_cache: tuple[Any, int, frozenset[int]] | None = None
+        self._live: int | None = None
 
     @property
     def coordinated(self) -> bool:
@@ -249,6 +250,7 @@ class CheckpointManager:
         model: Mapping[str, Any] | None = None,
         *,
         into: Callable[[Sequence[TensorSpec]], Sequence[torch.Tensor | None]] | None = None,
+        live: int | None = None,
     ) -> Restored | None:
         """Collective: find the newest valid state (memory on any rank, durable, then ``cfg.resume_from``).
 
@@ -267,6 +269,11 @@ class CheckpointManager:
                 restored bytes directly and is the one the returned state holds; it is overwritten as the
                 bytes arrive, so after an error (or a torn slot found on the way) it may hold other bytes
                 until the restore returns.
+            live: the step whose snapshot this process took from the ``into`` tensors, when they have not
+                changed since (a worker that re-forms its group in-process). When that step is the one
+                restored from this rank's own snapshot, those tensors are hashed where they are instead of
+                read from the slot (and sent from there): the slot's checksum then also proves they hold its
+                bytes. When they turn out not to, the restore reads the slot after all.
 
         Returns:
             The state, the same on every rank, or None when there is none anywhere.
@@ -276,8 +283,10 @@ class CheckpointManager:
         """
         started = time.perf_counter()
         again: int | None = None
-        # Each failed attempt marks one torn slot at least: a bounded number of them, the same on every rank.
-        for _ in range(self.world_size * SLOTS + 1):
+        self._live = live
+        # Each failed attempt marks one torn slot at least, or stops one rank from trusting its live tensors:
+        # a bounded number of them, the same on every rank.
+        for _ in range(self.world_size * (SLOTS + 1) + 1):
             result = self._restore_once(model, into, started, again)
             if result is not _RETRY:
                 return result  # type: ignore[return-value]
@@ -326,6 +335,8 @@ class CheckpointManager:
         receivers = [r for r in range(self.world_size) if r not in holders] if self.coordinated else []
         chain = [self._global(r) for r in [src, *receivers]] if receivers else []
         check: DataCheck | None = None
+        # This rank's live tensors hold the step already: hashed where they are, not read from the slot.
+        in_place = self._live is not None and self._live == step and me in holders and source == "memory"
         if me in holders and source == "memory":
             assert held is not None and self.memory is not None and held.step == step
             skeleton, specs, nbytes = held.skeleton, list(held.specs), held.nbytes
@@ -363,17 +374,18 @@ class CheckpointManager:
                 try:
                     if me == src and receivers:
                         transfer.send(
-                            reader, chunks, chain=chain, group=self._ctl, check=check, landing=landing
-                        )
+                            reader, chunks, chain=chain, group=self._ctl, check=check, landing=landing,
+                            live=in_place,
+                        )  # fmt: skip
                     else:
-                        transfer.land_own(reader, chunks, landing, check)
+                        transfer.land_own(reader, chunks, landing, check, live=in_place)
                 finally:
                     reader.close()
             else:
                 transfer.receive(chunks, landing, chain=chain, rank=self._global(me), group=self._ctl)
             tensors, live = landing.tensors, landing.live
         moved = time.perf_counter()
-        if source == "memory" and self._torn_anywhere(check, held):
+        if source == "memory" and self._torn_anywhere(check, held, live=in_place):
             return _RETRY
         sent = time.perf_counter()
         state = unflatten(skeleton, tensors)
@@ -388,6 +400,7 @@ class CheckpointManager:
             bytes=nbytes,
             live_bytes=live,  # landed straight in the tensors the state is loaded into
             own=me in holders and source == "memory",  # this rank held the step: nothing was sent to it
+            in_place=in_place,  # its live tensors held the step: hashed in place, not read from the slot
             receivers=len(receivers),
             find_s=round(found - started, 4),  # newest snapshot found (header, metadata), decision agreed
             broadcast_s=round(sent - found, 4) if receivers else 0.0,  # sent, received, landed, verified
@@ -401,11 +414,15 @@ class CheckpointManager:
             step=step, state=state, source=source, holder_rank=src if source == "memory" else None
         )
 
-    def _torn_anywhere(self, check: DataCheck | None, held: Held | None) -> bool:
+    def _torn_anywhere(self, check: DataCheck | None, held: Held | None, *, live: bool = False) -> bool:
         """The verdict (collective): whether any rank's slot failed its checksum while it was read; that
-        rank marks its slot torn, so the next attempt finds an older one (or none)."""
+        rank marks its slot torn, so the next attempt finds an older one (or none). A rank that hashed its
+        live tensors (``live``) instead reads the slot next time: it is they that may differ."""
         torn = check is not None and not check.ok()
-        if torn:
+        if torn and live:
+            log.warning("restore_live_state_differs", step=self._live)
+            self._live = None
+        elif torn:
             assert self.memory is not None and held is not None
             self.memory.invalidate(held.slot)
         if not self.coordinated:
@@ -483,8 +500,33 @@ class CheckpointManager:
         self._raise_pending()
         mem_due = self.memory is not None and step % self.cfg.memory_every_steps == 0
         dur_due = self._durable_due(step)
-        if not (mem_due or dur_due):
-            return
+        if mem_due or dur_due:
+            self._save(step, state, dur_due)
+
+    def save_before_leaving(
+        self, step: int, state: Mapping[str, Any] | Callable[[], Mapping[str, Any] | Flat]
+    ) -> bool:
+        """This rank leaves its group after ``step`` (the group re-forms in-process): take the step's memory
+        snapshot, as :meth:`save` would, without a collective (the others may have left already); whether
+        one was taken.
+
+        None is taken when a durable checkpoint may be due at this step: the step is then redone in the
+        next group, which writes it (a durable write is collective and would wait for ranks that left).
+        """
+        self._check_open()
+        if self.memory is None or step % self.cfg.memory_every_steps != 0:
+            return False
+        since = time.monotonic() - self._last_durable_time
+        if durable_due(
+            step, every_steps=self.cfg.every_steps, every_seconds=self.cfg.every_seconds, since_last=since
+        ):
+            return False
+        self._save(step, state, False)
+        return True
+
+    def _save(
+        self, step: int, state: Mapping[str, Any] | Callable[[], Mapping[str, Any] | Flat], dur_due: bool
+    ) -> None:
         timed = self.memory is not None and self.memory.stats.record
         started, cpu = (time.perf_counter(), time.thread_time()) if timed else (0.0, 0.0)
         if self.memory is not None:

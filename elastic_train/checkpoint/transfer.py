@@ -108,17 +108,20 @@ class Landing:
         #: (flat offset, bytes, uint8 view of the destination) per non-empty tensor, by offset.
         self._pieces: list[tuple[int, int, torch.Tensor]] = []
         self.live = 0
+        live_starts: set[int] = set()
         for s, t, at in zip(specs, fits, places, strict=True):
             if t is None:
                 dest = tensor_at(self.rest, s, base=s.offset - at)
             else:
                 dest = t
                 self.live += s.nbytes
+                live_starts.add(s.offset)
             self.tensors.append(dest)
             if s.nbytes:
                 self._pieces.append((s.offset, s.nbytes, dest.reshape(-1).view(torch.uint8)))
         self._pieces.sort(key=lambda p: p[0])
         self._starts = [p[0] for p in self._pieces]
+        self._live = [p[0] in live_starts for p in self._pieces]
         self._next = 0
 
     def target(self, start: int, end: int) -> torch.Tensor:
@@ -127,6 +130,11 @@ class Landing:
         offset, n, raw = self._pieces[i]
         assert offset <= start and end <= offset + n, (start, end, offset, n)
         return raw[start - offset : end - offset]
+
+    def is_live(self, start: int) -> bool:
+        """Whether the flat byte ``start`` lands in a live tensor (given to the landing), not a new buffer."""
+        i = bisect.bisect_right(self._starts, start) - 1
+        return i >= 0 and self._live[i] and start < self._pieces[i][0] + self._pieces[i][1]
 
     def land(self, start: int, data: torch.Tensor) -> None:
         """Copy ``data``, the flat state's bytes from ``start`` on, to their tensors (call in order)."""
@@ -188,6 +196,7 @@ def send(
     group: Any,
     check: Check | None = None,
     landing: Landing | None = None,
+    live: bool = False,
 ) -> None:
     """The holder's side: the flat state along ``chain`` (global ranks, the holder first).
 
@@ -200,13 +209,20 @@ def send(
         group: the process group of the chain's ranks.
         check: hashes each chunk right before it goes out (the caller asks it for the verdict afterwards).
         landing: the holder's own tensors (required with a reader).
+        live: the landing's live tensors hold the slot's bytes already (this process took the snapshot from
+            them and has not changed them since, as far as it knows): their chunks are hashed and sent where
+            they are instead of read from the slot. The hash covers them all the same, so the verdict also
+            says whether they did hold the slot's bytes.
     """
-    _pump(source, chunks, chain[1] if len(chain) > 1 else None, group, check, landing)
+    _pump(source, chunks, chain[1] if len(chain) > 1 else None, group, check, landing, live)
 
 
-def land_own(source: Reader, chunks: Sequence[Chunk], landing: Landing, check: Check | None) -> None:
-    """A holder that sends to nobody: its own slot read into ``landing``, each chunk hashed by ``check``."""
-    _pump(source, chunks, None, None, check, landing)
+def land_own(
+    source: Reader, chunks: Sequence[Chunk], landing: Landing, check: Check | None, *, live: bool = False
+) -> None:
+    """A holder that sends to nobody: its own slot read into ``landing``, each chunk hashed by ``check``
+    (``live``: as in :func:`send`; the live tensors' chunks are then only hashed)."""
+    _pump(source, chunks, None, None, check, landing, live)
 
 
 def _pump(
@@ -216,10 +232,11 @@ def _pump(
     group: Any,
     check: Check | None,
     landing: Landing | None,
+    live: bool = False,
 ) -> None:
     if not isinstance(source, torch.Tensor):
         assert landing is not None
-        _pump_slot(source, chunks, nxt, group, check, landing)
+        _pump_slot(source, chunks, nxt, group, check, landing, live)
         return
     pending: collections.deque[Any] = collections.deque()
     for k, (start, end, _) in enumerate(chunks):
@@ -243,9 +260,11 @@ def _pump_slot(
     group: Any,
     check: Check | None,
     landing: Landing,
+    live: bool,
 ) -> None:
     """A shared-memory slot's chunks: read and hashed by a reader thread up to :data:`AHEAD` chunks ahead of
-    this one, which sends each (and lands the loose ones) as soon as it is read.
+    this one, which sends each (and lands the loose ones) as soon as it is read. With ``live`` a chunk of a
+    live tensor is not read: it is hashed (and sent) where it is.
 
     The read (a copy out of the slot) and the hash then overlap the sends instead of taking turns with them
     on one thread: ``pread`` and xxh3 release the GIL, and the holder keeps the link busy while it reads.
@@ -264,10 +283,12 @@ def _pump_slot(
             for start, end, direct in chunks:
                 if direct:  # read where it lands: the holder's own tensor
                     data = landing.target(start, end)
+                    if not (live and landing.is_live(start)):
+                        source.read_into(start, data)
                 else:
                     data = bounce[used % len(bounce)][: end - start]
                     used += 1
-                source.read_into(start, data)
+                    source.read_into(start, data)
                 if check is not None:
                     check.update(data)
                 if not _put(ready, (data, None), stop):

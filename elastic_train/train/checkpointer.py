@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -30,6 +31,56 @@ log = get_logger(__name__)
 
 StepHook = Callable[[int], None]
 """Called with the step number at :meth:`Checkpointer.commit`, before the state is saved."""
+
+
+class LiveMark:
+    """Which step the live tensors of this process's model and optimizer hold, as far as it knows.
+
+    Set when a step's snapshot is taken from them or a restored step is loaded into them; cleared by the
+    next optimizer step (a pre-hook, registered once per optimizer). A worker that re-forms its group
+    in-process passes it to the restore, which then hashes those tensors where they are instead of reading
+    its snapshot again (``CheckpointManager.restore(live=...)``). It is a hint: the slot's checksum decides,
+    so a tensor changed some other way (a buffer updated in a forward pass, weights edited by hand) costs a
+    second read, never a wrong state.
+    """
+
+    def __init__(self) -> None:
+        self._model: weakref.ref[Any] | None = None
+        self._optimizer: Callable[[], Any] = _none
+        self._step: int | None = None
+        self._watched: weakref.WeakSet[Any] = weakref.WeakSet()
+
+    def set(self, state: TrainState, step: int) -> None:
+        if self._model is not None and self._model() is state.model and self._optimizer() is state.optimizer:
+            self._step = step  # every commit: the same objects as the last time
+            return
+        optimizer = state.optimizer
+        if isinstance(optimizer, torch.optim.Optimizer) and optimizer not in self._watched:
+            optimizer.register_step_pre_hook(self._changed)
+            self._watched.add(optimizer)
+        self._model, self._optimizer = weakref.ref(state.model), _ref(optimizer)
+        self._step = step
+
+    def get(self, state: TrainState) -> int | None:
+        return self._step if self._model is not None and self._model() is state.model else None
+
+    def clear(self) -> None:
+        self._model, self._step = None, None
+
+    def _changed(self, *args: Any) -> None:
+        self._step = None
+
+
+def _none() -> None:
+    return None
+
+
+def _ref(obj: Any) -> Callable[[], Any]:
+    return _none if obj is None else weakref.ref(obj)
+
+
+#: The process's one :class:`LiveMark` (a worker trains one state).
+LIVE = LiveMark()
 
 
 class Manager(Protocol):
@@ -174,7 +225,9 @@ class Checkpointer:
             # snapshot copy may still be reading them.
             if isinstance(self.manager, Fenced):
                 self.manager.fence()
-            restored = self.manager.restore(model=model, into=self.state.restore_targets)  # type: ignore[call-arg]
+            restored = self.manager.restore(  # type: ignore[call-arg]
+                model=model, into=self.state.restore_targets, live=LIVE.get(self.state)
+            )
         else:
             restored = self.manager.restore(model=model)
         # a process that re-formed its group in-process may hold the gradients of a step that failed
@@ -186,6 +239,7 @@ class Checkpointer:
             self.events.emit("started", 0)
             return 0
         self.load(restored.state)
+        LIVE.set(self.state, self.step)
         self.source = restored.source
         if self.step > 0:
             self._mark_trained()
@@ -204,6 +258,7 @@ class Checkpointer:
         # no snapshot copy may be reading what load_state_dict overwrites
         if isinstance(self.manager, Fenced):
             self.manager.fence()
+        LIVE.clear()
         self.state.load_state_dict(state)
         self._restored = True
 
@@ -267,12 +322,18 @@ class Checkpointer:
         step = self.step
         for hook in self.hooks:
             hook(step)
-        hot.boundary(step)
         # A manager that takes a flattened state gets the planned one (no state dicts built per step).
         planned = getattr(self.manager, "planned_snapshots", False) is True
         # Such a manager checks the snapshot's full structure before it publishes the copy (the memory tier
         # on its copier thread): the training thread checks only what costs no tensor access.
-        self.manager.save(step, self._unverified_snapshot if planned else self.state.state_dict)
+        snapshot = self._unverified_snapshot if planned else self.state.state_dict
+        try:
+            hot.boundary(step)
+        except hot.GroupChanged:
+            self._leave(step, snapshot)
+            raise
+        self.manager.save(step, snapshot)
+        LIVE.set(self.state, step)
         self._report_commit()
         if self.events.enabled:
             now = time.perf_counter()
@@ -283,6 +344,18 @@ class Checkpointer:
                 sampler = self.state.sampler
                 epoch = sampler.epoch if sampler.cursor else sampler.epoch - 1  # the step's own epoch
             self.events.emit("step", step, loss=value, samples_per_s=rate, epoch=epoch)
+
+    def _leave(self, step: int, snapshot: Callable[[], Any]) -> None:
+        """The group re-forms after this step: keep its snapshot (memory tier only), so that the members
+        start the next group from it instead of redoing it, and nothing is sent to those that hold it."""
+        leave = getattr(self.manager, "save_before_leaving", None)
+        if leave is None:
+            return
+        try:
+            if leave(step, snapshot):
+                LIVE.set(self.state, step)
+        except Exception as exc:  # the step is then redone from the previous snapshot, as without this
+            log.warning("snapshot_before_leaving_failed", step=step, error=str(exc))
 
     def _report_commit(self) -> None:
         """Emit a ``checkpoint`` event for a durable checkpoint committed since the last call."""

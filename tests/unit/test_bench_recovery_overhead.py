@@ -86,6 +86,13 @@ def test_recovery_targets_hold_one_receiver_from_100_mb_to_1_3x_and_0_9x_of_the_
     whole, rate = recovery.targets(runs, bandwidth=1e9)
     assert (whole["status"], rate["status"]) == ("missed", "missed")
     assert [t["status"] for t in recovery.targets([], bandwidth=1e9)] == ["not measured", "not measured"]
+    # each recovery path measured has targets of its own
+    hot = {"state_mb": 1000, "path": "hot", "faults": {"add-node": fault(1.1, 1_000_000_000, 1.05)}}
+    rows = recovery.targets([dict(r, path="restart") for r in runs] + [hot], bandwidth=1e9)
+    assert [(t["name"].rsplit(", ", 1)[1], t["status"]) for t in rows] == [
+        ("hot recovery (the default)", "met"), ("hot recovery (the default)", "met"),
+        ("restart path", "missed"), ("restart path", "missed"),
+    ]  # fmt: skip
 
 
 def test_overhead_targets_hold_long_steps_to_3_short_ones_to_5_percent_and_the_python_to_0_2_ms() -> None:

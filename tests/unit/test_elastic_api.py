@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, TensorDataset
 
 import elastic_train as et
-from elastic_train.checkpoint import CheckpointConfig, ModelMismatch
+from elastic_train.checkpoint import CheckpointConfig, CheckpointManager, ModelMismatch
 from elastic_train.train.audit import check_exactly_once
 from elastic_train.train.batching import share_weight
 from elastic_train.train.errors import NotStateful, StateMismatch, TrainingError
@@ -306,3 +306,41 @@ def test_local_entry_usage_errors_are_one_line(args: list[str], message: str) ->
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("elastic-train: error: "), proc.stderr
     assert message in proc.stderr
+
+
+@pytest.mark.parametrize("every", [100, 3])
+def test_a_step_boundary_that_re_forms_the_group_keeps_the_step(
+    world: et.World, tmp_path: Path, memdir: str, monkeypatch: pytest.MonkeyPatch, every: int
+) -> None:
+    """The agent announced a membership change: commit() leaves at the step boundary with the step's memory
+    snapshot taken (the next group starts from it, nothing redone) and the live state marked as that step,
+    unless a durable checkpoint is due at the step (a collective: the step is then redone and written)."""
+    from elastic_train.train import hot
+    from elastic_train.train.checkpointer import LIVE
+
+    ckpt = make(tmp_path, memdir, every=every)
+    ckpt.restore()
+    train(ckpt, 2)
+    assert LIVE.get(ckpt.state) == 2
+    opt = ckpt.state.optimizer
+    assert isinstance(opt, torch.optim.Optimizer)
+    ckpt.state.model(torch.ones(1, 4, dtype=torch.float64)).sum().backward()
+    opt.step()  # the live tensors change: they no longer hold step 2
+    assert LIVE.get(ckpt.state) is None
+
+    def announced(step: int) -> None:
+        raise hot.GroupChanged(f"re-forms after step {step}")
+
+    monkeypatch.setattr(hot, "boundary", announced)
+    with pytest.raises(hot.GroupChanged):
+        ckpt.commit()
+    manager = ckpt.manager
+    assert isinstance(manager, CheckpointManager) and manager.memory is not None
+    held = manager.memory.newest_valid()
+    assert held is not None
+    if every == 100:
+        assert held.step == 3 and LIVE.get(ckpt.state) == 3
+    else:  # due at step 3: no snapshot; the next group redoes step 3 from step 2's
+        assert held.step == 2 and LIVE.get(ckpt.state) is None
+    ckpt.close()
+    LIVE.clear()
