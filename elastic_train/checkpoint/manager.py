@@ -116,9 +116,6 @@ class RestoreDecision:
 
 #: What an attempt of :meth:`CheckpointManager.restore` returns when a slot turned out torn on some rank.
 _RETRY = object()
-#: Bytes per message (chain hop) of a restored state at most, and messages in flight at once.
-BROADCAST_BUCKET = transfer.BUCKET
-BROADCAST_WINDOW = transfer.WINDOW
 #: Attempts for the final checkpoint (whatever ``on_error`` says): it is the job's result.
 FINAL_ATTEMPTS = 8
 
@@ -244,6 +241,11 @@ class CheckpointManager:
     def coordinated(self) -> bool:
         return self._io is not None
 
+    @property
+    def _lanes(self) -> tuple[Any, ...]:
+        """The groups a restored state streams over (:func:`transfer.lane`): two connections per link."""
+        return (self._ctl, self._io)
+
     # -- restore -----------------------------------------------------------------------------------------
     def restore(
         self,
@@ -284,6 +286,8 @@ class CheckpointManager:
         started = time.perf_counter()
         again: int | None = None
         self._live = live
+        # The restored bytes stream over both groups of the manager (transfer.lane): its writer must be idle.
+        self.wait()
         # Each failed attempt marks one torn slot at least, or stops one rank from trusting its live tensors:
         # a bounded number of them, the same on every rank.
         for _ in range(self.world_size * (SLOTS + 1) + 1):
@@ -363,7 +367,7 @@ class CheckpointManager:
         if me in holders and source != "memory":
             # A checkpoint read from storage is this rank's own buffer: its tensors are views into it.
             if receivers:
-                transfer.send(buf, chunks, chain=chain, group=self._ctl)
+                transfer.send(buf, chunks, chain=chain, group=self._lanes)
             tensors, live = [tensor_at(buf, s) for s in specs], 0
         else:
             landing = transfer.Landing(specs, into(specs) if into is not None else None)
@@ -374,7 +378,7 @@ class CheckpointManager:
                 try:
                     if me == src and receivers:
                         transfer.send(
-                            reader, chunks, chain=chain, group=self._ctl, check=check, landing=landing,
+                            reader, chunks, chain=chain, group=self._lanes, check=check, landing=landing,
                             live=in_place,
                         )  # fmt: skip
                     else:
@@ -382,7 +386,7 @@ class CheckpointManager:
                 finally:
                     reader.close()
             else:
-                transfer.receive(chunks, landing, chain=chain, rank=self._global(me), group=self._ctl)
+                transfer.receive(chunks, landing, chain=chain, rank=self._global(me), group=self._lanes)
             tensors, live = landing.tensors, landing.live
         moved = time.perf_counter()
         if source == "memory" and self._torn_anywhere(check, held, live=in_place):

@@ -33,9 +33,13 @@ import torch.distributed as dist
 
 from elastic_train.checkpoint.codec import ALIGN, TensorSpec, dtype_of, tensor_at
 
-#: Bytes per message (chain hop) of a restored state at most, and messages in flight at once.
+#: Bytes per message (chain hop) of a restored state's small tensors at most (they travel through reused
+#: bounce buffers of this size), and messages in flight at once.
 BUCKET = 8 << 20
 WINDOW = 4
+#: Bytes per message of a tensor received in place at most: fewer, larger messages keep the link busier
+#: (a 1 GB restore on loopback moved 20-25% faster in 32 MiB messages than in 8 MiB ones).
+DIRECT_BUCKET = 32 << 20
 #: Chunks of a shared-memory slot its holder reads (and hashes) ahead of the one it sends.
 AHEAD = 2
 #: A tensor of at least this many bytes is received straight into where it lands (no bounce, no copy).
@@ -69,7 +73,8 @@ def plan(specs: Sequence[TensorSpec], nbytes: int) -> list[Chunk]:
     out: list[Chunk] = []
 
     def cut(a: int, b: int, direct: bool) -> None:
-        out.extend((s, min(s + BUCKET, b), direct) for s in range(a, b, BUCKET))
+        step = DIRECT_BUCKET if direct else BUCKET
+        out.extend((s, min(s + step, b), direct) for s in range(a, b, step))
 
     pos = 0
     for s in sorted((s for s in specs if s.nbytes >= DIRECT_MIN), key=lambda s: s.offset):
@@ -167,6 +172,14 @@ def _fits(t: torch.Tensor, spec: TensorSpec) -> bool:
     )
 
 
+def lane(group: Any, k: int) -> Any:
+    """The process group chunk ``k`` travels in: ``group`` itself, or with several groups of the same ranks
+    (a tuple or list), each in turn. Every group has connections (and a gloo I/O thread) of its own, so the
+    chunks stream over several TCP connections at once: on loopback two of them moved 1 GB about 25% faster
+    than one, beyond what a single stream reaches (NCCL's socket transport stripes for the same reason)."""
+    return group[k % len(group)] if isinstance(group, tuple | list) else group
+
+
 def send_meta(meta: Any, *, dsts: Sequence[int], group: Any) -> None:
     """The holder's side: the state's metadata (any picklable object) to each of ``dsts`` (global ranks)."""
     payload = torch.frombuffer(bytearray(pickle.dumps(meta)), dtype=torch.uint8)
@@ -206,7 +219,8 @@ def send(
             ``check`` and sent from there).
         chunks: :func:`plan` of the state.
         chain: the holder, then every receiver in the order the bytes pass them.
-        group: the process group of the chain's ranks.
+        group: the process group of the chain's ranks, or several groups of the same ranks (lanes): chunk k
+            travels in lane ``k % len(group)`` (see :func:`lane`).
         check: hashes each chunk right before it goes out (the caller asks it for the verdict afterwards).
         landing: the holder's own tensors (required with a reader).
         live: the landing's live tensors hold the slot's bytes already (this process took the snapshot from
@@ -244,7 +258,7 @@ def _pump(
         if check is not None:
             check.update(data)
         if nxt is not None:
-            pending.append(dist.isend(data, dst=nxt, group=group, tag=k))
+            pending.append(dist.isend(data, dst=nxt, group=lane(group, k), tag=k))
         if landing is not None:
             landing.land(start, data)
         if len(pending) >= WINDOW:
@@ -305,7 +319,7 @@ def _pump_slot(
             if error is not None:
                 raise error
             if nxt is not None:
-                pending.append(dist.isend(data, dst=nxt, group=group, tag=k))
+                pending.append(dist.isend(data, dst=nxt, group=lane(group, k), tag=k))
             if not direct:
                 landing.land(start, data)
             if len(pending) >= WINDOW:
@@ -354,12 +368,13 @@ def receive(
             data = bounce[used % len(bounce)][: end - start]
             used += 1
         if nxt is None:  # the end of the chain: receives in flight, each landed as it ends
-            pending.append((dist.irecv(data, src=prev, group=group, tag=k), start, None if direct else data))
+            work = dist.irecv(data, src=prev, group=lane(group, k), tag=k)
+            pending.append((work, start, None if direct else data))
         else:  # in the middle: received, landed, forwarded while the next one arrives
-            dist.recv(data, src=prev, group=group, tag=k)
+            dist.recv(data, src=prev, group=lane(group, k), tag=k)
             if not direct:
                 landing.land(start, data)
-            pending.append((dist.isend(data, dst=nxt, group=group, tag=k), start, None))
+            pending.append((dist.isend(data, dst=nxt, group=lane(group, k), tag=k), start, None))
         if len(pending) >= WINDOW:
             finish()
     while pending:

@@ -12,16 +12,16 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from elastic_train.checkpoint import CheckpointConfig, CheckpointManager
-from elastic_train.checkpoint.manager import BROADCAST_BUCKET
+from elastic_train.checkpoint import CheckpointConfig, CheckpointManager, transfer
 from elastic_train.net import free_port
 
 HOLDER = 1
 
 
 def big_state(step: int) -> dict:
-    """A state of a few buckets whose every byte depends on the step (a bucket in the wrong place shows)."""
-    n = (3 * BROADCAST_BUCKET + 12345) // 4
+    """A state of a few messages whose every byte depends on the step (one in the wrong place shows); they
+    alternate between the two lanes (groups) of the restore."""
+    n = (3 * transfer.DIRECT_BUCKET + 12345) // 4
     gen = torch.Generator().manual_seed(step)
     return {"model": {"w": torch.rand(n, generator=gen), "b": torch.arange(7.0) + step}, "step": step}
 

@@ -34,7 +34,7 @@ def test_the_plan_covers_every_byte_in_order_and_direct_chunks_lie_inside_one_te
     chunks = transfer.plan(flat.specs, flat.nbytes)
     assert chunks[0][0] == 0 and chunks[-1][1] == flat.nbytes
     assert all(a[1] == b[0] for a, b in itertools.pairwise(chunks))
-    assert all(0 < e - s <= transfer.BUCKET for s, e, _ in chunks)
+    assert all(0 < e - s <= (transfer.DIRECT_BUCKET if d else transfer.BUCKET) for s, e, d in chunks)
     big = [s for s in flat.specs if s.nbytes >= transfer.DIRECT_MIN]
     assert len(big) == 2
     for s, e, direct in chunks:
