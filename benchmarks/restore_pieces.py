@@ -185,22 +185,30 @@ def gloo_rates(nbytes: int, cases: list[tuple[str, int, int]]) -> dict[str, floa
     return results  # type: ignore[no-any-return]
 
 
-def _restore_worker(rank: int, port: int, nbytes: int, memdir: str, out: Any) -> None:
-    """One rank of :func:`restore_once`: rank 0 holds the snapshot (a fresh process mapping it), rank 1
-    receives into a live tensor of the state's shape."""
+def _restore_worker(rank: int, port: int, nbytes: int, memdir: str, in_place: bool, out: Any) -> None:
+    """One rank of :func:`restore_once`: rank 0 holds the snapshot (a fresh process mapping it, or with
+    ``in_place`` the process that took it from its live tensor), rank 1 receives into a live tensor of the
+    state's shape."""
     from elastic_train.checkpoint import CheckpointConfig, CheckpointManager
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
     dist.init_process_group("gloo", rank=rank, world_size=2)
     cfg = CheckpointConfig(url=os.path.join(memdir, "ck"), every_steps=0, memory_dir=memdir)
-    # rank 1 looks in a run whose snapshot does not exist: it holds nothing
-    m = CheckpointManager(
-        cfg, "pieces" if rank == 0 else "none", rank=rank, world_size=2, local_rank=0, group=dist.group.WORLD
-    )
     live = torch.zeros(nbytes // 4)
+    if in_place and rank == 0:  # as a survivor of hot recovery: its live tensor is the snapshot's step
+        live = torch.rand(nbytes // 4)
+        saver = CheckpointManager(cfg, "pieces-own", rank=0, world_size=1, local_rank=0)
+        saver.save(1, {"w": live, "step": 1})
+        saver.close()
+    run = ("pieces-own" if in_place else "pieces") if rank == 0 else "none"
+    # rank 1 looks in a run whose snapshot does not exist: it holds nothing
+    m = CheckpointManager(cfg, run, rank=rank, world_size=2, local_rank=0, group=dist.group.WORLD)
     dist.barrier()
     t, c = time.perf_counter(), time.process_time()
-    restored = m.restore(into=lambda specs: [live if s.path == "/w" else None for s in specs])
+    restored = m.restore(
+        into=lambda specs: [live if s.path == "/w" else None for s in specs],
+        live=1 if in_place and rank == 0 else None,
+    )
     wall, cpu = time.perf_counter() - t, time.process_time() - c
     assert restored is not None and restored.state["w"] is live
     out.put((rank, wall, cpu))
@@ -209,19 +217,22 @@ def _restore_worker(rank: int, port: int, nbytes: int, memdir: str, out: Any) ->
     dist.destroy_process_group()
 
 
-def restore_once(nbytes: int) -> dict[str, float]:
+def restore_once(nbytes: int, in_place: bool = False) -> dict[str, float]:
     """A whole memory restore with one receiver: seconds (wall and process CPU) on the holder and the
-    receiver, both fresh processes (as after a restart), the holder's snapshot written by another one."""
+    receiver, both fresh processes (as after a restart), the holder's snapshot written by another one; with
+    ``in_place`` the holder took the snapshot from its live tensor and restores as a survivor of hot
+    recovery does (``restore(live=step)``: hashed and sent from there)."""
     from elastic_train.checkpoint import CheckpointConfig, CheckpointManager
 
     with tempfile.TemporaryDirectory(dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as memdir:
         os.environ["ELASTIC_TRAIN_SHM_OWNER"] = str(os.getpid())
         cfg = CheckpointConfig(url=os.path.join(memdir, "ck"), every_steps=0, memory_dir=memdir)
-        saver = CheckpointManager(cfg, "pieces", rank=0, world_size=1, local_rank=0)
-        saver.save(1, {"w": torch.rand(nbytes // 4), "step": 1})
-        saver.close()
-        del saver
-        got = sorted(_two_ranks(_restore_worker, (nbytes, memdir), 2))
+        if not in_place:  # (an in-place holder takes its own)
+            saver = CheckpointManager(cfg, "pieces", rank=0, world_size=1, local_rank=0)
+            saver.save(1, {"w": torch.rand(nbytes // 4), "step": 1})
+            saver.close()
+            del saver
+        got = sorted(_two_ranks(_restore_worker, (nbytes, memdir, in_place), 2))
     return {
         "holder_s": got[0][1],
         "receiver_s": got[1][1],
@@ -240,12 +251,17 @@ def main(argv: list[str] | None = None) -> int:
         metavar="N",
         help="only time N whole restores with one receiver (paired with another checkout's PYTHONPATH)",
     )
+    p.add_argument(
+        "--in-place",
+        action="store_true",
+        help="with --restore: the holder restores as a hot-recovery survivor",
+    )
     args = p.parse_args(argv)
     nbytes = args.mb * MIB
     if args.restore:
         for _ in range(args.restore):
             bw = loopback_bandwidth()
-            r = restore_once(nbytes)
+            r = restore_once(nbytes, args.in_place)
             print(
                 json.dumps(
                     {
