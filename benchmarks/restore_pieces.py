@@ -194,12 +194,13 @@ def _restore_worker(rank: int, port: int, nbytes: int, memdir: str, in_place: bo
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
     dist.init_process_group("gloo", rank=rank, world_size=2)
     cfg = CheckpointConfig(url=os.path.join(memdir, "ck"), every_steps=0, memory_dir=memdir)
-    live = torch.zeros(nbytes // 4)
     if in_place and rank == 0:  # as a survivor of hot recovery: its live tensor is the snapshot's step
         live = torch.rand(nbytes // 4)
         saver = CheckpointManager(cfg, "pieces-own", rank=0, world_size=1, local_rank=0)
         saver.save(1, {"w": live, "step": 1})
         saver.close()
+    else:
+        live = torch.zeros(nbytes // 4)
     run = ("pieces-own" if in_place else "pieces") if rank == 0 else "none"
     # rank 1 looks in a run whose snapshot does not exist: it holds nothing
     m = CheckpointManager(cfg, run, rank=rank, world_size=2, local_rank=0, group=dist.group.WORLD)

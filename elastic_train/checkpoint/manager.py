@@ -532,10 +532,7 @@ class CheckpointManager:
         self._check_open()
         if self.memory is None or step % self.cfg.memory_every_steps != 0:
             return False
-        since = time.monotonic() - self._last_durable_time
-        if durable_due(
-            step, every_steps=self.cfg.every_steps, every_seconds=self.cfg.every_seconds, since_last=since
-        ):
+        if self._due_here(step):
             return False
         self._save(step, state, False)
         return True
@@ -638,11 +635,15 @@ class CheckpointManager:
                 owned.update(v.data_ptr() for v in per_param.values() if isinstance(v, torch.Tensor))
         return frozenset(i for i, t in enumerate(flat.tensors) if t.data_ptr() in owned)
 
-    def _durable_due(self, step: int) -> bool:
+    def _due_here(self, step: int) -> bool:
+        """Whether a durable checkpoint is due after ``step`` by this rank's own count and clock."""
         since = time.monotonic() - self._last_durable_time
-        due = durable_due(
+        return durable_due(
             step, every_steps=self.cfg.every_steps, every_seconds=self.cfg.every_seconds, since_last=since
         )
+
+    def _durable_due(self, step: int) -> bool:
+        due = self._due_here(step)
         if self.cfg.every_seconds and self.coordinated:
             flag = torch.tensor([int(due)])
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._ctl)
