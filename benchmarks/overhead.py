@@ -179,7 +179,7 @@ def _worker(rank: int, args: argparse.Namespace, cfg: Config, port: int, out: st
                 fn()
             dist.barrier()
             times[name].append((time.perf_counter() - t) / cfg.block_steps)
-    python = list(zip(stats.python_cpu_s, stats.python_wall_s, strict=True))
+    python = list(zip(stats.python_cpu_s, stats.python_wall_s, stats.wake_cpu_s, strict=True))
     flat = flatten(allin.state())
     state_bytes = flat.nbytes
     floor = copy_floor(flat)
@@ -255,14 +255,16 @@ def measure(args: argparse.Namespace, cfg: Config) -> dict[str, Any]:
         f"{floor / med['plain'] * 100:.2f}% of the plain step (copy + hash of the state; no idle core here)"
     )
     saves = [x for per_rank in got["python_s"] for x in per_rank]
-    python_s = statistics.median(c for c, _ in saves) if saves else None
-    python_wall_s = statistics.median(w for _, w in saves) if saves else None
+    python_s = statistics.median(s[0] for s in saves) if saves else None
+    python_wall_s = statistics.median(s[1] for s in saves) if saves else None
+    wake_s = statistics.median(s[2] for s in saves) if saves else None
     if python_s is not None and python_wall_s is not None:
         print(
             f"  snapshot Python: {python_s * 1e3:9.3f} ms CPU per save on the training thread, no copies "
             f"({python_wall_s * 1e3:.3f} ms wall; median of {len(saves)} saves x ranks; "
             f"target <= {PYTHON_TARGET_S * 1e3:.1f} ms; the full structure check runs on the copier)"
         )
+        print(f"  copier wake    : {wake_s * 1e3:9.3f} ms CPU per save (the hand-over's system call, apart)")
     for name, label in (("loop", "loop alone"), ("allin", "all-in")):
         print(
             f"  {label:<15}: {med[name] * 1e3:9.2f} ms  ratio {ratio[name]:.4f} "
@@ -287,6 +289,7 @@ def measure(args: argparse.Namespace, cfg: Config) -> dict[str, Any]:
         "copy_floor_ratio": 1 + floor / med["plain"],
         "snapshot_python_s": python_s,
         "snapshot_python_wall_s": python_wall_s,
+        "copier_wake_s": wake_s,
         "pair_ratios": pairs,
         "block_times": times,
     }
@@ -366,9 +369,17 @@ def targets(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         worst_s = max(r["snapshot_python_s"] for r in timed)
         out.append(
             {
-                "name": "Python part of a snapshot on the training thread, per step",
+                "name": "Python part of a snapshot on the training thread, per step (copier's wake apart)",
                 "threshold": "<= 0.2 ms",
-                "figure": ", ".join(f"{r['config']}: {r['snapshot_python_s'] * 1e3:.3f} ms" for r in timed),
+                "figure": ", ".join(
+                    f"{r['config']}: {r['snapshot_python_s'] * 1e3:.3f} ms"
+                    + (
+                        f" (+ {r['copier_wake_s'] * 1e3:.3f} ms wake)"
+                        if r.get("copier_wake_s") is not None
+                        else ""
+                    )
+                    for r in timed
+                ),
                 "status": "met" if worst_s <= PYTHON_TARGET_S else "missed",
                 "why": "" if worst_s <= PYTHON_TARGET_S else noise,
             }
@@ -455,6 +466,9 @@ def main(argv: list[str] | None = None) -> int:
                     "copy floor %": (r["copy_floor_ratio"] - 1) * 100,
                     "snapshot Python ms": r["snapshot_python_s"] * 1e3
                     if r["snapshot_python_s"] is not None
+                    else None,
+                    "copier wake ms": r["copier_wake_s"] * 1e3
+                    if r.get("copier_wake_s") is not None
                     else None,
                     "blocks": f"{r['blocks']}x{r['block_steps']}",
                 }

@@ -349,6 +349,9 @@ class OverheadRun(_Model):
     """CPU seconds per snapshot on the training thread other than copying tensors (median over blocks)."""
     snapshot_python_wall_s: float | None = None
     """The same in wall time (waits for a core, the interpreter lock or the previous seal included)."""
+    copier_wake_s: float | None = None
+    """CPU seconds per snapshot on the training thread handing the copy to the copier thread (the wake's
+    system call; apart from the Python above). None in runs from before it was measured apart."""
 
 
 class OverheadDoc(_Model):
