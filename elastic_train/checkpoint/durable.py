@@ -337,14 +337,17 @@ def read_lineage(storage: Storage, run_path: str) -> list[tuple[int, int]]:
     ]
 
 
-def record_start(storage: Storage, run_path: str, round: int, base: int, *, again: int | None = None) -> int:
-    """Record that the world of rendezvous round ``round`` starts from step ``base`` (before it trains a
-    step); returns the round its checkpoints carry.
+def plan_start(
+    storage: Storage, run_path: str, round: int, base: int, *, again: int | None = None
+) -> tuple[int, bytes]:
+    """The record that the world of rendezvous round ``round`` starts from step ``base`` (before it trains a
+    step): the round its checkpoints carry, and the new content of the run's :data:`LINEAGE` file, which
+    the caller writes (``storage.write_small``) before that world trains a step.
 
     ``again``: the round this world already recorded (its restore found the chosen snapshot torn and looked
     again): that record's base is replaced and the round kept.
 
-    From then on a stale world's checkpoint past ``base`` is left behind, even before this world commits
+    Once written, a stale world's checkpoint past ``base`` is left behind, even before this world commits
     one. The returned round is ``round``, or one more than any round the run's directory already holds when
     that is higher: rendezvous rounds start again at 1 when a run id is reused after its record expired,
     and the new worlds must still come after the earlier ones. Only a world's rank 0 writes, once, after
@@ -359,8 +362,7 @@ def record_start(storage: Storage, run_path: str, round: int, base: int, *, agai
     stamp = again if again is not None else max([round, *(r + 1 for r in seen if r >= round)])
     kept = [{"round": r, "base": b} for r, b in records if r < stamp]
     kept.append({"round": stamp, "base": base})
-    storage.write_small(storage.join(run_path, LINEAGE), json.dumps(kept[-LINEAGE_KEEP:]).encode())
-    return stamp
+    return stamp, json.dumps(kept[-LINEAGE_KEEP:]).encode()
 
 
 def step_names(storage: Storage, run_path: str) -> list[str]:

@@ -106,7 +106,11 @@ class RestoreDecision:
     setup_error: bool = False
     """The error is a :class:`CheckpointSetupError` (the same at every attempt, not worth a restart)."""
     stamp: int | None = None
-    """The round this world's checkpoints are stamped with (:func:`durable.record_start`)."""
+    """The round this world's checkpoints are stamped with (:func:`durable.plan_start`)."""
+    meta: tuple[Any, list[Any], int] | None = None
+    """The chosen state's (skeleton, specs as JSON, bytes) when rank 0 sends it (it holds the step or read
+    it from storage) and some rank does not hold it: the receivers take it from here instead of from a
+    message of its own."""
 
     def check(self) -> None:
         """Raise the decided error, if any (the same type and line on every rank)."""
@@ -236,6 +240,8 @@ class CheckpointManager:
         self._attached: list[_Attachment] = []
         self._defer_cache: tuple[Any, int, frozenset[int]] | None = None
         self._live: int | None = None
+        #: The lineage record's write in flight during a restore (rank 0), and what it raised.
+        self._lineage: tuple[threading.Thread, list[BaseException]] | None = None
 
     @property
     def coordinated(self) -> bool:
@@ -291,7 +297,14 @@ class CheckpointManager:
         # Each failed attempt marks one torn slot at least, or stops one rank from trusting its live tensors:
         # a bounded number of them, the same on every rank.
         for _ in range(self.world_size * (SLOTS + 1) + 1):
-            result = self._restore_once(model, into, started, again)
+            # The lineage record is written before the world trains a step (and before an attempt records
+            # again); a failed attempt's own error is the one raised.
+            try:
+                result = self._restore_once(model, into, started, again)
+            except BaseException:
+                self._lineage_written(quiet=True)
+                raise
+            self._lineage_written()
             if result is not _RETRY:
                 return result  # type: ignore[return-value]
             again = self.stamp
@@ -301,6 +314,9 @@ class CheckpointManager:
         self, model: Mapping[str, Any] | None, into: Any, started: float, again: int | None
     ) -> Restored | object | None:
         """One attempt of :meth:`restore`; :data:`_RETRY` when a slot read on some rank was torn."""
+        # The decider lists the durable checkpoints first: while the others look up their snapshots.
+        decider = self.rank == 0 or not self.coordinated
+        listed = self._list_durable() if decider else None
         # Header and metadata verified here; the data as it is read below (DataCheck).
         held = self.memory.newest_valid(verify_data=False) if self.memory is not None else None
         mine = held.step if held is not None else None
@@ -312,34 +328,25 @@ class CheckpointManager:
             mem_steps.append(mine)
         loaded: tuple[Any, list[TensorSpec], torch.Tensor] | None = None
         decision = RestoreDecision()
-        if self.rank == 0 or not self.coordinated:
+        if decider:
             try:
-                decision, loaded = self._decide(mem_steps)
+                decision, loaded = self._decide(mem_steps, listed)
                 # A second attempt (a torn slot) records its base again under the same round.
                 decision = dataclasses.replace(decision, stamp=self._record_start(decision, again))
+                decision = self._with_meta(decision, mem_steps, held, loaded)
             except CheckpointError as exc:  # every rank raises it, of the same kind
                 decision = RestoreDecision(error=str(exc), setup_error=isinstance(exc, CheckpointSetupError))
         if self.coordinated:
-            box = [decision]
-            dist.broadcast_object_list(box, src=self._global(0), group=self._ctl)
-            decision = box[0]
+            decision = transfer.broadcast_small(decision, src=self._global(0), group=self._ctl)
         decision.check()
         self.base = decision.chosen.step if decision.chosen is not None else 0
         self.stamp = decision.stamp
         if decision.chosen is None:
             log.info("restore_nothing_found", run=self.run_path)
             return None
-        source, step, holder = decision.chosen.source, decision.chosen.step, decision.chosen.holder
+        source, step = decision.chosen.source, decision.chosen.step
         me = self.rank
-        if not self.coordinated:  # this rank decided alone, on what it found itself
-            holders, src = [me], me
-        elif source == "memory":
-            # Every rank that holds the step lands its own (nothing is sent to it); the lowest one sends.
-            holders = [r for r, s in enumerate(mem_steps) if s == step]
-            src = holders[0] if holder is None else holder
-        else:  # a checkpoint rank 0 read from storage (and verified)
-            holders, src = [0], 0
-        receivers = [r for r in range(self.world_size) if r not in holders] if self.coordinated else []
+        holders, src, receivers = self._routes(decision, mem_steps)
         chain = [self._global(r) for r in [src, *receivers]] if receivers else []
         check: DataCheck | None = None
         # This rank's live tensors hold the step already: hashed where they are, not read from the slot.
@@ -353,7 +360,11 @@ class CheckpointManager:
             assert loaded is not None
             skeleton, specs, buf = loaded[0], list(loaded[1]), loaded[2]
             nbytes = int(buf.numel())
-        if me == src and receivers:
+        if decision.meta is not None:  # rank 0 sends: the metadata came with the decision
+            if me not in holders:
+                skeleton, spec_json, nbytes = decision.meta
+                specs = [TensorSpec.from_json(s) for s in spec_json]
+        elif me == src and receivers:
             transfer.send_meta(
                 (skeleton, [s.to_json() for s in specs], nbytes), dsts=chain[1:], group=self._ctl
             )
@@ -421,6 +432,44 @@ class CheckpointManager:
             step=step, state=state, source=source, holder_rank=src if source == "memory" else None
         )
 
+    def _routes(
+        self, decision: RestoreDecision, mem_steps: list[int | None]
+    ) -> tuple[list[int], int, list[int]]:
+        """Who takes part in moving the decided state: (the ranks that hold it, the one that sends it, the
+        ranks it is sent to), the same on every rank."""
+        assert decision.chosen is not None
+        me = self.rank
+        if not self.coordinated:  # this rank decided alone, on what it found itself
+            return [me], me, []
+        if decision.chosen.source == "memory":
+            # Every rank that holds the step lands its own (nothing is sent to it); the lowest one sends.
+            holders = [r for r, s in enumerate(mem_steps) if s == decision.chosen.step]
+            src = holders[0] if decision.chosen.holder is None else decision.chosen.holder
+        else:  # a checkpoint rank 0 read from storage (and verified)
+            holders, src = [0], 0
+        return holders, src, [r for r in range(self.world_size) if r not in holders]
+
+    def _with_meta(
+        self,
+        decision: RestoreDecision,
+        mem_steps: list[int | None],
+        held: Held | None,
+        loaded: tuple[Any, list[TensorSpec], torch.Tensor] | None,
+    ) -> RestoreDecision:
+        """Rank 0's decision with the state's metadata in it when rank 0 is the one to send the state."""
+        if not self.coordinated or decision.chosen is None:
+            return decision
+        _, src, receivers = self._routes(decision, mem_steps)
+        if src != self.rank or not receivers:
+            return decision
+        if decision.chosen.source == "memory":
+            assert held is not None and held.step == decision.chosen.step
+            meta = (held.skeleton, [s.to_json() for s in held.specs], held.nbytes)
+        else:
+            assert loaded is not None
+            meta = (loaded[0], [s.to_json() for s in loaded[1]], int(loaded[2].numel()))
+        return dataclasses.replace(decision, meta=meta)
+
     def _torn_anywhere(self, check: DataCheck | None, held: Held | None, *, live: bool = False) -> bool:
         """The verdict (collective): whether any rank's slot failed its checksum while it was read; that
         rank marks its slot torn, so the next attempt finds an older one (or none). A rank that hashed its
@@ -440,18 +489,62 @@ class CheckpointManager:
 
     def _record_start(self, decision: RestoreDecision, again: int | None = None) -> int | None:
         """Rank 0 of a world in a rendezvous round records where it starts (the stale-writer rule reads it);
-        the round its checkpoints are stamped with (``again``: the one an earlier attempt recorded)."""
+        the round its checkpoints are stamped with (``again``: the one an earlier attempt recorded).
+
+        The record is written by a thread while the state moves (on remote storage a write costs a round
+        trip or more); :meth:`restore` waits for it before it returns (:meth:`_lineage_written`).
+        """
         if self.link.round is None:
             return None
-        base = decision.chosen.step if decision.chosen is not None else 0
+        round_, base = self.link.round, decision.chosen.step if decision.chosen is not None else 0
         try:
-            return durable.record_start(self.storage, self.run_path, self.link.round, base, again=again)
+            stamp, record = durable.plan_start(self.storage, self.run_path, round_, base, again=again)
         except StorageError as exc:  # the manifests' own records still fence later; not worth a restart
-            log.warning("lineage_not_recorded", round=self.link.round, base=base, error=str(exc))
-            return self.link.round
+            log.warning("lineage_not_recorded", round=round_, base=base, error=str(exc))
+            return round_
+        path = self.storage.join(self.run_path, durable.LINEAGE)
+        failed: list[BaseException] = []
 
-    def _decide(self, mem_steps: list[int | None]) -> tuple[RestoreDecision, Any]:
-        entries = durable.list_entries(self.storage, self.run_path)
+        def write() -> None:
+            try:
+                self.storage.write_small(path, record)
+            except StorageError as exc:  # as above: not worth a restart
+                log.warning("lineage_not_recorded", round=round_, base=base, error=str(exc))
+            except BaseException as exc:  # raised by the restore, as if written there
+                failed.append(exc)
+
+        thread = threading.Thread(target=write, name="ckpt-lineage", daemon=True)
+        thread.start()
+        self._lineage = (thread, failed)
+        return stamp
+
+    def _lineage_written(self, *, quiet: bool = False) -> None:
+        """Wait for the lineage record of :meth:`_record_start`; raise what its write raised (other than a
+        storage error, which is logged) unless ``quiet``."""
+        pending, self._lineage = self._lineage, None
+        if pending is None:
+            return
+        thread, failed = pending
+        thread.join()
+        if failed and not quiet:
+            raise failed[0]
+
+    def _list_durable(self) -> list[durable.Entry] | CheckpointError:
+        """The run's durable checkpoints (:func:`durable.list_entries`), or the error listing them raised
+        (:meth:`_decide` raises it, after the collective that waits for this rank)."""
+        try:
+            return durable.list_entries(self.storage, self.run_path)
+        except CheckpointError as exc:
+            return exc
+
+    def _decide(
+        self, mem_steps: list[int | None], listed: list[durable.Entry] | CheckpointError | None = None
+    ) -> tuple[RestoreDecision, Any]:
+        if listed is None:
+            listed = self._list_durable()
+        if isinstance(listed, CheckpointError):
+            raise listed
+        entries = listed
         for e in entries:
             if not e.valid:
                 log.warning("checkpoint_invalid", path=e.path, reason=e.problem)

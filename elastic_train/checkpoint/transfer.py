@@ -180,6 +180,43 @@ def lane(group: Any, k: int) -> Any:
     return group[k % len(group)] if isinstance(group, tuple | list) else group
 
 
+#: Bytes of the first (often only) message of :func:`broadcast_small`: a restore's decision with the
+#: metadata of a state of a few hundred tensors fits.
+SMALL = 64 << 10
+
+
+def broadcast_small(obj: Any, *, src: int, group: Any) -> Any:
+    """``obj`` (picklable; only ``src``'s counts) from ``src`` (a global rank) to every rank of ``group``.
+
+    As ``dist.broadcast_object_list`` of one object, in one broadcast of :data:`SMALL` bytes (its length
+    first) where it fits, a second one with the rest where it does not: an object broadcast takes a size
+    broadcast and a payload broadcast, each a round of messages on a busy machine.
+    """
+    head = torch.zeros(SMALL, dtype=torch.uint8)
+    payload = b""
+    if dist.get_rank() == src:
+        payload = pickle.dumps(obj)
+        head[:8] = torch.tensor([len(payload)], dtype=torch.int64).view(torch.uint8)
+        first = min(len(payload), SMALL - 8)
+        head[8 : 8 + first] = torch.frombuffer(bytearray(payload[:first]), dtype=torch.uint8)
+    dist.broadcast(head, src=src, group=group)
+    size = int(head[:8].view(torch.int64).item())
+    if dist.get_rank() == src:
+        rest = (
+            torch.frombuffer(bytearray(payload[SMALL - 8 :]), dtype=torch.uint8) if size > SMALL - 8 else None
+        )
+    else:
+        rest = torch.empty(size - (SMALL - 8), dtype=torch.uint8) if size > SMALL - 8 else None
+    if rest is not None:
+        dist.broadcast(rest, src=src, group=group)
+    if dist.get_rank() == src:
+        return obj
+    data = head[8 : 8 + min(size, SMALL - 8)].numpy().tobytes()
+    if rest is not None:
+        data += rest.numpy().tobytes()
+    return pickle.loads(data)
+
+
 def send_meta(meta: Any, *, dsts: Sequence[int], group: Any) -> None:
     """The holder's side: the state's metadata (any picklable object) to each of ``dsts`` (global ranks)."""
     payload = torch.frombuffer(bytearray(pickle.dumps(meta)), dtype=torch.uint8)

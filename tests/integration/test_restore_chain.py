@@ -68,3 +68,23 @@ def test_every_rank_restores_the_holders_snapshot_bit_for_bit(world: int, tmp_pa
     for r in range(world):
         with open(os.path.join(out, f"rank-{r}")) as f:
             assert f.read() == "ok", f"rank {r} restored other bytes"
+
+
+def _broadcast_rank(rank: int, port: int, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=3)
+    got = []
+    for size in (10, transfer.SMALL - 64, transfer.SMALL, 5 * transfer.SMALL + 3):
+        obj = {"size": size, "blob": bytes(range(256)) * (size // 256) + b"x" * (size % 256)}
+        mine = obj if rank == 1 else {"size": -1}
+        got.append(transfer.broadcast_small(mine, src=1, group=dist.group.WORLD) == obj)
+    with open(os.path.join(out, f"rank-{rank}"), "w") as f:
+        f.write("ok" if all(got) else f"differs: {got}")
+    dist.destroy_process_group()
+
+
+def test_a_small_broadcast_carries_objects_below_and_beyond_its_first_message(tmp_path) -> None:
+    out = tempfile.mkdtemp(dir=tmp_path)
+    mp.spawn(_broadcast_rank, args=(free_port(), out), nprocs=3, join=True)
+    for r in range(3):
+        with open(os.path.join(out, f"rank-{r}")) as f:
+            assert f.read() == "ok", f"rank {r}"

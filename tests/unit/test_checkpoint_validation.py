@@ -189,6 +189,53 @@ def test_invalid_snapshot_metadata_is_skipped_like_a_torn_slot(memdir, change):
         snap.release()
 
 
+def test_a_lookup_of_a_slot_this_process_wrote_parses_only_its_skeleton(memdir, monkeypatch):
+    snap = MemorySnapshot(memdir, f"run-{uuid.uuid4().hex[:6]}", 0)
+    try:
+        snap.save(1, flatten(state(1)), background=False)
+        whole = schema.snapshot_meta
+        full_parses = []
+
+        def counted(raw, data_len, known=None):
+            if known is None or not raw.startswith(known[0]):
+                full_parses.append(raw)
+            return whole(raw, data_len, known)
+
+        monkeypatch.setattr(schema, "snapshot_meta", counted)
+        held = snap.newest_valid()
+        assert held is not None and held.step == 1 and not full_parses
+        flat = flatten(state(1))
+        assert held.specs == flat.specs
+        # the same as a full parse of the slot's metadata
+        base = snap._slot_base(held.slot)
+        fields = memory_mod._SLOT.unpack_from(snap._mm, base)
+        raw = bytes(snap._mm[base + memory_mod.PAGE : base + memory_mod.PAGE + fields[5]])
+        assert whole(raw, held.nbytes) == (held.skeleton, held.specs)
+    finally:
+        snap.release()
+
+
+@pytest.mark.parametrize(
+    "skeleton",
+    [
+        '{"model":{"w":{"__tensor__":42}}}',  # a tensor index beyond the specs
+        '1},"specs":[]',  # a second "specs" key after the known ones
+        "[",
+    ],
+)
+def test_a_slot_with_this_process_s_specs_but_a_bad_skeleton_is_skipped(memdir, skeleton):
+    snap = MemorySnapshot(memdir, f"run-{uuid.uuid4().hex[:6]}", 0)
+    try:
+        snap.save(1, flatten(state(1)), background=False)
+        newest = snap.save(2, flatten(state(2)), background=False)
+        assert snap._known_meta is not None
+        _reseal(snap, newest, snap._known_meta[0] + skeleton.encode() + b"}")
+        held = snap.newest_valid()
+        assert held is not None and held.step == 1, "the older slot is used"
+    finally:
+        snap.release()
+
+
 # -- the end of a job ------------------------------------------------------------------------------
 
 

@@ -139,3 +139,46 @@ def test_a_restore_that_looks_again_records_its_final_base_under_the_same_round(
     storage = open_storage(cfg.url)
     assert durable.read_lineage(storage, storage.join(storage.root, "run")) == [(4, 2)]
     m.close(release_memory=True)
+
+
+def test_the_lineage_record_is_written_by_the_time_a_restore_returns_and_a_failed_write_is_not_fatal(
+    memdir, tmp_path, monkeypatch
+) -> None:
+    import threading
+
+    from elastic_train.agentlink import AgentLink
+    from elastic_train.checkpoint import durable
+    from elastic_train.checkpoint.errors import StorageError
+    from elastic_train.checkpoint.storage import LocalStorage, open_storage
+
+    cfg = CheckpointConfig(url=str(tmp_path / "c"), memory_dir=memdir, every_steps=0)
+    saver = CheckpointManager(cfg, "run", rank=0, world_size=1, local_rank=0)
+    saver.save(3, big_state(3))
+    saver.close()
+    real = LocalStorage.write_small
+    slow = threading.Event()
+
+    def write_small(self, path, data):  # a slow store: the record lands while the restore goes on
+        if path.endswith(durable.LINEAGE):
+            slow.wait(0.3)
+        return real(self, path, data)
+
+    monkeypatch.setattr(LocalStorage, "write_small", write_small)
+    m = CheckpointManager(cfg, "run", rank=0, world_size=1, local_rank=0, link=AgentLink(None, 2))
+    restored = m.restore()
+    storage = open_storage(cfg.url)
+    assert restored is not None and restored.step == 3 and m.stamp == 2
+    assert durable.read_lineage(storage, storage.join(storage.root, "run")) == [(2, 3)]
+    m.close()
+
+    def failing(self, path, data):
+        if path.endswith(durable.LINEAGE):
+            raise StorageError(f"{path}: permission denied")
+        return real(self, path, data)
+
+    monkeypatch.setattr(LocalStorage, "write_small", failing)
+    m = CheckpointManager(cfg, "run", rank=0, world_size=1, local_rank=0, link=AgentLink(None, 5))
+    restored = m.restore()
+    assert restored is not None and restored.step == 3 and m.stamp == 5
+    assert durable.read_lineage(storage, storage.join(storage.root, "run")) == [(2, 3)]
+    m.close(release_memory=True)
