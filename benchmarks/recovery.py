@@ -20,6 +20,7 @@ memory is skipped with the reason.
 
     PYTHONPATH=. .venv/bin/python benchmarks/recovery.py --json recovery.json
     PYTHONPATH=. .venv/bin/python benchmarks/recovery.py --sizes 10 --quick
+    PYTHONPATH=. .venv/bin/python benchmarks/recovery.py --sizes 1000 --paths hot --keep-logs /tmp/rec-logs
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import socket
 import statistics
 import subprocess
@@ -198,6 +200,11 @@ def run_size(mb: float, args: argparse.Namespace, work: Path, path: str) -> dict
     if not summary_path.exists():
         tail = (proc.stdout + proc.stderr).strip().splitlines()[-3:]
         return {"state_mb": mb, "path": path, "error": f"exit {proc.returncode}: {' | '.join(tail)[:300]}"}
+    if args.keep_logs:  # the job's logs, events and summary (not its checkpoints, snapshots or etcd data)
+        shutil.copytree(
+            workdir, Path(args.keep_logs) / workdir.name, ignore=shutil.ignore_patterns("ckpt", "etcd"),
+            dirs_exist_ok=True,
+        )  # fmt: skip
     summary = json.loads(summary_path.read_text())
     from elastic_train.train.events import read_events
 
@@ -288,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="10 MB only")
     p.add_argument("--paths", default="hot,restart", help="recovery paths, comma-separated: hot, restart")
     p.add_argument("--json", metavar="FILE", help="write the results here")
+    p.add_argument("--keep-logs", metavar="DIR", help="copy each job's logs, events and summary here")
     args = p.parse_args(argv)
     sizes = [10.0] if args.quick else [float(s) for s in args.sizes.split(",")]
     paths = [x.strip() for x in args.paths.split(",") if x.strip()]
