@@ -338,10 +338,8 @@ class MemorySnapshot:
         self._worker_pid = 0
         self._stream: Any = None
         self._pinned_ptr: int | None = None
-        self._specs_json: tuple[str, bytes] = ("", b"")
-        #: The start of the last metadata encoded or parsed here (its specs' JSON) and those specs: a lookup
-        #: parses only the skeleton of a slot whose metadata starts with these bytes.
-        self._known_meta: tuple[bytes, tuple[TensorSpec, ...]] | None = None
+        #: The layout key, the start of the slots' metadata (the specs' JSON) and the specs it encodes.
+        self._specs_json: tuple[str, bytes, tuple[TensorSpec, ...]] = ("", b"", ())
         self._meta_need = 0
         self._specs: tuple[TensorSpec, ...] | None = None
         self._pinned: set[int] = set()
@@ -490,8 +488,7 @@ class MemorySnapshot:
                 self._slot_seq[slot] = 0  # rewritten first
                 continue
             try:  # checksums catch torn writes, not a bad writer: validate before anything is used
-                raw = bytes(meta)
-                skeleton, specs = schema.snapshot_meta(raw, data_len, self._known_meta)
+                skeleton, specs = schema.snapshot_meta(bytes(meta), data_len, self._known_meta)
             except ValueError as exc:
                 log.warning("memory_snapshot_invalid", path=self.path, slot=slot, step=step, reason=str(exc))
                 continue
@@ -699,9 +696,15 @@ class MemorySnapshot:
         """
         if self._specs_json[0] != key:
             specs = json.dumps([s.to_json() for s in flat.specs], separators=(",", ":"))
-            self._specs_json = (key, b'{"specs":' + specs.encode() + b',"skeleton":')
-            self._known_meta = (self._specs_json[1], tuple(flat.specs))
+            self._specs_json = (key, b'{"specs":' + specs.encode() + b',"skeleton":', tuple(flat.specs))
         return self._specs_json[1], self._skeleton_json.dumps(flat.skeleton) + b"}"
+
+    @property
+    def _known_meta(self) -> tuple[bytes, tuple[TensorSpec, ...]] | None:
+        """The start of the last metadata encoded here (the specs' JSON) and those specs, or None: a lookup
+        parses only the skeleton of a slot whose metadata starts with these bytes."""
+        _, prefix, specs = self._specs_json
+        return (prefix, specs) if prefix else None
 
     def _meta(self, flat: Flat, key: str) -> bytes:
         prefix, rest = self._meta_parts(flat, key)

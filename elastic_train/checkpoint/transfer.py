@@ -192,29 +192,28 @@ def broadcast_small(obj: Any, *, src: int, group: Any) -> Any:
     first) where it fits, a second one with the rest where it does not: an object broadcast takes a size
     broadcast and a payload broadcast, each a round of messages on a busy machine.
     """
+    room = SMALL - 8  # after the length
+    mine = dist.get_rank() == src
+    payload = pickle.dumps(obj) if mine else b""
     head = torch.zeros(SMALL, dtype=torch.uint8)
-    payload = b""
-    if dist.get_rank() == src:
-        payload = pickle.dumps(obj)
+    if mine:
         head[:8] = torch.tensor([len(payload)], dtype=torch.int64).view(torch.uint8)
-        first = min(len(payload), SMALL - 8)
-        head[8 : 8 + first] = torch.frombuffer(bytearray(payload[:first]), dtype=torch.uint8)
+        first = payload[:room]
+        head[8 : 8 + len(first)] = torch.frombuffer(bytearray(first), dtype=torch.uint8)
     dist.broadcast(head, src=src, group=group)
     size = int(head[:8].view(torch.int64).item())
-    if dist.get_rank() == src:
-        rest = (
-            torch.frombuffer(bytearray(payload[SMALL - 8 :]), dtype=torch.uint8) if size > SMALL - 8 else None
+    tail = None
+    if size > room:
+        tail = (
+            torch.frombuffer(bytearray(payload[room:]), dtype=torch.uint8)
+            if mine
+            else torch.empty(size - room, dtype=torch.uint8)
         )
-    else:
-        rest = torch.empty(size - (SMALL - 8), dtype=torch.uint8) if size > SMALL - 8 else None
-    if rest is not None:
-        dist.broadcast(rest, src=src, group=group)
-    if dist.get_rank() == src:
+        dist.broadcast(tail, src=src, group=group)
+    if mine:
         return obj
-    data = head[8 : 8 + min(size, SMALL - 8)].numpy().tobytes()
-    if rest is not None:
-        data += rest.numpy().tobytes()
-    return pickle.loads(data)
+    rest = tail.numpy().tobytes() if tail is not None else b""
+    return pickle.loads(head[8 : 8 + min(size, room)].numpy().tobytes() + rest)
 
 
 def send_meta(meta: Any, *, dsts: Sequence[int], group: Any) -> None:

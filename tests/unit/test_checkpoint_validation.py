@@ -219,7 +219,7 @@ def test_a_lookup_of_a_slot_this_process_wrote_parses_only_its_skeleton(memdir, 
     "skeleton",
     [
         '{"model":{"w":{"__tensor__":42}}}',  # a tensor index beyond the specs
-        '1},"specs":[]',  # a second "specs" key after the known ones
+        '1},"specs":[]',  # the metadata's object closes early: text follows it
         "[",
     ],
 )
