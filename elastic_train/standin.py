@@ -16,7 +16,9 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 
+from elastic_train.rendezvous.outcome import mark_script, record_outcome
 from elastic_train.worker.forkserver import ENV_SOCKET, exit_like, run_entry, run_standin
 
 #: Bytes of the script's stderr kept to find its last line.
@@ -83,16 +85,27 @@ def split_entry(args: list[str]) -> tuple[list[str], list[str]]:
 def main() -> None:
     entry, argv = split_entry(sys.argv[1:])
     socket_path = os.environ.get(ENV_SOCKET)
+    rank_text = os.environ.get("RANK", "0")
+    rank = int(rank_text) if rank_text.isdigit() else 0
+    mark_script(os.environ, rank, started=False)
+    started = [time.monotonic()]
+
+    def on_start() -> None:
+        started[0] = time.monotonic()
+        mark_script(os.environ, rank, started=True)
+
     tail = StderrTail()
     try:
-        code = run_standin(socket_path, argv, entry) if socket_path else run_entry(entry, argv)
+        if socket_path:
+            code = run_standin(socket_path, argv, entry, on_start)
+        else:
+            on_start()
+            code = run_entry(entry, argv)
     finally:
         last = tail.close()
     if code > 0:
-        from elastic_train.rendezvous.outcome import record_outcome
-
-        rank = os.environ.get("RANK", "0")
-        record_outcome(os.environ, int(rank) if rank.isdigit() else 0, "exited", code=code, message=last)
+        ran = time.monotonic() - started[0]
+        record_outcome(os.environ, rank, "exited", code=code, message=last, ran_s=round(ran, 3))
     exit_like(code)
 
 

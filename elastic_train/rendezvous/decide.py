@@ -36,6 +36,8 @@ class Joiner:
     """With :attr:`exit_code`: the last line those workers wrote to stderr."""
     trained: bool = False
     """The node's workers have committed a step in this run (or resumed past one)."""
+    ran_s: float = 0.0
+    """With :attr:`exit_code`: the longest those workers' script ran before it exited."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,6 +163,44 @@ def identical_startup_failure(previous: list[str], joiners: Iterable[Joiner]) ->
     code, line = reports.pop()
     nodes = "the node" if len(previous) == 1 else f"all {len(previous)} nodes"
     return f"{line} (exit code {code} on {nodes} before the first step; not retried)"
+
+
+def hold_for_startup_reports(
+    *,
+    seen_for: float,
+    peer_ran_s: float,
+    own: tuple[bool, float | None] | None,
+    now: float,
+    grace: float,
+    most: float,
+) -> bool:
+    """Whether a node leaves its workers running although members re-joined with start-up failure reports.
+
+    Its own script, started with theirs, is likely about to fail the same way; stopping it first would hide
+    that, and the run would spend its failure budget on restarts that cannot help. The node holds for
+    ``grace`` seconds after it first saw the reports, then for as long as its own script waits to start
+    (its fork server was slower), and then until the script has run as long as the reporters' took to fail,
+    plus ``grace``. Never longer than ``most`` seconds: a node whose script never starts is restarted.
+
+    Args:
+        seen_for: seconds since this node first saw the reports.
+        peer_ran_s: the longest any reporter's script ran before it failed.
+        own: this node's scripts (``outcome.script_clock``): ``None`` when unknown, else (some still wait to
+            start, when the last of the others started).
+        now: the time on the clock of ``own``.
+        grace: the least hold, and the margin on the reporters' time.
+        most: the longest hold.
+    """
+    if seen_for >= most:
+        return False
+    if seen_for < grace:
+        return True
+    if own is None:
+        return False
+    pending, started = own
+    if pending:
+        return True
+    return started is not None and now - started < peer_ran_s + grace
 
 
 def budget_left(failures_used: int, budget: int) -> int:

@@ -54,7 +54,14 @@ from elastic_train.rendezvous.errors import JobFailed, RendezvousClosed, RunFini
 from elastic_train.rendezvous.fence import Fence
 from elastic_train.rendezvous.hot import HotPath
 from elastic_train.rendezvous.identity import JobIdentity, identity_from_environ, torchrun_settings
-from elastic_train.rendezvous.outcome import clear_outcomes, exit_report, read_outcomes, trained
+from elastic_train.rendezvous.outcome import (
+    clear_outcomes,
+    exit_ran_s,
+    exit_report,
+    read_outcomes,
+    script_clock,
+    trained,
+)
 from elastic_train.rendezvous.protocol import Participant, ProtocolSettings, RoundResult
 from elastic_train.rendezvous.standby import Standby
 
@@ -135,6 +142,7 @@ class Etcd3RendezvousHandler(RendezvousHandler):
             self._participant = Participant(
                 self._etcd, self._settings, addr=self._addr, store_port=self._server.port
             )
+            self._participant.script_clock = lambda: script_clock(self._outcomes)
             self._fence = Fence(self._participant, self._outcomes)
             self._fence.start_gate()
             if self._hot is not None:
@@ -172,7 +180,12 @@ class Etcd3RendezvousHandler(RendezvousHandler):
         if self._participant is None:
             return
         self._participant.failure_report = (
-            {"exit_code": report[0], "error": report[1], "trained": trained(self._outcomes)}
+            {
+                "exit_code": report[0],
+                "error": report[1],
+                "trained": trained(self._outcomes),
+                "ran_s": exit_ran_s(outcomes),
+            }
             if report
             else None
         )

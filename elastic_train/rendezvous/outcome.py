@@ -10,13 +10,21 @@ run's ``closed`` mark, an exit is this node's report for the start-up failure ru
 (:func:`elastic_train.rendezvous.decide.identical_startup_failure`). A worker that committed a step creates
 :data:`OUTCOME_TRAINED` there (:func:`elastic_train.train.env.mark_trained`). Workers not started by this
 handler (no variable) write nothing.
+
+The stand-in also marks when its script starts (``rank-<r>.start``, :func:`mark_script`): ``pending`` while it
+waits for the fork server, then the start time. While peers report a start-up failure, the agent leaves its
+own workers running until its script has had as long as theirs took to fail (:func:`script_clock`,
+:func:`elastic_train.rendezvous.decide.hold_for_startup_reports`), so a node whose fork server was slower
+still reports its own, identical failure instead of being restarted over it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -34,6 +42,7 @@ def record_outcome(
     step: int | None = None,
     message: str = "",
     code: int | None = None,
+    ran_s: float | None = None,
 ) -> None:
     """Leave this rank's outcome for the agent (atomically; a no-op outside an ``etcd3`` agent).
 
@@ -44,18 +53,61 @@ def record_outcome(
         step: the last step trained (finished).
         message: one line saying why (failed), or the last line written to stderr (exited).
         code: the exit code (exited).
+        ran_s: seconds the script ran before it exited (exited).
     """
     directory = environ.get(ENV_OUTCOME_DIR)
     if not directory or not os.path.isdir(directory):
         return
-    path = os.path.join(directory, f"rank-{int(rank)}.json")
+    doc = {
+        "state": state,
+        "step": step,
+        "message": message[:2000],
+        "rank": rank,
+        "code": code,
+        "ran_s": ran_s,
+    }
+    _write(os.path.join(directory, f"rank-{int(rank)}.json"), doc)
+
+
+def _write(path: str, doc: dict[str, Any]) -> None:
     tmp = f"{path}.{os.getpid()}.tmp"
     with contextlib.suppress(OSError):
         with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(
-                {"state": state, "step": step, "message": message[:2000], "rank": rank, "code": code}, f
-            )
+            json.dump(doc, f)
         os.replace(tmp, path)
+
+
+def mark_script(environ: Mapping[str, str], rank: int, *, started: bool) -> None:
+    """Mark this rank's script as waiting to start (``started=False``) or started now (a no-op outside an
+    ``etcd3`` agent). The time is ``time.monotonic()``, one clock for every process on the machine."""
+    directory = environ.get(ENV_OUTCOME_DIR)
+    if directory and os.path.isdir(directory):
+        _write(
+            os.path.join(directory, f"rank-{int(rank)}.start"), {"at": time.monotonic() if started else None}
+        )
+
+
+def script_clock(directory: str) -> tuple[bool, float | None] | None:
+    """How far this agent's scripts got: ``None`` when none marked a start (not run by the stand-in);
+    else (some still wait to start, when the last of the started ones started, on ``time.monotonic()``)."""
+    try:
+        names = [n for n in os.listdir(directory) if n.startswith("rank-") and n.endswith(".start")]
+    except OSError:
+        return None
+    pending, latest = False, None
+    for name in names:
+        try:
+            with open(os.path.join(directory, name), encoding="utf-8") as f:
+                at = json.load(f).get("at")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(at, float) and math.isfinite(at):
+            latest = at if latest is None else max(latest, at)
+        else:
+            pending = True
+    if not pending and latest is None:
+        return None
+    return pending, latest
 
 
 def read_outcomes(directory: str) -> list[dict[str, Any]]:
@@ -92,6 +144,14 @@ def exit_report(outcomes: list[dict[str, Any]]) -> tuple[int, str] | None:
     if not isinstance(code, int) or isinstance(code, bool) or code <= 0 or not line:
         return None
     return code, line
+
+
+def exit_ran_s(outcomes: list[dict[str, Any]]) -> float:
+    """The longest any exited worker's script ran before it exited (0 when none says)."""
+    ran = [o.get("ran_s") for o in outcomes if o["state"] == "exited"]
+    return max(
+        (float(r) for r in ran if isinstance(r, (int, float)) and math.isfinite(r) and r >= 0), default=0.0
+    )
 
 
 def clear_outcomes(directory: str) -> None:

@@ -45,6 +45,7 @@ from elastic_train.rendezvous.decide import (
     assign_ranks,
     count_waiting,
     decide_close,
+    hold_for_startup_reports,
     identical_startup_failure,
     is_failure_transition,
     is_startup_report,
@@ -72,6 +73,8 @@ OWN_JOIN_WAIT = 0.05
 #: Seconds a node leaves its workers running after members re-joined because theirs failed before any step
 #: (their own failure, if it is the same, then reaches the round first; see ``_hold_for_startup_failures``).
 STARTUP_REPORT_GRACE = 3.0
+#: Longest such a hold lasts (``decide.hold_for_startup_reports``).
+STARTUP_REPORT_HOLD_MAX = 30.0
 #: Seconds a probe of a silent member's store port waits for the connection (refused: the agent is gone).
 PROBE_TIMEOUT = 0.05
 #: Seconds before a member whose store port accepted a probe is probed again in the same round: a killed
@@ -273,6 +276,8 @@ class Participant:
         #: How this node's workers failed, sent with its next join (``decide.identical_startup_failure``):
         #: ``{"exit_code", "error", "trained"}``, or ``None``.
         self.failure_report: dict[str, Any] | None = None
+        #: How far this node's workers' scripts got (``outcome.script_clock``), set by the handler.
+        self.script_clock: Callable[[], tuple[bool, float | None] | None] | None = None
         #: Whether ``inproc/<node>`` says this node's workers re-form in-process (:meth:`advertise_inproc`).
         self.inproc = False
         self._inproc_lock = threading.Lock()
@@ -502,6 +507,7 @@ class Participant:
                 try:
                     d = json.loads(kv.value)
                     code = d.get("exit_code")
+                    ran = d.get("ran_s")
                     joiner = Joiner(
                         node,
                         int(d["target"]),
@@ -510,6 +516,7 @@ class Participant:
                         exit_code=code if isinstance(code, int) and not isinstance(code, bool) else None,
                         error=str(d.get("error") or "")[:2000],
                         trained=d.get("trained") is True,
+                        ran_s=_seconds(ran),
                     )
                 except (ValueError, KeyError, TypeError):
                     joiner = None
@@ -560,9 +567,9 @@ class Participant:
 
         When every member that re-joined did so because its workers failed before any step (a report for
         ``decide.identical_startup_failure``), this node's workers, started at the same time, are likely
-        about to fail the same way: stopping them first would hide that, and the run would spend its
-        failure budget on restarts that cannot help. So for :data:`STARTUP_REPORT_GRACE` seconds after the
-        first such join is seen, it is not acted on; a lost member or any other joiner is acted on at once.
+        about to fail the same way: the join is not acted on while ``decide.hold_for_startup_reports`` says
+        so (at least :data:`STARTUP_REPORT_GRACE` s, at most :data:`STARTUP_REPORT_HOLD_MAX` s). A lost
+        member or any other joiner is acted on at once.
         """
         if self.round is None or any(m not in live for m in self.members):
             return False
@@ -571,7 +578,14 @@ class Participant:
             return False
         now = time.monotonic()
         first = min(self._report_seen.setdefault((j.node_id, j.target), now) for j in waiting)
-        return now - first < STARTUP_REPORT_GRACE
+        return hold_for_startup_reports(
+            seen_for=now - first,
+            peer_ran_s=max(j.ran_s for j in waiting),
+            own=self.script_clock() if self.script_clock is not None else None,
+            now=now,
+            grace=STARTUP_REPORT_GRACE,
+            most=STARTUP_REPORT_HOLD_MAX,
+        )
 
     def advertise_inproc(self, on: bool) -> None:
         """Say whether this node's workers re-form in-process (the leased key ``inproc/<node>``): a node
@@ -991,3 +1005,10 @@ def _when(t: Any) -> str:
         return time.strftime(" on %Y-%m-%d %H:%M UTC", time.gmtime(float(t)))
     except (TypeError, ValueError, OverflowError):
         return ""
+
+
+def _seconds(v: Any) -> float:
+    """A duration read from a join (untrusted): a finite number of seconds in [0, 1 day], else 0."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        return 0.0
+    return min(max(float(v), 0.0), 86400.0)

@@ -32,7 +32,7 @@ import signal
 import socket
 import struct
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from elastic_train.envvars import ENV_SHM_OWNER
@@ -93,13 +93,16 @@ def _recv(sock: socket.socket) -> dict[str, Any]:
 # -- stand-in (the process torchrun sees) ----------------------------------------------------------------
 
 
-def run_standin(path: str, argv: Sequence[str], entry: Sequence[str] = ()) -> int:
+def run_standin(
+    path: str, argv: Sequence[str], entry: Sequence[str] = (), on_start: Callable[[], None] | None = None
+) -> int:
     """Have the fork server start the worker, mirror its life, return its exit code.
 
     Args:
         path: the server's socket.
         argv: the worker's arguments.
         entry: what the worker runs: empty for ``elastic_train.worker``, ``["-m", MODULE]`` or ``[SCRIPT]``.
+        on_start: called once the worker runs (forked, or about to run here).
 
     Falls back to running the worker in this process when the server cannot be reached.
     """
@@ -116,7 +119,11 @@ def run_standin(path: str, argv: Sequence[str], entry: Sequence[str] = ()) -> in
     except (OSError, EOFError, ValueError, KeyError) as exc:
         sock.close()
         sys.stderr.write(f"elastic_train: fork server unavailable ({exc}); starting the worker directly\n")
+        if on_start is not None:
+            on_start()
         return run_entry(list(entry), list(argv))
+    if on_start is not None:
+        on_start()
 
     def forward(signum: int, _frame: object) -> None:
         with contextlib.suppress(ProcessLookupError):

@@ -168,3 +168,45 @@ def test_standin_runs_any_script(forkserver: dict[str, str], tmp_path: Path, wit
     assert proc.returncode == 3, proc.stderr
     assert "argv ['--lr', '0.1'] __main__" in proc.stdout
     assert "fork server unavailable" not in proc.stderr
+
+
+def test_standin_marks_its_script_pending_then_started_and_reports_how_long_it_ran(
+    forkserver: dict[str, str], tmp_path: Path
+) -> None:
+    """The agent's start-up failure hold reads these: a script waiting for a slow fork server is pending."""
+    from elastic_train.envvars import ENV_OUTCOME_DIR
+    from elastic_train.rendezvous.outcome import exit_ran_s, read_outcomes, script_clock
+
+    script = tmp_path / "train.py"
+    script.write_text("import sys, time\ntime.sleep(0.3)\nsys.exit('train.py: error: no data')\n")
+    outcomes = tmp_path / "outcome"
+    outcomes.mkdir()
+    env = dict(forkserver, **{ENV_OUTCOME_DIR: str(outcomes)}, RANK="0")
+    server = int(forkserver[ENV_PID])
+    os.kill(server, signal.SIGSTOP)  # a fork server still busy: the script cannot start
+    try:
+        standin = subprocess.Popen(
+            [sys.executable, "-m", "elastic_train.standin", str(script)], env=env, stderr=subprocess.PIPE
+        )
+        deadline = time.monotonic() + 60
+        while script_clock(str(outcomes)) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)
+        assert script_clock(str(outcomes)) == (True, None)
+        assert standin.poll() is None
+    finally:
+        resumed = time.monotonic()
+        os.kill(server, signal.SIGCONT)
+    _, err = standin.communicate(timeout=120)
+    since_resumed = time.monotonic() - resumed
+    assert standin.returncode == 1, err
+    pending, started = script_clock(str(outcomes))  # type: ignore[misc]
+    assert not pending and started is not None and started >= resumed
+    [outcome] = read_outcomes(str(outcomes))
+    assert (outcome["state"], outcome["code"], outcome["message"]) == (
+        "exited",
+        1,
+        "train.py: error: no data",
+    )
+    # timed from the fork, not from the stand-in's start (which was over 0.5 s before the server resumed)
+    assert 0.3 <= exit_ran_s([outcome]) <= since_resumed

@@ -6,11 +6,14 @@ Real etcd, two ``elastic-train run --entry`` nodes on loopback, real scripts usi
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from elastic_train.etcd.client import connect
@@ -46,10 +49,35 @@ def start_nodes(tmp: Path, endpoint: str, run_id: str, script: str, reaper: Any,
     ]
 
 
+def fork_server_of(node: subprocess.Popen, timeout: float = 60) -> psutil.Process:
+    """A node's worker fork server: a fork of the node's process, or a fresh ``...worker.forkserver``."""
+    me = psutil.Process(node.pid)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for child in me.children():
+            with contextlib.suppress(psutil.Error):
+                cmd = child.cmdline()
+                if cmd == me.cmdline() or "elastic_train.worker.forkserver" in cmd:
+                    return child
+        time.sleep(0.01)
+    raise AssertionError(f"no fork server under node {node.pid}")
+
+
+@pytest.mark.parametrize("slow_server", [False, True], ids=["alike", "one-fork-server-stalls"])
 def test_a_usage_error_on_every_node_fails_the_run_at_once(
-    etcd_server: Any, reaper: Any, tmp_path: Path
+    etcd_server: Any, reaper: Any, tmp_path: Path, slow_server: bool
 ) -> None:
-    nodes = start_nodes(tmp_path, etcd_server.endpoint, "usage-err", USAGE, reaper)
+    """With ``one-fork-server-stalls``, one node's script starts 6 s after the other's failed (its fork server
+    stopped, as on a loaded machine): it still gets to fail on its own before its node re-joins."""
+    run_id = f"usage-err-{slow_server}"
+    nodes = start_nodes(tmp_path, etcd_server.endpoint, run_id, USAGE, reaper)
+    if slow_server:
+        server = fork_server_of(nodes[1])
+        server.suspend()
+        try:
+            time.sleep(6)
+        finally:
+            server.resume()
     line = "train.py: error: the following arguments are required: --lr"
     for node in nodes:
         _, err = node.communicate(timeout=240)
@@ -58,11 +86,11 @@ def test_a_usage_error_on_every_node_fails_the_run_at_once(
         assert "usage: train.py [-h] --lr LR" in err  # the script's own output passes through unchanged
         ours = [ln for ln in error_lines(err) if ln.startswith("elastic-train")]
         assert ours == [
-            f"elastic-train: error: run usage-err failed: {line} (exit code 2 on all 2 nodes before the "
+            f"elastic-train: error: run {run_id} failed: {line} (exit code 2 on all 2 nodes before the "
             "first step; not retried)"
         ], err
     with connect(etcd_server.endpoint) as etcd:
-        st = read_status(etcd, "usage-err")
+        st = read_status(etcd, run_id)
     assert (st.state, st.failures_used, st.round) == ("failed", 0, 1), st
     assert st.message.startswith(line)
 

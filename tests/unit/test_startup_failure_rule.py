@@ -2,8 +2,28 @@
 
 from __future__ import annotations
 
-from elastic_train.rendezvous.decide import Joiner, identical_startup_failure, is_startup_report
-from elastic_train.rendezvous.outcome import exit_report
+import time
+from pathlib import Path
+
+import pytest
+
+from elastic_train.envvars import ENV_OUTCOME_DIR
+from elastic_train.rendezvous.decide import (
+    Joiner,
+    hold_for_startup_reports,
+    identical_startup_failure,
+    is_startup_report,
+)
+from elastic_train.rendezvous.outcome import (
+    clear_outcomes,
+    exit_ran_s,
+    exit_report,
+    mark_script,
+    read_outcomes,
+    record_outcome,
+    script_clock,
+)
+from elastic_train.rendezvous.protocol import _seconds
 
 LINE = "train.py: error: the following arguments are required: --lr"
 
@@ -47,3 +67,52 @@ def test_a_nodes_report_needs_its_exited_workers_to_agree() -> None:
     assert exit_report([exited(0, line="")]) is None
     assert exit_report([{"state": "finished", "rank": 0, "step": 3}]) is None
     assert exit_report([exited(0, code=True)]) is None  # type: ignore[arg-type]
+
+
+def hold(seen_for: float, own, *, now: float = 100.0, peer_ran_s: float = 0.5) -> bool:
+    return hold_for_startup_reports(
+        seen_for=seen_for, peer_ran_s=peer_ran_s, own=own, now=now, grace=3.0, most=30.0
+    )
+
+
+def test_a_node_holds_its_workers_until_its_own_script_had_the_reporters_time() -> None:
+    assert hold(1.0, None)  # within the grace, whatever is known
+    assert not hold(3.5, None)  # not run by the stand-in: the grace alone
+    assert hold(3.5, (True, None))  # its script still waits for the fork server
+    assert hold(10.0, (True, 99.0))  # one rank started, another still waits
+    # its script started 2 s ago; the reporters' failed after 0.5 s: 1.5 s more
+    assert hold(3.5, (False, 98.0))
+    assert not hold(3.5, (False, 96.0))
+    assert hold(3.5, (False, 90.0), peer_ran_s=12.0)  # a slow failure gives a slow script as long
+    assert not hold(30.0, (True, None))  # never longer than the most
+
+
+def test_a_script_marks_its_start_for_the_agent(tmp_path: Path) -> None:
+    env = {ENV_OUTCOME_DIR: str(tmp_path)}
+    assert script_clock(str(tmp_path)) is None
+    mark_script(env, 0, started=False)
+    mark_script(env, 1, started=False)
+    assert script_clock(str(tmp_path)) == (True, None)
+    before = time.monotonic()
+    mark_script(env, 0, started=True)
+    pending, at = script_clock(str(tmp_path))  # type: ignore[misc]
+    assert pending and at is not None and at >= before
+    mark_script(env, 1, started=True)
+    assert script_clock(str(tmp_path)) == (False, pytest.approx(time.monotonic(), abs=5))
+    (tmp_path / "rank-2.start").write_text("[1, 2")  # torn or foreign: ignored
+    assert script_clock(str(tmp_path))[0] is False  # type: ignore[index]
+    clear_outcomes(str(tmp_path))
+    assert script_clock(str(tmp_path)) is None
+    mark_script({}, 0, started=True)  # outside an agent: nothing
+
+
+def test_the_report_carries_how_long_the_script_ran(tmp_path: Path) -> None:
+    env = {ENV_OUTCOME_DIR: str(tmp_path)}
+    record_outcome(env, 0, "exited", code=2, message=LINE, ran_s=0.25)
+    record_outcome(env, 1, "exited", code=2, message=LINE, ran_s=1.5)
+    outcomes = read_outcomes(str(tmp_path))
+    assert exit_report(outcomes) == (2, LINE)
+    assert exit_ran_s(outcomes) == 1.5
+    assert exit_ran_s([{"state": "exited", "ran_s": "x"}, {"state": "exited", "ran_s": float("nan")}]) == 0.0
+    assert _seconds(float("inf")) == 0.0 and _seconds(True) == 0.0 and _seconds(-3) == 0.0
+    assert _seconds(1e12) == 86400.0 and _seconds(2) == 2.0
