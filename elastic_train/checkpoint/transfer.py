@@ -195,13 +195,16 @@ def broadcast_small(obj: Any, *, src: int, group: Any) -> Any:
     room = SMALL - 8  # after the length
     mine = dist.get_rank() == src
     payload = pickle.dumps(obj) if mine else b""
-    head = torch.zeros(SMALL, dtype=torch.uint8)
+    # Built as bytes, not with tensor ops: a fill of SMALL elements is over torch's parallel grain, and
+    # waking the intra-op threads (one per core, on cores the other ranks keep busy) cost 5-10 ms here.
+    raw = bytearray(SMALL)
     if mine:
-        head[:8] = torch.tensor([len(payload)], dtype=torch.int64).view(torch.uint8)
+        raw[:8] = len(payload).to_bytes(8, "little")
         first = payload[:room]
-        head[8 : 8 + len(first)] = torch.frombuffer(bytearray(first), dtype=torch.uint8)
+        raw[8 : 8 + len(first)] = first
+    head = torch.frombuffer(raw, dtype=torch.uint8)
     dist.broadcast(head, src=src, group=group)
-    size = int(head[:8].view(torch.int64).item())
+    size = int.from_bytes(raw[:8], "little")
     tail = None
     if size > room:
         tail = (
@@ -213,7 +216,7 @@ def broadcast_small(obj: Any, *, src: int, group: Any) -> Any:
     if mine:
         return obj
     rest = tail.numpy().tobytes() if tail is not None else b""
-    return pickle.loads(head[8 : 8 + min(size, room)].numpy().tobytes() + rest)
+    return pickle.loads(bytes(raw[8 : 8 + min(size, room)]) + rest)
 
 
 def send_meta(meta: Any, *, dsts: Sequence[int], group: Any) -> None:
