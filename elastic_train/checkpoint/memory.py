@@ -9,8 +9,9 @@ A save invalidates the header of the oldest slot that is neither the newest nor 
 reading it) and copies the tensors into it; a persistent background copier finishes the copies the caller
 deferred (parameters and optimizer state, which nothing changes before the next optimizer step — see
 :meth:`MemorySnapshot.fence`), writes the skeleton, computes xxh3-64 over data and skeleton and only then
-publishes step + checksums in the slot header. A crash at any point leaves the previous snapshot intact,
-and a torn slot fails its header or checksum. On a GPU the slot is page-locked and the device-to-host
+publishes step + checksums in the slot header (a CPU state under :data:`SEAL_INLINE_BYTES` is copied and
+sealed by the caller: handing it over costs more). A crash at any point leaves the previous snapshot
+intact, and a torn slot fails its header or checksum. On a GPU the slot is page-locked and the device-to-host
 copies run on a side stream.
 
 The *owner* is the process whose lifetime scopes the snapshot: the torchrun agent (the worker's parent),
@@ -62,8 +63,11 @@ _INVALID = bytes(_INVALID_LEN)
 #: the state, so the memory used is the same as two slots plus a staging buffer.
 SLOTS = 3
 VALID = 0x5A5A5A5A
-#: CPU states up to this size are copied and sealed in ``save`` itself (about 0.5 ms at memory bandwidth).
+#: CPU states up to this size are copied in ``save`` itself (about 0.5 ms at memory bandwidth).
 INLINE_BYTES = 4 << 20
+#: CPU states up to this size are also sealed in ``save`` (about 0.1 ms of checksum per MiB): handing the seal
+#: to the copier thread costs the training thread more than that (docs/training.md, measured at 1.3 MB).
+SEAL_INLINE_BYTES = 2 << 20
 _NAME_RE = re.compile(r"^elastic_train\.(?P<run>[^/]+)\.(?P<pid>\d+)-(?P<ctime>\d+)\.(?P<lr>\d+)$")
 
 
@@ -582,9 +586,8 @@ class MemorySnapshot:
         else:
             # A small state is copied here whole: waking the copier thread for its copies (and, on a
             # machine whose cores all train, waiting for it to be scheduled) costs more than the copies.
-            # Its seal still runs on the copier thread: in a data-parallel step each rank waits for the
-            # others at every all-reduce, and the seal (JSON, checksums) fills such a wait instead of
-            # lengthening the step (measured: sealing inside save cost the 17 ms step ~+5%).
+            # Up to SEAL_INLINE_BYTES it is sealed here too (below); above, the seal (JSON, checksums)
+            # runs on the copier thread.
             small = flat.nbytes <= INLINE_BYTES  # (no CUDA tensor here)
             deferred = defer if background and not small else ()
             route = self._routes.get(slot)
@@ -615,7 +618,7 @@ class MemorySnapshot:
         verify = flat.verify if isinstance(flat, Planned) else None
         job = _CopyJob(slot, step, self._seq, flat, dests, later, event, device, verify, self._newest)
         self._newest = slot
-        if not background:
+        if not background or (not on_gpu and flat.nbytes <= SEAL_INLINE_BYTES):
             if verify is not None and not verify():
                 self._reject(job)
                 return slot
@@ -623,8 +626,8 @@ class MemorySnapshot:
             self._seal(job, timed=self.stats.record)
             self.raise_error()
             return slot
-        # The seal (metadata, checksums, header) always runs on the copier thread: it costs the training
-        # thread nothing, and the slot is not valid before it is done.
+        # A larger state's seal (metadata, checksums, header) runs on the copier thread, and the slot is not
+        # valid before it is done.
         if self.stats.record:
             t0, c0 = time.perf_counter(), time.thread_time()
             self._hand_over(job, later, verify, slot)
@@ -683,8 +686,8 @@ class MemorySnapshot:
         """Whether :meth:`save` copies all of ``flat`` itself (a small state, with no CUDA tensor).
 
         Waking the copier thread for the copies (and, on a machine whose cores are all busy training,
-        waiting for it to be scheduled) costs more than copying a few MiB. The seal runs on the copier
-        thread either way.
+        waiting for it to be scheduled) costs more than copying a few MiB. Up to :data:`SEAL_INLINE_BYTES`
+        :meth:`save` also seals the slot itself; above, the copier thread does.
         """
         return flat.nbytes <= INLINE_BYTES and not any(t.is_cuda for t in flat.tensors)
 

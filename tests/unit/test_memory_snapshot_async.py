@@ -81,6 +81,7 @@ def same(a: object, b: object) -> bool:
 def _always_background(monkeypatch):
     """These states are small: without this they would be copied and sealed inline (see INLINE_BYTES)."""
     monkeypatch.setattr(memory_mod, "INLINE_BYTES", 0)
+    monkeypatch.setattr(memory_mod, "SEAL_INLINE_BYTES", 0)
 
 
 @pytest.fixture
@@ -331,9 +332,10 @@ def test_trainer_attaches_its_optimizer_and_resumes_from_the_async_snapshot(memd
 
 
 def test_small_cpu_states_are_copied_inside_save_and_sealed_by_the_copier(memdir, tmp_path, monkeypatch):
-    """Below INLINE_BYTES save copies every tensor itself; the checksums are computed on the copier thread,
-    and the slot is not valid before they are."""
+    """Below INLINE_BYTES (and above SEAL_INLINE_BYTES) save copies every tensor itself; the checksums are
+    computed on the copier thread, and the slot is not valid before they are."""
     monkeypatch.setattr(memory_mod, "INLINE_BYTES", 4 << 20)
+    monkeypatch.setattr(memory_mod, "SEAL_INLINE_BYTES", 0)
     release, entered = threading.Event(), threading.Event()
     original = MemorySnapshot._seal
 
@@ -364,6 +366,43 @@ def test_small_cpu_states_are_copied_inside_save_and_sealed_by_the_copier(memdir
     )
 
 
+def test_the_smallest_cpu_states_are_sealed_inside_save(memdir, tmp_path, monkeypatch):
+    """Below SEAL_INLINE_BYTES save copies and seals the slot itself: valid when save returns, on the
+    training thread, with no copier thread; a torn slot still fails its checksum."""
+    monkeypatch.setattr(memory_mod, "INLINE_BYTES", 4 << 20)
+    monkeypatch.setattr(memory_mod, "SEAL_INLINE_BYTES", 2 << 20)
+    threads = []
+    original = MemorySnapshot._seal
+
+    def seal(self, job, **kw):
+        threads.append(threading.current_thread())
+        original(self, job, **kw)
+
+    monkeypatch.setattr(MemorySnapshot, "_seal", seal)
+    model, opt = trained()
+    m = manager(memdir, tmp_path)
+    m.attach(opt)
+    for n in (1, 2):
+        expected = clone(state_of(model, opt, n))
+        m.save(n, lambda n=n: state_of(model, opt, n))
+        assert m.memory is not None and m.memory.sealed_step == n  # sealed before save returned
+        got_step, got = snapshot(memdir)
+        assert got_step == n and same(got["model"], expected["model"])
+        assert same(got["optimizer"], expected["optimizer"])
+        step(model, opt)
+    assert threads == [threading.main_thread()] * 2
+    assert m.memory._worker is None  # no copier was ever started
+    # Flip one data byte of the newest slot: it fails its checksum, the one before is restored.
+    reader = MemorySnapshot(memdir, "run", 0)
+    held = reader.newest_valid()
+    assert held is not None and held.step == 2
+    data = reader.data(held.slot, held.nbytes)
+    data[held.nbytes // 2] ^= 0xFF
+    again = MemorySnapshot(memdir, "run", 0).newest_valid()
+    assert again is not None and again.step == 1
+    m.close()
+
+
 _SEAL_CRASHER = textwrap.dedent(
     """
     import sys, time
@@ -374,12 +413,12 @@ _SEAL_CRASHER = textwrap.dedent(
     memdir, url = sys.argv[1], sys.argv[2]
     original = MemorySnapshot._seal
 
-    def stalled(self, job):  # every byte of step 2 is copied; the test kills us before its seal
+    def stalled(self, job, **kw):  # every byte of step 2 is copied; the test kills us before its seal
         if job.step == 2:
             assert not job.later
             print("copied", flush=True)
             time.sleep(60)
-        original(self, job)
+        original(self, job, **kw)
 
     MemorySnapshot._seal = stalled
     params = [torch.full((1000,), float(i)) for i in range(8)]
