@@ -259,10 +259,17 @@ def measure(args: argparse.Namespace, cfg: Config) -> dict[str, Any]:
     python_wall_s = statistics.median(s[1] for s in saves) if saves else None
     wake_s = statistics.median(s[2] for s in saves) if saves else None
     if python_s is not None and python_wall_s is not None:
+        from elastic_train.checkpoint.memory import SEAL_INLINE_BYTES
+
+        where = (
+            "sealed in save: the full structure check and the seal's Python count here"
+            if got["state_bytes"] <= SEAL_INLINE_BYTES
+            else "the full structure check and the seal run on the copier"
+        )
         print(
             f"  snapshot Python: {python_s * 1e3:9.3f} ms CPU per save on the training thread, no copies "
             f"({python_wall_s * 1e3:.3f} ms wall; median of {len(saves)} saves x ranks; "
-            f"target <= {PYTHON_TARGET_S * 1e3:.1f} ms; the full structure check runs on the copier)"
+            f"target <= {PYTHON_TARGET_S * 1e3:.1f} ms; {where})"
         )
         print(f"  copier wake    : {wake_s * 1e3:9.3f} ms CPU per save (the hand-over's system call, apart)")
     for name, label in (("loop", "loop alone"), ("allin", "all-in")):
@@ -366,22 +373,40 @@ def targets(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         )
     timed = [r for r in runs if r.get("snapshot_python_s") is not None]
     if timed:
+        from elastic_train.checkpoint.memory import SEAL_INLINE_BYTES
+
+        def sealed_in_save(r: dict[str, Any]) -> bool:
+            return r["state_mb"] * 1e6 <= SEAL_INLINE_BYTES
+
+        def python_fig(r: dict[str, Any]) -> str:
+            out = f"{r['config']}: {r['snapshot_python_s'] * 1e3:.3f} ms"
+            if sealed_in_save(r):
+                return out + " (sealed in save)"
+            if r.get("copier_wake_s") is not None:
+                out += f" (+ {r['copier_wake_s'] * 1e3:.3f} ms wake)"
+            return out
+
         worst_s = max(r["snapshot_python_s"] for r in timed)
+        over = [r for r in timed if r["snapshot_python_s"] > PYTHON_TARGET_S]
+        inline = [r["config"] for r in over if sealed_in_save(r)]
+        reasons = (
+            [
+                f"{', '.join(inline)}: a state under {SEAL_INLINE_BYTES >> 20} MiB is sealed in save "
+                "(structure check, metadata, header on the training thread), which costs the step less "
+                "than handing the seal to the copier (docs/checkpoints.md)"
+            ]
+            if inline
+            else []
+        )
+        if len(inline) < len(over):
+            reasons.append(noise)
         out.append(
             {
                 "name": "Python part of a snapshot on the training thread, per step (copier's wake apart)",
                 "threshold": "<= 0.2 ms",
-                "figure": ", ".join(
-                    f"{r['config']}: {r['snapshot_python_s'] * 1e3:.3f} ms"
-                    + (
-                        f" (+ {r['copier_wake_s'] * 1e3:.3f} ms wake)"
-                        if r.get("copier_wake_s") is not None
-                        else ""
-                    )
-                    for r in timed
-                ),
+                "figure": ", ".join(python_fig(r) for r in timed),
                 "status": "met" if worst_s <= PYTHON_TARGET_S else "missed",
-                "why": "" if worst_s <= PYTHON_TARGET_S else noise,
+                "why": "; ".join(reasons),
             }
         )
     if runs:

@@ -123,5 +123,13 @@ def test_overhead_targets_hold_long_steps_to_3_short_ones_to_5_percent_and_the_p
     runs[1]["snapshot_python_s"] = 0.21e-3
     big, small, python, _ = overhead.targets(runs)
     assert (big["status"], small["status"], python["status"]) == ("met", "missed", "missed")
+    assert "sealed in save" not in python["why"] and "loop-alone ratios" in python["why"]
     runs[0]["plain_step_s"] = 0.25  # a loaded machine stretches the short step: it stays a short one
     assert "17ms" in overhead.targets(runs)[1]["figure"]
+    # A state small enough to be sealed in save: its Python includes the seal's, and the row says so.
+    runs[1]["snapshot_python_s"] = 0.18e-3
+    runs[0].update(state_mb=1.3, snapshot_python_s=0.30e-3, copier_wake_s=0.0)
+    python = overhead.targets(runs)[2]
+    assert python["status"] == "missed" and "17ms: 0.300 ms (sealed in save)" in python["figure"]
+    assert python["why"].startswith("17ms: a state under 2 MiB is sealed in save")
+    assert "loop-alone" not in python["why"]
