@@ -86,7 +86,8 @@ CLOSE_PATIENCE = 30.0
 RUN_RECORD_TTL = 7 * 24 * 3600
 #: Keys of a run that are not on a node's lease (they outlive the nodes until the run is closed).
 RUN_RECORD_KEYS = ("closed", "identity", "round", "failures", "config")
-#: Seconds an identity written by a node binds the run even before that node's lease shows up.
+#: Seconds an identity written by a node binds the run even before that node's lease shows up (unless a round
+#: closed since: its nodes were past their start).
 IDENTITY_FRESH = 10.0
 
 
@@ -330,6 +331,7 @@ class Participant:
                 closed = self._closed()
                 kv = self.view.get("identity")
                 live = self._live()
+                rnd = self.view.get("round")
             if closed is not None:
                 self._refuse_closed(closed, kv.value if kv else None)
             if mine is None:
@@ -353,7 +355,11 @@ class Participant:
             if theirs.fingerprint == mine.fingerprint:
                 return
             line = theirs.refusal(self.s.run_id, mine)
-            if not live and time.time() - recorded_at > max(IDENTITY_FRESH, 3 * self.s.lease_ttl):
+            # A round closed since the identity was recorded: its nodes had leases after it, so with none
+            # live now they are gone (not still starting), however recently the identity was written.
+            formed_since = rnd is not None and rnd.mod_revision > kv.mod_revision
+            fresh = time.time() - recorded_at <= max(IDENTITY_FRESH, 3 * self.s.lease_ttl)
+            if not live and (formed_since or not fresh):
                 if self._take_over(kv.mod_revision, mine):
                     log.warning(
                         "run_taken_over",

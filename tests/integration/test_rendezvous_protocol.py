@@ -296,6 +296,30 @@ def test_identity_binds_live_runs_and_an_abandoned_run_is_taken_over(etcd_server
         b.leave()
 
 
+def test_a_run_whose_nodes_formed_a_round_and_are_gone_is_taken_over_at_once(etcd_server):
+    """An identity recorded moments ago binds the run while its writer may still be starting (no lease yet);
+    once a round closed after it, its nodes were past their start, and with none live the run is abandoned:
+    a node with other settings takes it over without waiting for the identity to age."""
+    from elastic_train.rendezvous import protocol
+
+    assert protocol.IDENTITY_FRESH >= 10.0  # the default: the take-over below is well inside it
+    a = make(etcd_server.endpoint, 1, min_nodes=1, identity=_ident(), identity_wait=1.0)[0]
+    try:
+        assert a.join().world_size == 1
+        a.lease.stop(revoke=True)  # every member gone seconds after the identity was written
+        c = make(etcd_server.endpoint, 1, min_nodes=1, identity=_ident(**{"rendezvous.max_nodes": 3}),
+                 identity_wait=1.0)[0]  # fmt: skip
+        try:
+            t = time.monotonic()
+            assert c.join().round == 2  # taken over, not refused after identity_wait
+            assert time.monotonic() - t < 5.0
+            assert read_status(c.etcd, "proto").identity["rendezvous.max_nodes"] == 3
+        finally:
+            c.leave()
+    finally:
+        a.leave()
+
+
 def test_a_closed_runs_record_expires_so_the_name_can_be_used_again(etcd_server, monkeypatch):
     from elastic_train.rendezvous import protocol
 
