@@ -88,10 +88,11 @@ def main() -> None:
     rank_text = os.environ.get("RANK", "0")
     rank = int(rank_text) if rank_text.isdigit() else 0
     mark_script(os.environ, rank, started=False)
-    started = [time.monotonic()]
+    started = time.monotonic()
 
     def on_start() -> None:
-        started[0] = time.monotonic()
+        nonlocal started
+        started = time.monotonic()
         mark_script(os.environ, rank, started=True)
 
     tail = StderrTail()
@@ -104,7 +105,7 @@ def main() -> None:
     finally:
         last = tail.close()
     if code > 0:
-        ran = time.monotonic() - started[0]
+        ran = time.monotonic() - started
         record_outcome(os.environ, rank, "exited", code=code, message=last, ran_s=round(ran, 3))
     exit_like(code)
 

@@ -55,8 +55,8 @@ def record_outcome(
         code: the exit code (exited).
         ran_s: seconds the script ran before it exited (exited).
     """
-    directory = environ.get(ENV_OUTCOME_DIR)
-    if not directory or not os.path.isdir(directory):
+    directory = _directory(environ)
+    if directory is None:
         return
     doc = {
         "state": state,
@@ -67,6 +67,12 @@ def record_outcome(
         "ran_s": ran_s,
     }
     _write(os.path.join(directory, f"rank-{int(rank)}.json"), doc)
+
+
+def _directory(environ: Mapping[str, str]) -> str | None:
+    """The agent's outcome directory named in ``environ``, or None outside an ``etcd3`` agent."""
+    directory = environ.get(ENV_OUTCOME_DIR)
+    return directory if directory and os.path.isdir(directory) else None
 
 
 def _write(path: str, doc: dict[str, Any]) -> None:
@@ -80,8 +86,8 @@ def _write(path: str, doc: dict[str, Any]) -> None:
 def mark_script(environ: Mapping[str, str], rank: int, *, started: bool) -> None:
     """Mark this rank's script as waiting to start (``started=False``) or started now (a no-op outside an
     ``etcd3`` agent). The time is ``time.monotonic()``, one clock for every process on the machine."""
-    directory = environ.get(ENV_OUTCOME_DIR)
-    if directory and os.path.isdir(directory):
+    directory = _directory(environ)
+    if directory is not None:
         _write(
             os.path.join(directory, f"rank-{int(rank)}.start"), {"at": time.monotonic() if started else None}
         )
@@ -146,12 +152,16 @@ def exit_report(outcomes: list[dict[str, Any]]) -> tuple[int, str] | None:
     return code, line
 
 
+def seconds(v: Any) -> float:
+    """A duration read from a file or a join (untrusted): a finite number of seconds in [0, 1 day], else 0."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        return 0.0
+    return min(max(float(v), 0.0), 86400.0)
+
+
 def exit_ran_s(outcomes: list[dict[str, Any]]) -> float:
     """The longest any exited worker's script ran before it exited (0 when none says)."""
-    ran = [o.get("ran_s") for o in outcomes if o["state"] == "exited"]
-    return max(
-        (float(r) for r in ran if isinstance(r, (int, float)) and math.isfinite(r) and r >= 0), default=0.0
-    )
+    return max((seconds(o.get("ran_s")) for o in outcomes if o["state"] == "exited"), default=0.0)
 
 
 def clear_outcomes(directory: str) -> None:

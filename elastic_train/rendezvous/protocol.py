@@ -58,6 +58,7 @@ from elastic_train.rendezvous.errors import (
     RunRefused,
 )
 from elastic_train.rendezvous.identity import JobIdentity
+from elastic_train.rendezvous.outcome import seconds
 from elastic_train.rendezvous.view import LeaseKeeper, RunView
 
 log = get_logger(__name__)
@@ -275,7 +276,7 @@ class Participant:
         #: Set when this node was turned away: it wrote nothing and must not close the run.
         self.refused = False
         #: How this node's workers failed, sent with its next join (``decide.identical_startup_failure``):
-        #: ``{"exit_code", "error", "trained"}``, or ``None``.
+        #: ``{"exit_code", "error", "trained", "ran_s"}``, or ``None``.
         self.failure_report: dict[str, Any] | None = None
         #: How far this node's workers' scripts got (``outcome.script_clock``), set by the handler.
         self.script_clock: Callable[[], tuple[bool, float | None] | None] | None = None
@@ -513,7 +514,6 @@ class Participant:
                 try:
                     d = json.loads(kv.value)
                     code = d.get("exit_code")
-                    ran = d.get("ran_s")
                     joiner = Joiner(
                         node,
                         int(d["target"]),
@@ -522,7 +522,7 @@ class Participant:
                         exit_code=code if isinstance(code, int) and not isinstance(code, bool) else None,
                         error=str(d.get("error") or "")[:2000],
                         trained=d.get("trained") is True,
-                        ran_s=_seconds(ran),
+                        ran_s=seconds(d.get("ran_s")),
                     )
                 except (ValueError, KeyError, TypeError):
                     joiner = None
@@ -1011,10 +1011,3 @@ def _when(t: Any) -> str:
         return time.strftime(" on %Y-%m-%d %H:%M UTC", time.gmtime(float(t)))
     except (TypeError, ValueError, OverflowError):
         return ""
-
-
-def _seconds(v: Any) -> float:
-    """A duration read from a join (untrusted): a finite number of seconds in [0, 1 day], else 0."""
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        return 0.0
-    return min(max(float(v), 0.0), 86400.0)

@@ -22,8 +22,8 @@ from elastic_train.rendezvous.outcome import (
     read_outcomes,
     record_outcome,
     script_clock,
+    seconds,
 )
-from elastic_train.rendezvous.protocol import _seconds
 
 LINE = "train.py: error: the following arguments are required: --lr"
 
@@ -114,5 +114,5 @@ def test_the_report_carries_how_long_the_script_ran(tmp_path: Path) -> None:
     assert exit_report(outcomes) == (2, LINE)
     assert exit_ran_s(outcomes) == 1.5
     assert exit_ran_s([{"state": "exited", "ran_s": "x"}, {"state": "exited", "ran_s": float("nan")}]) == 0.0
-    assert _seconds(float("inf")) == 0.0 and _seconds(True) == 0.0 and _seconds(-3) == 0.0
-    assert _seconds(1e12) == 86400.0 and _seconds(2) == 2.0
+    assert seconds(float("inf")) == 0.0 and seconds(True) == 0.0 and seconds(-3) == 0.0
+    assert seconds(1e12) == 86400.0 and seconds(2) == 2.0
