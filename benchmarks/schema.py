@@ -193,6 +193,10 @@ class EtcdOps(_Model):
     txns: int
     leases: int
     watch_events: int
+    requests: int = 0
+    keepalives: int = 0
+    watch_bytes: int = 0
+    failovers: int = 0
 
 
 class ClientCpu(_Model):
@@ -214,6 +218,14 @@ class ScaleRound(_Model):
     failure_round_ops: EtcdOps
     probe_failure_round_s: float
     client_cpu_ms_per_participant: ClientCpu
+    keepalive: Literal["batch", "own"] | None = None
+    start_s: float | None = None
+    first_round: dict[str, Any] | None = None
+    """Watch bytes and events per agent, etcd CPU, leases lost, keep-alive exchanges of the first round."""
+    failure_round: dict[str, Any] | None = None
+    projection: dict[str, Any] | None = None
+    """The slower round's cost apart from the simulation (client CPU per participant, CPU of the whole
+    machine, watch bytes with a watch per agent)."""
 
     @property
     def slowest_s(self) -> float:
@@ -254,6 +266,9 @@ class ScaleDoc(_Model):
     per_client: int
     watch: Literal["shared", "own", "both"]
     bootstrap: list[Bootstrap]
+    keepalive: Literal["batch", "own"] | None = None
+    etcd_data: str | None = None
+    cores: int | None = None
     scale: list[ScaleRound | ScaleFailure] = []
     """One watch per host process (the figure the targets are checked on)."""
     scale_own: list[ScaleRound | ScaleFailure] = []
