@@ -34,3 +34,14 @@ def test_failed_and_stopped_runs_call_no_member_lost() -> None:
         lines = render(status(state, (False,), closed=state == "failed", message="bad task args"))
         assert "  rank 0: n0 10.0.0.1" in lines
         assert not any("(lost)" in ln for ln in lines), lines
+
+
+def test_slow_nodes_and_unreadable_keys_are_shown_while_the_run_lives() -> None:
+    from elastic_train.straggler.record import StragglerRecord
+
+    slow = [StragglerRecord(node="n1", state="flagged", score=2.04, step=120, since=5.0, policy="report")]
+    lines = render(status("running", (True, True), stragglers=slow, unreadable=["straggler/n9"]))
+    assert "slow nodes:" in lines
+    assert "  n1: flagged at step 120 (score 2.04, policy report)" in lines
+    assert "unreadable keys: straggler/n9" in lines
+    assert "slow nodes:" not in render(status("finished", (False, False), stragglers=slow))
