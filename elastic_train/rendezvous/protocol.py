@@ -68,10 +68,11 @@ log = get_logger(__name__)
 #: is not known yet), and by every other node. A watch batch that brings no new ``round`` record within these
 #: intervals is folded into the next evaluation: each one costs O(N), and in a large job a batch arrives with
 #: almost every join. Others only step in when the closer is silent for a lease TTL, so they look less often,
-#: sleep through joins (a new record or a departure wakes them), do not probe silent members, and may read a
+#: sleep through joins and departures (a new record wakes them), do not probe silent members, and may read a
 #: picture of the forming round up to their interval old if nothing but joins changed since (shared by the
-#: participants of one view, :func:`forming`). A job of N nodes costs its etcd view readers N / interval looks
-#: a second in all: what N simulated nodes on a few cores pay, and what N agents spend apart.
+#: participants of one view, :func:`forming`). A job of N nodes costs its view readers N / interval looks a
+#: second in all: what N simulated nodes on a few cores pay, and what N agents spend apart. (A follower that
+#: becomes the closer because the closer left mid-round learns it at its next look, within the interval.)
 CLOSER_EVAL_INTERVAL = 0.02
 FOLLOWER_EVAL_INTERVAL = 1.0
 #: Longest wait for the watch to show this node's own join before the forming round is evaluated again.

@@ -50,11 +50,12 @@ class RunView:
     their first path segment (``nodes/``, ``join/``), so :meth:`under` costs the size of that group, not of
     the whole run.
 
-    The keys under ``activity_prefixes`` are written by every node of a large job (N joins per round); the
-    others are the run's records (the last round, its end). A reader that waits for a record or a departure
-    only (:meth:`wait_record`), or for the view to reach a revision (:meth:`wait_revision`), is not woken by
-    each join: with a view shared by many participants of one process that would be N wake-ups per join.
-    :attr:`generation` counts those records and departures (a deleted key of any kind).
+    The keys under ``activity_prefixes`` are written by every node of a large job (N joins per round, and
+    as many deletions when leases expire at once); the others are the run's records (the last round, its
+    end). A reader that waits for a record only (:meth:`wait_record`), or for the view to reach a revision
+    (:meth:`wait_revision`), is not woken by each join: with a view shared by many participants of one
+    process that would be N wake-ups per join. :attr:`generation` counts the records and the departures
+    (a deleted key of any kind): what a shared picture of the run may not be stale by (:meth:`memo`).
     """
 
     def __init__(self, etcd: Etcd, prefix: str, *, activity_prefixes: tuple[str, ...] = ()) -> None:
@@ -120,8 +121,8 @@ class RunView:
 
     def _notify(self, *, records: bool) -> None:
         """Wake the readers a change concerns (``cond`` held): every :attr:`cond` waiter, the waiters for a
-        revision the view reached, and with ``records`` (a key other than an activity key changed, or a key
-        was deleted) every :meth:`wait_record` and :meth:`wait_revision` waiter."""
+        revision the view reached, and with ``records`` (a key other than an activity key changed) every
+        :meth:`wait_record` and :meth:`wait_revision` waiter."""
         self.cond.notify_all()
         if records:
             self._records.notify_all()
@@ -161,7 +162,7 @@ class RunView:
 
     def _apply(self, batch: list) -> None:
         with self.cond:
-            activity = records = False
+            activity = records = departures = False
             for ev in batch:
                 group, name = self._split(ev.key)
                 if ev.value is None:
@@ -177,18 +178,19 @@ class RunView:
                 self.revision = max(self.revision, ev.mod_revision)
                 if self._is_activity(ev.key):
                     activity = True
-                if ev.value is None or not self._is_activity(ev.key):
+                    departures = departures or ev.value is None
+                else:
                     records = True
             if activity:
                 self.last_change = time.monotonic()
-            if records:
+            if records or departures:
                 self.generation += 1
             self._notify(records=records)
 
     def wait_record(self, timeout: float) -> bool:
         """Wait (``cond`` held) until a key other than an activity key changes (a round closed, the run
-        ended), a key is deleted (a node gone), the view re-lists or stops, or ``timeout`` seconds pass;
-        joins and new node keys do not wake it.
+        ended), the view re-lists or stops, or ``timeout`` seconds pass; joins and node keys (new or gone)
+        do not wake it.
 
         Returns:
             False on timeout.
@@ -435,7 +437,8 @@ class KeepAliveBatch:
     in Python gRPC: at a few thousand nodes on a few cores that alone starves the keep-alives until leases
     expire. etcd sees the same keep-alive requests either way. Each keeper acts on its own answer as it
     would on its own thread's (a lost lease is granted anew, its keys re-written); a lease left unanswered
-    counts as a failed keep-alive of its keeper, and the next exchange comes sooner.
+    counts as a failed keep-alive of its keeper, and the next exchange comes sooner and asks for the least
+    recently confirmed leases first.
 
     Args:
         etcd: the client the batch's streams go through.
@@ -488,7 +491,9 @@ class KeepAliveBatch:
         retry = False
         while not self._stop.wait(min(self.interval, 0.25) if retry else self.interval):
             with self._lock:
-                keepers = list(self._keepers.values())
+                # least recently confirmed first: a stream that etcd answers too slowly for the deadline cuts
+                # off its last leases, and the same ones must not be last every time
+                keepers = sorted(self._keepers.values(), key=lambda k: k.last_ok)
             by_lease = {k.lease_id: k for k in keepers}
             leases = list(by_lease)
             chunks = [leases[i : i + BATCH_STREAM_LEASES] for i in range(0, len(leases), BATCH_STREAM_LEASES)]
@@ -514,11 +519,20 @@ class KeepAliveBatch:
                     leases=len(leases), hint="etcd, or this process, answers slowly for this many leases",
                 )  # fmt: skip
             unanswered = EtcdError(f"no keep-alive answer within {self.interval:g} s ({len(leases)} leases)")
+            lost = []
             for lease, keeper in by_lease.items():
                 if keeper._stop.is_set():
                     continue
-                if lease in answers:
+                if lease not in answers:
+                    keeper.failed(errors[0] if errors else unanswered)
+                elif answers[lease] > 0:
                     keeper.answered(answers[lease], math.nan)
                 else:
-                    keeper.failed(errors[0] if errors else unanswered)
+                    lost.append(keeper)
+            # leases etcd lost are granted anew and their keys re-written side by side: one after the other,
+            # hundreds of them would hold the next exchange back until more expired
+            try:
+                list(self._pool.map(lambda k: k.answered(0, math.nan), lost))
+            except RuntimeError:  # the pool was shut down: stopping
+                return
             retry = any(k.retrying for k in keepers)
