@@ -791,7 +791,7 @@ class Participant:
             # prospective order, and the prospective rank 0 would then look again only after a follower's
             # interval. (Past its revision, the key went with a lost lease and is being written again.)
             if self.view.revision >= self._join_revision:
-                self.view.wait_record(OWN_JOIN_WAIT)
+                self.view.wait_record(JOIN_SHOWN_WAIT)  # it shows once the lease is granted anew
             else:
                 self.view.wait_revision(self._join_revision, JOIN_SHOWN_WAIT)
             return None

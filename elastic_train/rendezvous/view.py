@@ -450,6 +450,7 @@ class KeepAliveBatch:
         self.etcd = etcd
         self.interval = interval
         self._keepers: dict[int, LeaseKeeper] = {}
+        self._renewing: set[int] = set()
         #: Seconds the slowest exchange took, and leases left unanswered in all (the scale benchmark reports
         #: them).
         self.slowest = 0.0
@@ -493,7 +494,9 @@ class KeepAliveBatch:
             with self._lock:
                 # least recently confirmed first: a stream that etcd answers too slowly for the deadline cuts
                 # off its last leases, and the same ones must not be last every time
-                keepers = sorted(self._keepers.values(), key=lambda k: k.last_ok)
+                keepers = sorted(
+                    (k for k in self._keepers.values() if id(k) not in self._renewing), key=lambda k: k.last_ok
+                )
             by_lease = {k.lease_id: k for k in keepers}
             leases = list(by_lease)
             chunks = [leases[i : i + BATCH_STREAM_LEASES] for i in range(0, len(leases), BATCH_STREAM_LEASES)]
@@ -529,10 +532,21 @@ class KeepAliveBatch:
                     keeper.answered(answers[lease], math.nan)
                 else:
                     lost.append(keeper)
-            # leases etcd lost are granted anew and their keys re-written side by side: one after the other,
-            # hundreds of them would hold the next exchange back until more expired
-            try:
-                list(self._pool.map(lambda k: k.answered(0, math.nan), lost))
-            except RuntimeError:  # the pool was shut down: stopping
-                return
+            # leases etcd lost are granted anew and their keys re-written beside the exchanges (they are left
+            # out of them meanwhile): one after the other, hundreds of them would hold the next exchange back
+            # until more expired
+            for keeper in lost:
+                with self._lock:
+                    self._renewing.add(id(keeper))
+                try:
+                    self._pool.submit(self._recreate, keeper)
+                except RuntimeError:  # the pool was shut down: stopping
+                    return
             retry = any(k.retrying for k in keepers)
+
+    def _recreate(self, keeper: LeaseKeeper) -> None:
+        try:
+            keeper.answered(0, math.nan)
+        finally:
+            with self._lock:
+                self._renewing.discard(id(keeper))
