@@ -495,7 +495,8 @@ class KeepAliveBatch:
                 # least recently confirmed first: a stream that etcd answers too slowly for the deadline cuts
                 # off its last leases, and the same ones must not be last every time
                 keepers = sorted(
-                    (k for k in self._keepers.values() if id(k) not in self._renewing), key=lambda k: k.last_ok
+                    (k for k in self._keepers.values() if id(k) not in self._renewing),
+                    key=lambda k: k.last_ok,
                 )
             by_lease = {k.lease_id: k for k in keepers}
             leases = list(by_lease)
