@@ -20,6 +20,7 @@ stays in the test's directory.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import functools
 import json
 import os
@@ -27,6 +28,7 @@ import re
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -71,12 +73,19 @@ def unshare_argv() -> list[str]:
 @functools.cache
 def refused() -> str | None:
     """Why this machine cannot make the sandbox (None: it can), for a skip."""
-    for tool in ("unshare", "ip", "mount", "bash"):
+    for tool in ("unshare", "mount", "bash"):
         if shutil.which(tool) is None:
             return f"the {tool} command is not installed"
-    probe = "ip link set lo up && mount -t tmpfs tmpfs /dev/shm"
+    up = "from tests.docs.sandbox import loopback_up; loopback_up()"
+    probe = f"{sys.executable} -c '{up}' && mount -t tmpfs tmpfs /dev/shm"
     proc = subprocess.run(
-        [*unshare_argv(), "bash", "-c", probe], capture_output=True, text=True, timeout=30, check=False
+        [*unshare_argv(), "bash", "-c", probe],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
     )
     if proc.returncode != 0:
         return f"cannot make a private network namespace here (unshare): {proc.stderr.strip()[:200]}"
@@ -160,10 +169,19 @@ def _run(test: DocTest, workdir: Path, cwd: Path, tmpdir: Path) -> Result:
 # -- inside the sandbox: the PID namespace's first process ----------------------------------------------
 
 
+def loopback_up() -> None:
+    """Bring the namespace's loopback interface up (``ip link set lo up`` without iproute2)."""
+    siocgifflags, siocsifflags, iff_up = 0x8913, 0x8914, 0x1
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        request = struct.pack("16sh", b"lo", 0)
+        flags = struct.unpack("16sh", fcntl.ioctl(s, siocgifflags, request))[1]
+        fcntl.ioctl(s, siocsifflags, struct.pack("16sh", b"lo", flags | iff_up))
+
+
 def _prepare(spec: dict[str, Any]) -> Any:
     """Loopback up, the hosts file and a private /dev/shm mounted; the marker's etcd started."""
+    loopback_up()
     for argv in (
-        ["ip", "link", "set", "lo", "up"],
         ["mount", "--bind", spec["hosts"], "/etc/hosts"],
         ["mount", "-t", "tmpfs", "-o", "mode=1777", "tmpfs", "/dev/shm"],
         # the checkout read-only: a command that writes through the scratch directory's links fails
