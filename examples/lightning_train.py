@@ -7,21 +7,21 @@ docs have it; docs/lightning.md explains each changed line. Without torchrun it 
 
     python examples/lightning_train.py --epochs 2
 
-On every node, as any torchrun script (here with an etcd at etcd:2379):
+On every node, as any torchrun script (with an etcd at 127.0.0.1:2379: ``elastic-train etcd`` serves one):
 
 .. doc-test: skip="a float32 run crashes until #31 item 2 (branch examples) lands"
-.. doc-test: etcd=etcd:2379 nodes=2 shrink="--epochs 1"
+.. doc-test: etcd=127.0.0.1:2379 nodes=2 shrink="--epochs 1"
 
     torchrun --nnodes=2:4 --nproc-per-node=1 --max-restarts=100 --rdzv-backend=etcd3 \\
-             --rdzv-endpoint=etcd:2379 --rdzv-id=job-42 examples/lightning_train.py
+             --rdzv-endpoint=127.0.0.1:2379 --rdzv-id=job-42 examples/lightning_train.py
 
 Or through ``elastic-train run``, whose fork server imports Lightning once per node rather than at every
 worker start:
 
 .. doc-test: skip="a float32 run crashes until #31 item 2 (branch examples) lands"
-.. doc-test: etcd=etcd:2379 nodes=2 shrink="--epochs 1"
+.. doc-test: etcd=127.0.0.1:2379 nodes=2 shrink="--epochs 1"
 
-    elastic-train run --nodes 2:4 --endpoint etcd:2379 --run-id job-42 \\
+    elastic-train run --nodes 2:4 --endpoint 127.0.0.1:2379 --run-id job-42 \\
         --preload elastic_train.lightning --entry examples/lightning_train.py
 
 A whole job on this machine, node 1 killed after step 10 and a node added after step 20:

@@ -5,12 +5,12 @@ takes (docs/own-loop.md explains each). Without torchrun it trains a world of on
 
     python examples/own_loop.py --epochs 2
 
-On every node, as any torchrun script (here with an etcd at etcd:2379):
+On every node, as any torchrun script (with an etcd at 127.0.0.1:2379: ``elastic-train etcd`` serves one):
 
-.. doc-test: etcd=etcd:2379 nodes=2 shrink="--epochs 1"
+.. doc-test: etcd=127.0.0.1:2379 nodes=2 shrink="--epochs 1"
 
     torchrun --nnodes=2:4 --nproc-per-node=1 --max-restarts=100 --rdzv-backend=etcd3 \\
-             --rdzv-endpoint=etcd:2379 --rdzv-id=job-42 examples/own_loop.py --epochs 4
+             --rdzv-endpoint=127.0.0.1:2379 --rdzv-id=job-42 examples/own_loop.py --epochs 4
 
 A whole job on this machine, node 1 killed after step 10 and a node added after step 20:
 
