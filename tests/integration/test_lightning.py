@@ -188,7 +188,7 @@ def test_unsupported_settings_are_one_clear_line_each(tmp_path: Path) -> None:
 
 PROBE = """
 import sys, time
-before = "pytorch_lightning" in sys.modules
+before = "lightning.pytorch" in sys.modules
 t = time.perf_counter()
 import elastic_train.lightning
 print(f"preloaded={before} import_s={time.perf_counter() - t:.3f}")
