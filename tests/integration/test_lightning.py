@@ -49,8 +49,8 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = str(ROOT / "examples" / "lightning_train.py")
 #: The example's length: 4 epochs of 240 samples, 16 per step.
 STEPS = 60
-#: ``--epochs`` of the local run (the docs' command trains 100, so that a joining node started by hand is
-#: in before the end; here the gate holds the shrunk group for it).
+#: ``--epochs`` of the local run (the docs' command trains 300, so that a node joining unaided is in before
+#: the end; here the gate holds the shrunk group for it).
 LOCAL_EPOCHS = 8
 
 
@@ -130,9 +130,7 @@ def test_plain_torchrun_agents_kill_and_join(
     """Each node: the docs' ``torchrun --nnodes=2:4 ... examples/lightning_train.py --float64``."""
     gate = tmp_path / "gate"
     script, variables = [SCRIPT, "--float64"], gated(env(), gate)
-    job = TorchrunAgents(
-        tmp_path, etcd_server.endpoint, reaper, "lightning", script, variables, rdzv_conf=None
-    )
+    job = TorchrunAgents(tmp_path, etcd_server.endpoint, reaper, "job-42", script, variables, rdzv_conf=None)
     gate.write_text("3 31\n2 46")  # the kill lands by step 31; at world 2 the job waits for the joiner
     for _ in range(3):
         job.start("2:4")
@@ -144,9 +142,9 @@ def test_plain_torchrun_agents_kill_and_join(
     job.wait_all(job.procs[:2] + job.procs[3:], timeout=180)
 
     assert_resumed_once_each(read_events(str(job.events)), STEPS, tmp_path / "audit", min_faults=2)
-    assert_same_weights(final_weights(tmp_path / "checkpoints", "lightning", STEPS), reference, torch.float64)
+    assert_same_weights(final_weights(tmp_path / "checkpoints", "job-42", STEPS), reference, torch.float64)
     assert (tmp_path / "lightning_logs" / "checkpoints" / "last.ckpt").exists()
-    verify = cli("ckpt", "verify", str(tmp_path / "checkpoints" / "lightning"))  # the project's format
+    verify = cli("ckpt", "verify", str(tmp_path / "checkpoints" / "job-42"))  # the project's format
     assert verify.returncode == 0 and f"step-{STEPS:08d}" in verify.stdout, verify.stdout + verify.stderr
 
 

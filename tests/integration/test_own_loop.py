@@ -48,8 +48,8 @@ SLOW_SCRIPT = ROOT / "tests" / "integration" / "slow_own_loop.py"
 #: The reference's arguments, and its length: 4 epochs of 240 samples, 16 per step.
 ARGS = ["--float64"]
 STEPS = 60
-#: ``--epochs`` of the local run (the docs' command trains 100, so that a joining node started by hand is
-#: in before the end; here the gate holds the shrunk group for it).
+#: ``--epochs`` of the local run (the docs' command trains 300, so that a node joining unaided is in before
+#: the end; here the gate holds the shrunk group for it).
 LOCAL_EPOCHS = 8
 
 
@@ -110,7 +110,7 @@ def test_plain_torchrun_agents_kill_join_then_every_node_lost(
     gate = tmp_path / "gate"
     variables = gated(env(), gate)
     job = TorchrunAgents(
-        tmp_path, etcd_server.endpoint, reaper, "own-loop", [SCRIPT, *ARGS], variables, rdzv_conf=None
+        tmp_path, etcd_server.endpoint, reaper, "job-42", [SCRIPT, *ARGS], variables, rdzv_conf=None
     )
     # the kill lands by step 31, world 2 waits for the joiner at 46, and world 3 at 51 for every node's loss
     gate.write_text("3 31\n2 46\n3 51")
@@ -125,7 +125,7 @@ def test_plain_torchrun_agents_kill_join_then_every_node_lost(
         if proc.poll() is None:
             job.kill(proc)
     before = read_events(str(job.events))
-    run = tmp_path / "checkpoints" / "own-loop"
+    run = tmp_path / "checkpoints" / "job-42"
     newest = max(parse_step_dir(p.name) or 0 for p in run.glob("step-*") if (p / "manifest.json").exists())
     assert newest >= 40, f"no durable checkpoint of step 40 or 50 (every 10 steps) in {run}"
     gate.unlink()
@@ -145,7 +145,7 @@ def test_plain_torchrun_agents_kill_join_then_every_node_lost(
     report = check_exactly_once(str(tmp_path / "audit"), steps=STEPS)
     assert report.ok, report.problems
     assert {3, 2} <= set(report.world_sizes.values())
-    assert_same_weights(final_weights(tmp_path / "checkpoints", "own-loop", STEPS), reference, torch.float64)
+    assert_same_weights(final_weights(tmp_path / "checkpoints", "job-42", STEPS), reference, torch.float64)
 
 
 BAD_SCRIPT = """
