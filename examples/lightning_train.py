@@ -5,6 +5,8 @@ docs have them (``import lightning as L``; a ``pytorch_lightning`` script takes 
 docs/lightning.md explains each changed line. Without torchrun it trains a world of one, 4 epochs of 15 steps
 (``--epochs`` sets the length; ``--float64`` trains in double precision):
 
+.. doc-test: covered="tests/integration/test_lightning.py::test_a_world_of_one_as_shipped_stops_at_sigterm_and_resumes"
+
     python examples/lightning_train.py
 
 On every node, as any torchrun script (with an etcd at 127.0.0.1:2379: ``elastic-train etcd`` serves one):
@@ -25,7 +27,7 @@ worker start:
 A whole job on this machine, node 1 killed with SIGKILL after step 30 and a node added after step 60; 300
 epochs, so that the new node, starting beside three busy workers, joins before training ends:
 
-.. doc-test: shrink="--epochs 8"
+.. doc-test: shrink="--epochs 8" covered="tests/integration/test_lightning.py::test_local_entry_kill_and_join"
 
     elastic-train local --nodes 3 --min-nodes 2 --max-nodes 4 --kill-node 1@step=30 --add-node @step=60 \\
         --summary run.json --preload elastic_train.lightning --entry examples/lightning_train.py --epochs 300
