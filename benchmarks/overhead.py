@@ -207,7 +207,7 @@ def copy_floor(flat: Any, repeats: int = 15) -> float:
     import torch
 
     from elastic_train.checkpoint.codec import destinations
-    from elastic_train.checkpoint.memory import checksum
+    from elastic_train.checkpoint.slots import checksum
 
     buf = torch.empty(flat.nbytes, dtype=torch.uint8)
     pairs = [
