@@ -52,7 +52,7 @@ class Sealer(Protocol):
     """The snapshot a copier works for."""
 
     def seal(self, job: CopyJob) -> None:
-        """Write the slot's metadata, checksums and header (a failure goes to :meth:`Copier.fail`)."""
+        """Write the slot's metadata, checksums and header (a failure goes to :attr:`Copier.error`)."""
 
     def rejected(self, job: CopyJob) -> None:
         """``job``'s slot stays invalid (called under :attr:`Copier.cond`)."""
@@ -75,7 +75,8 @@ class Copier:
         self.sealing: int | None = None
         self.thread: threading.Thread | None = None
         self._pid = 0
-        self._error: BaseException | None = None
+        #: A failure of the copies or a seal, raised in the training thread by :meth:`raise_error`.
+        self.error: BaseException | None = None
 
     @staticmethod
     def copy(job: CopyJob) -> None:
@@ -124,7 +125,7 @@ class Copier:
                 self.copy(job)
             except BaseException as exc:  # reported to the loop by raise_error()/fence()
                 log.error("memory_snapshot_copy_failed", path=self._path, step=job.step, error=str(exc))
-                self._error = exc
+                self.error = exc
                 with self.cond:
                     self.job, self.copying, self.sealing = None, False, None
                     self.cond.notify_all()
@@ -152,14 +153,6 @@ class Copier:
                 self.job, self.copying, self.sealing = None, False, None
             self.cond.notify_all()
 
-    def fail(self, exc: BaseException) -> None:
-        """Keep a failure of the copies or the seal for :meth:`raise_error` (the training thread)."""
-        self._error = exc
-
-    @property
-    def failed(self) -> bool:
-        return self._error is not None
-
     def fence(self) -> None:
         """Return once the last snapshot's deferred tensors are copied (and a planned snapshot's structure
         checked); on a GPU, order the copies before the current stream's later kernels instead.
@@ -177,8 +170,8 @@ class Copier:
 
     def raise_error(self) -> None:
         """Raise a failure of the background copier or a seal in the caller's thread."""
-        if self._error is not None:
-            exc, self._error = self._error, None
+        if self.error is not None:
+            exc, self.error = self.error, None
             raise CheckpointError(f"sealing the shared-memory snapshot failed: {exc}") from exc
 
     def wait_idle(self, timeout: float | None = None) -> bool:

@@ -212,7 +212,7 @@ class MemorySnapshot:
                 or a previous background copy or seal failed.
         """
         copier, file = self.copier, self._file
-        if copier.failed:
+        if copier.error is not None:
             copier.raise_error()
         copier.wait_idle()  # the previous snapshot is sealed (normally long before the next step ends)
         if file.mm is None:
@@ -366,23 +366,17 @@ class MemorySnapshot:
                 log.warning("memory_snapshot_meta_grew", path=self.path, step=job.step, bytes=meta_len)
                 self._meta_need = 2 * meta_len
                 return
-            if self._meta_prefix.get(job.slot) != file.layout:  # what changed: the skeleton, every step
-                file.write_meta(job.slot, 0, prefix)
-                self._meta_prefix[job.slot] = file.layout
-            file.write_meta(job.slot, len(prefix), rest)
-            sum_meta = file.meta_checksum(job.slot, meta_len)
+            fresh = self._meta_prefix.get(job.slot) != file.layout  # else only the skeleton changed
+            self._meta_prefix[job.slot] = file.layout
+            meta = (prefix if fresh else None, len(prefix), rest)
+            took = file.seal(job.slot, meta, job.step, job.seq, job.flat.nbytes, timed=timed)
             if timed:
-                t0, c0 = time.perf_counter(), time.thread_time()
-                sum_data = file.data_checksum(job.slot, job.flat.nbytes)
-                self.stats.copy_s += time.perf_counter() - t0
-                self.stats.copy_cpu_s += time.thread_time() - c0
-            else:
-                sum_data = file.data_checksum(job.slot, job.flat.nbytes)
-            file.write_header(job.slot, job.step, job.seq, (sum_data, sum_meta), (meta_len, job.flat.nbytes))
+                self.stats.copy_s += took[0]
+                self.stats.copy_cpu_s += took[1]
             self.sealed_step = job.step
         except BaseException as exc:  # reported to the loop by raise_error()
             log.error("memory_snapshot_seal_failed", path=self.path, step=job.step, error=str(exc))
-            self.copier.fail(exc)
+            self.copier.error = exc
 
     def rejected(self, job: CopyJob) -> None:
         """``job``'s slot stays invalid, the previous snapshot the newest (under the copier's lock)."""

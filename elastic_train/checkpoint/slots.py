@@ -17,6 +17,7 @@ import contextlib
 import mmap
 import os
 import struct
+import time
 import zlib
 from dataclasses import dataclass
 from typing import Any
@@ -251,20 +252,51 @@ class SlotFile:
         base = PAGE + slot * self.slot_bytes
         self.mm[base : base + _INVALID_LEN] = _INVALID
 
-    def write_meta(self, slot: int, at: int, text: bytes) -> None:
-        """Write ``text`` into ``slot``'s metadata from byte ``at`` of it."""
-        assert self.mm is not None
-        start = self.base(slot) + PAGE + at
-        self.mm[start : start + len(text)] = text
+    def seal(
+        self,
+        slot: int,
+        meta: tuple[bytes | None, int, bytes],
+        step: int,
+        seq: int,
+        nbytes: int,
+        *,
+        timed: bool,
+    ) -> tuple[float, float]:
+        """Seal ``slot``: write its metadata, checksum it and the first ``nbytes`` of data, then the header
+        that makes the slot valid, after every byte it describes.
 
-    def meta_checksum(self, slot: int, meta_len: int) -> int:
-        """The checksum of ``slot``'s first ``meta_len`` bytes of metadata."""
-        assert self.mm is not None
-        start = self.base(slot) + PAGE
-        mv = memoryview(self.mm)
-        value = checksum(mv[start : start + meta_len])
+        Args:
+            meta: (a prefix written at the metadata's start, None when it is there already; where the rest
+                goes; the rest).
+            timed: time the data's checksum.
+
+        Returns:
+            The wall and CPU seconds of the data's checksum when ``timed`` (zeros otherwise).
+        """
+        mm = self.mm
+        assert mm is not None
+        prefix, at, rest = meta
+        base = PAGE + slot * self.slot_bytes
+        start = base + PAGE
+        if prefix is not None:
+            mm[start : start + len(prefix)] = prefix
+        meta_len = at + len(rest)
+        mm[start + at : start + meta_len] = rest
+        mv = memoryview(mm)
+        sum_meta = checksum(mv[start : start + meta_len])
+        data = start + self.meta_cap
+        took = (0.0, 0.0)
+        if timed:
+            t0, c0 = time.perf_counter(), time.thread_time()
+            sum_data = checksum(mv[data : data + nbytes])
+            took = (time.perf_counter() - t0, time.thread_time() - c0)
+        else:
+            sum_data = checksum(mv[data : data + nbytes])
         del mv
-        return value
+        header = _SLOT.pack(VALID, step, seq, sum_data, sum_meta, meta_len, nbytes)
+        mm[base + _SLOT.size : base + _SLOT.size + 4] = _SLOT_CRC.pack(zlib.crc32(header))
+        mm[base : base + _SLOT.size] = header
+        return took
 
     def data_checksum(self, slot: int, nbytes: int) -> int:
         """The checksum of ``slot``'s first ``nbytes`` bytes of data."""
@@ -280,14 +312,3 @@ class SlotFile:
         assert self.mm is not None
         base = self.base(slot) + PAGE
         return memoryview(self.mm)[base : base + meta_len]
-
-    def write_header(
-        self, slot: int, step: int, seq: int, sums: tuple[int, int], lens: tuple[int, int]
-    ) -> None:
-        """Seal ``slot``: its header, after every byte it describes (``sums``: data and metadata checksums,
-        ``lens``: metadata and data lengths)."""
-        assert self.mm is not None
-        base = self.base(slot)
-        header = _SLOT.pack(VALID, step, seq, sums[0], sums[1], lens[0], lens[1])
-        self.mm[base + _SLOT.size : base + _SLOT.size + 4] = _SLOT_CRC.pack(zlib.crc32(header))
-        self.mm[base : base + _SLOT.size] = header
