@@ -470,6 +470,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         result = {
             "benchmark": "overhead",
+            "title": "Per-step overhead over plain DDP",
             "description": (
                 "Median step time of each loop over its blocks, and the median over adjacent block pairs "
                 "of loop / plain and all-in / plain (all-in: the memory tier snapshots every "
