@@ -2,10 +2,10 @@
 
 ``save`` copies what the next forward may change and hands the rest — the parameters and optimizer state of
 an attached optimizer, which only the next optimizer step changes — to one persistent thread, which copies
-it and then seals the slot (the snapshot's own :meth:`Sealer.seal`). :meth:`Copier.fence`, called from the
-optimizer's step pre-hook, waits for those copies. On a GPU the device-to-host copies run on a side CUDA
-stream into the page-locked mapping (:class:`DeviceCopies`) and the fence orders them before the current
-stream's next kernels instead of blocking the host.
+it and then seals the slot (the snapshot's own :meth:`Sealer.seal`). The snapshot's ``fence``, called from
+the optimizer's step pre-hook, waits for those copies (:attr:`Copier.copying`). On a GPU the device-to-host
+copies run on a side CUDA stream into the page-locked mapping (:class:`DeviceCopies`) and the fence orders
+them before the current stream's next kernels instead of blocking the host.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from __future__ import annotations
 import operator
 import os
 import threading
-import time
 from collections.abc import Callable, Container
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -21,7 +20,6 @@ from typing import Any, Protocol
 import torch
 
 from elastic_train.checkpoint.codec import Flat
-from elastic_train.checkpoint.errors import CheckpointError
 from elastic_train.log import get_logger
 
 log = get_logger(__name__)
@@ -61,7 +59,8 @@ class Sealer(Protocol):
 class Copier:
     """The copier thread of one snapshot, started by the first hand-over (and again after a fork).
 
-    :attr:`cond` is the snapshot's one lock: it also guards the slots a durable write pins.
+    :attr:`cond` is the snapshot's one lock: it also guards the slots a durable write pins. The snapshot waits
+    on it for :attr:`copying` (its fence) and for :attr:`job` and :attr:`sealing` (idle).
     """
 
     def __init__(self, sealer: Sealer, path: str) -> None:
@@ -75,7 +74,7 @@ class Copier:
         self.sealing: int | None = None
         self.thread: threading.Thread | None = None
         self._pid = 0
-        #: A failure of the copies or a seal, raised in the training thread by :meth:`raise_error`.
+        #: A failure of the copies or a seal, raised in the training thread by the snapshot's ``raise_error``.
         self.error: BaseException | None = None
 
     @staticmethod
@@ -123,7 +122,7 @@ class Copier:
                     self.reject(job)
                     continue
                 self.copy(job)
-            except BaseException as exc:  # reported to the loop by raise_error()/fence()
+            except BaseException as exc:  # reported to the loop by the snapshot's raise_error()/fence()
                 log.error("memory_snapshot_copy_failed", path=self._path, step=job.step, error=str(exc))
                 self.error = exc
                 with self.cond:
@@ -152,46 +151,6 @@ class Copier:
             if self.job is job:
                 self.job, self.copying, self.sealing = None, False, None
             self.cond.notify_all()
-
-    def fence(self) -> None:
-        """Return once the last snapshot's deferred tensors are copied (and a planned snapshot's structure
-        checked); on a GPU, order the copies before the current stream's later kernels instead.
-
-        Raises:
-            CheckpointError: the background copy failed.
-        """
-        with self.cond:
-            while self.copying:
-                self.cond.wait()
-            job = self.job
-        if job is not None and job.event is not None:
-            torch.cuda.current_stream(job.device).wait_event(job.event)
-        self.raise_error()
-
-    def raise_error(self) -> None:
-        """Raise a failure of the background copier or a seal in the caller's thread."""
-        if self.error is not None:
-            exc, self.error = self.error, None
-            raise CheckpointError(f"sealing the shared-memory snapshot failed: {exc}") from exc
-
-    def wait_idle(self, timeout: float | None = None) -> bool:
-        """Block until the last snapshot is copied and sealed (or failed); False if it still is not after
-        ``timeout`` seconds."""
-        if self.job is None and self.sealing is None:
-            # Only the training thread sets them, and the copier clears them once done (the job first): both
-            # None is idle, and stays so until the next save.
-            return True
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self.cond:
-            while self.sealing is not None or self.job is not None:
-                if deadline is None:
-                    self.cond.wait()
-                    continue
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self.cond.wait(left)
-        return True
 
 
 class DeviceCopies:

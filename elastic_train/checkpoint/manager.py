@@ -115,9 +115,13 @@ class CheckpointManager:
             else:
                 log.warning("memory_tier_disabled", reason=f"{cfg.memory_dir} does not exist")
         self._origin = Origin(stamp=self.agent.round)
-        parts: dict[str, Any] = {"groups": self._groups, "memory": self.memory, "agent": self.agent}
-        self._writer = DurableWriter(cfg, storage, self.run_path, run_id, origin=self._origin, **parts)
-        self._restorer = Restorer(cfg, storage, self.run_path, origin=self._origin, **parts)
+        groups, memory, agent, origin = self._groups, self.memory, self.agent, self._origin
+        self._writer = DurableWriter(
+            cfg, storage, self.run_path, run_id, groups=groups, memory=memory, agent=agent, origin=origin
+        )
+        self._restorer = Restorer(
+            cfg, storage, self.run_path, groups=groups, memory=memory, agent=agent, origin=origin
+        )
         self._closed = False
         self._attached: list[_Attachment] = []
         self._defer_cache: tuple[Any, int, frozenset[int]] | None = None
@@ -248,8 +252,14 @@ class CheckpointManager:
             flat = self._replanned(state)
         slot = None
         if self.memory is not None:
-            # A small state is copied whole inside the memory tier's save anyway.
-            slot = self.memory.save(step, flat, defer=self._deferrable(flat))
+            # Which tensors the copier may copy later is decided once per plan (a planned snapshot hands over
+            # the same specs while its tensors are the same); a small state is copied whole in save anyway.
+            cached = self._defer_cache
+            if cached is not None and cached[0] is flat.specs and cached[1] == len(self._attached):
+                defer = cached[2]
+            else:
+                defer = self._deferrable(flat)
+            slot = self.memory.save(step, flat, defer=defer)
             if timed:
                 self.memory.stats.add_save(time.perf_counter() - started, time.thread_time() - cpu)
             if dur_due:  # the writer reads the slot: its copy must be complete
@@ -303,13 +313,10 @@ class CheckpointManager:
             self.memory.fence()
 
     def _deferrable(self, flat: Flat) -> frozenset[int]:
-        """Indices of the tensors of ``flat`` that only an attached optimizer's step changes."""
+        """Indices of the tensors of ``flat`` that only an attached optimizer's step changes (kept for the
+        specs of ``flat``: :meth:`_save` reuses them while they are the same)."""
         if not self._attached:
             return frozenset()
-        # A planned snapshot hands over the same specs while its tensors are the same: decided once per plan.
-        cached = self._defer_cache
-        if cached is not None and cached[0] is flat.specs and cached[1] == len(self._attached):
-            return cached[2]
         owned: set[int] = set()
         for opt in (a.optimizer for a in self._attached):
             for group in opt.param_groups:
@@ -351,7 +358,8 @@ class CheckpointManager:
         self._writer.wait()
 
     def _raise_pending(self) -> None:
-        self._writer.raise_failure()
+        if self._writer.failure is not None:
+            self._writer.raise_failure()
         if self.memory is not None:
             self.memory.raise_error()
 

@@ -26,6 +26,7 @@ import torch
 from elastic_train.checkpoint import drain, schema
 from elastic_train.checkpoint.codec import Flat, TensorSpec, destinations
 from elastic_train.checkpoint.copier import Copier, CopyJob, DeviceCopies
+from elastic_train.checkpoint.errors import CheckpointError
 from elastic_train.checkpoint.plan import Planned
 from elastic_train.checkpoint.shmfiles import snapshot_path
 from elastic_train.checkpoint.slotmeta import SlotMeta
@@ -213,8 +214,8 @@ class MemorySnapshot:
         """
         copier, file = self.copier, self._file
         if copier.error is not None:
-            copier.raise_error()
-        copier.wait_idle()  # the previous snapshot is sealed (normally long before the next step ends)
+            self.raise_error()
+        self.wait_idle()  # the previous snapshot is sealed (normally long before the next step ends)
         if file.mm is None:
             file.open_existing()
         if flat.specs is not self._specs or file.mm is None:
@@ -258,7 +259,34 @@ class MemorySnapshot:
                 else:
                     dst.copy_(src)
         else:
-            later = self._copy_cpu(slot, flat, defer, background)
+            # A small state is copied here whole: waking the copier thread for its copies (and, on a
+            # machine whose cores all train, waiting for it to be scheduled) costs more than the copies.
+            # Up to SEAL_INLINE_BYTES it is sealed here too (below); above, the seal (JSON, checksums)
+            # runs on the copier thread.
+            small = flat.nbytes <= INLINE_BYTES  # (no CUDA tensor here)
+            deferred = defer if background and not small else ()
+            lists = self._copy_lists.get(slot)
+            if (
+                lists is None
+                or lists[0] is not flat.specs
+                or not (lists[1] is deferred or lists[1] == deferred)
+            ):
+                lists = self._split(slot, flat, deferred)
+            now, later, now_dests, take = lists[2]
+            if now:
+                if take is True:
+                    sources = flat.tensors
+                elif take is not None:
+                    sources = take(flat.tensors)
+                else:
+                    sources = (flat.tensors[now[0]],)
+                if self.stats.record:
+                    t0, c0 = time.perf_counter(), time.thread_time()
+                    torch._foreach_copy_(now_dests, sources)
+                    self.stats.copy_s += time.perf_counter() - t0
+                    self.stats.copy_cpu_s += time.thread_time() - c0
+                else:
+                    torch._foreach_copy_(now_dests, sources)
         self._seq += 1
         self._slot_seq[slot] = self._seq
         device = flat.tensors[on_gpu[0]].device if on_gpu else None
@@ -271,7 +299,7 @@ class MemorySnapshot:
                 return slot
             copier.copy(job)
             self.seal(job, timed=self.stats.record)
-            copier.raise_error()
+            self.raise_error()
             return slot
         # A larger state's seal (metadata, checksums, header) runs on the copier thread, and the slot is not
         # valid before it is done. The fence also waits for a pending structure check: the state may change
@@ -285,36 +313,6 @@ class MemorySnapshot:
         else:
             copier.hand_over(job, copying=copying)
         return slot
-
-    def _copy_cpu(self, slot: int, flat: Flat, defer: Container[int], background: bool) -> list[int]:
-        """Copy what is copied now of a CPU state; returns the indices left to the copier.
-
-        A small state is copied here whole: waking the copier thread for its copies (and, on a machine whose
-        cores all train, waiting for it to be scheduled) costs more than the copies. Up to
-        :data:`SEAL_INLINE_BYTES` it is sealed here too; above, the seal (JSON, checksums) runs on the
-        copier thread.
-        """
-        small = flat.nbytes <= INLINE_BYTES  # (no CUDA tensor here)
-        deferred = defer if background and not small else ()
-        lists = self._copy_lists.get(slot)
-        if lists is None or lists[0] is not flat.specs or not (lists[1] is deferred or lists[1] == deferred):
-            lists = self._split(slot, flat, deferred)
-        now, later, now_dests, take = lists[2]
-        if now:
-            if take is True:
-                sources = flat.tensors
-            elif take is not None:
-                sources = take(flat.tensors)
-            else:
-                sources = (flat.tensors[now[0]],)
-            if self.stats.record:
-                t0, c0 = time.perf_counter(), time.thread_time()
-                torch._foreach_copy_(now_dests, sources)
-                self.stats.copy_s += time.perf_counter() - t0
-                self.stats.copy_cpu_s += time.thread_time() - c0
-            else:
-                torch._foreach_copy_(now_dests, sources)
-        return later
 
     def _oldest_free(self) -> int | None:
         """The slot with the lowest sequence that is neither the newest nor pinned (the first such in
@@ -395,16 +393,41 @@ class MemorySnapshot:
         Raises:
             CheckpointError: the background copy failed.
         """
-        self.copier.fence()
+        copier = self.copier
+        with self._cond:
+            while copier.copying:
+                self._cond.wait()
+            job = copier.job
+        if job is not None and job.event is not None:
+            torch.cuda.current_stream(job.device).wait_event(job.event)
+        self.raise_error()
 
     def raise_error(self) -> None:
         """Raise a failure of the background copier or a seal in the caller's thread."""
-        self.copier.raise_error()
+        copier = self.copier
+        if copier.error is not None:
+            exc, copier.error = copier.error, None
+            raise CheckpointError(f"sealing the shared-memory snapshot failed: {exc}") from exc
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Block until the last snapshot is copied and sealed (or failed); False if it still is not after
         ``timeout`` seconds."""
-        return self.copier.wait_idle(timeout)
+        copier = self.copier
+        if copier.job is None and copier.sealing is None:
+            # Only save() (the training thread) sets them, and the copier clears them once done (the job
+            # first): both None is idle, and stays so until the next save.
+            return True
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while copier.sealing is not None or copier.job is not None:
+                if deadline is None:
+                    self._cond.wait()
+                    continue
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
 
     def pin(self, slot: int) -> None:
         """Keep ``slot`` from being rewritten (while a background copy reads it)."""

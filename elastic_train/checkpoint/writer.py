@@ -107,7 +107,8 @@ class DurableWriter:
         self.ok_step: int | None = None
         self.last_committed: Committed | None = None
         self._staging: torch.Tensor | None = None
-        self._failure: CheckpointError | None = None
+        #: The failure of an earlier write, raised once by :meth:`raise_failure`.
+        self.failure: CheckpointError | None = None
         self._cond = threading.Condition()
         self._job: _Write | None = None
         self._busy = False
@@ -153,8 +154,8 @@ class DurableWriter:
 
     def raise_failure(self) -> None:
         """Raise the failure of an earlier write, once."""
-        if self._failure is not None:
-            failure, self._failure = self._failure, None
+        if self.failure is not None:
+            failure, self.failure = self.failure, None
             raise failure
 
     def stop(self, timeout: float | None) -> bool:
@@ -206,7 +207,7 @@ class DurableWriter:
                 error = self._attempt(job, source)
                 if error == _UNPUBLISHED:  # the gate said no (logged by rank 0): nothing to retry
                     if job.final:  # a stale world: its result is not the job's
-                        self._failure = WriteFailed(
+                        self.failure = WriteFailed(
                             f"final checkpoint of step {job.step} not published: round {self.agent.round} is "
                             "no longer the run's current round"
                         )
@@ -226,7 +227,7 @@ class DurableWriter:
         if self.cfg.on_error == "log" and not job.final:
             log.error("checkpoint_lost", step=job.step, error=str(failure))
         else:
-            self._failure = failure
+            self.failure = failure
 
     def _attempt(self, job: _Write, source: torch.Tensor) -> str | None:
         """One collective attempt: every rank writes its share, rank 0 commits. Returns the error or None."""
