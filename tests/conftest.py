@@ -102,7 +102,7 @@ def reaper() -> Iterator[Reaper]:
 def _no_leaked_snapshots() -> Iterator[None]:
     """Remove shared-memory snapshots left by processes a test killed (their owner agent is gone)."""
     yield
-    from elastic_train.checkpoint.memory import sweep_stale
+    from elastic_train.checkpoint.shmfiles import sweep_stale
 
     sweep_stale("/dev/shm")
 
@@ -113,7 +113,7 @@ def _no_snapshots_of_this_process() -> Iterator[None]:
     world of one, stopped before it finalized) names its parent, this process, as the owner, which the
     per-test sweep finds alive."""
     yield
-    from elastic_train.checkpoint.memory import owned_by
+    from elastic_train.checkpoint.shmfiles import owned_by
 
     for path in owned_by("/dev/shm", os.getpid()):
         with contextlib.suppress(OSError):

@@ -589,7 +589,7 @@ class LocalJob:
         if self.etcd is not None:
             self.etcd.stop()
             self.etcd = None
-        from elastic_train.checkpoint.memory import snapshot_files
+        from elastic_train.checkpoint.shmfiles import snapshot_files
 
         # Snapshots of nodes that were killed are never released by their workers.
         for path in snapshot_files(self.cfg.checkpoint.memory_dir, self.run_id):

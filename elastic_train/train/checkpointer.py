@@ -25,7 +25,7 @@ from elastic_train.train.sampler import ElasticBatchSampler
 from elastic_train.train.state import TrainState
 
 if TYPE_CHECKING:
-    from elastic_train.checkpoint.manager import Committed
+    from elastic_train.checkpoint.writer import Committed
 
 log = get_logger(__name__)
 
@@ -87,8 +87,10 @@ class Manager(Protocol):
     """What :class:`Checkpointer` and the built-in loop need from
     :class:`elastic_train.checkpoint.CheckpointManager`."""
 
-    last_committed: Committed | None
-    """The newest durable checkpoint committed so far (None before the first)."""
+    @property
+    def last_committed(self) -> Committed | None:
+        """The newest durable checkpoint committed so far (None before the first)."""
+        ...
 
     def restore(self, model: Mapping[str, Any] | None = None) -> Any:
         """Collective: the newest valid state anywhere (``.step``, ``.state``, ``.source``) or ``None``."""

@@ -33,7 +33,7 @@ def run_id(request: pytest.FixtureRequest) -> Iterator[str]:
 
     Their owner is this pytest process (the stand-in's parent), so the stale-owner sweep cannot take them.
     """
-    from elastic_train.checkpoint.memory import snapshot_files
+    from elastic_train.checkpoint.shmfiles import snapshot_files
 
     rid = f"fs-{request.node.name.split('[')[0][-40:].replace('_', '-')}-{os.getpid()}"
     yield rid

@@ -11,7 +11,8 @@ import torch
 
 from elastic_train.checkpoint import CheckpointConfig, CheckpointManager, transfer
 from elastic_train.checkpoint.codec import flatten, tensor_at
-from elastic_train.checkpoint.memory import DataCheck, MemorySnapshot, checksum
+from elastic_train.checkpoint.memory import MemorySnapshot
+from elastic_train.checkpoint.slots import DataCheck, checksum
 
 
 def big_state(step: int) -> dict:
@@ -31,7 +32,7 @@ def big_state(step: int) -> dict:
 
 def test_the_plan_covers_every_byte_in_order_and_direct_chunks_lie_inside_one_tensor() -> None:
     flat = flatten(big_state(1))
-    chunks = transfer.plan(flat.specs, flat.nbytes)
+    chunks = transfer.chunks_of(flat.specs, flat.nbytes)
     assert chunks[0][0] == 0 and chunks[-1][1] == flat.nbytes
     assert all(a[1] == b[0] for a, b in itertools.pairwise(chunks))
     assert all(0 < e - s <= (transfer.DIRECT_BUCKET if d else transfer.BUCKET) for s, e, d in chunks)

@@ -1,7 +1,7 @@
 """The two training scripts benchmarks/lightning.py compares, run as ``elastic-train local --entry`` scripts.
 
-    python benchmarks/lightning_probe.py elastic DELAY [examples/lightning_train.py's arguments]
-    python benchmarks/lightning_probe.py plain DELAY AUDIT_DIR [the same arguments]
+    python benchmarks/lightning_worker.py elastic DELAY [examples/lightning_train.py's arguments]
+    python benchmarks/lightning_worker.py plain DELAY AUDIT_DIR [the same arguments]
 
 ``elastic``: examples/lightning_train.py unchanged (``ElasticStrategy``), every step slowed by ``DELAY`` s
 through the strategy's public ``hooks`` argument; its sampler writes the audit lines and its checkpointer
@@ -137,7 +137,7 @@ def main() -> None:
         del sys.argv[1:4]
         plain(delay, audit_dir)
     else:
-        sys.exit(f"lightning_probe.py: unknown kind {kind!r} (elastic or plain)")
+        sys.exit(f"lightning_worker.py: unknown kind {kind!r} (elastic or plain)")
 
 
 if __name__ == "__main__":
