@@ -1,4 +1,4 @@
-"""The in-memory tier: a double-buffered snapshot of one worker's state in node shared memory.
+"""The in-memory tier: a three-slot snapshot of one worker's state in node shared memory.
 
 One file per (run, owner, local rank) in a tmpfs (``/dev/shm``; names and owners: :mod:`.shmfiles`),
 allocated whole when the first state is saved, with three slots (layout: :mod:`.slots`). A save invalidates
