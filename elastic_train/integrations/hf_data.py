@@ -90,7 +90,8 @@ class MicroBatchSampler(ElasticBatchSampler):
         global_batch: samples per optimizer step over all ranks, at every world size.
         micro_batch: most samples per micro-batch (the per-device batch).
         seed: epoch ``e`` walks the permutation seeded ``seed + e``.
-        audit_dir: as :class:`~elastic_train.train.sampler.ElasticBatchSampler`.
+        world_size, rank, audit_dir: as :class:`~elastic_train.train.sampler.ElasticBatchSampler` (the
+            default process group's by default).
     """
 
     def __init__(
@@ -100,11 +101,15 @@ class MicroBatchSampler(ElasticBatchSampler):
         micro_batch: int,
         *,
         seed: int = 0,
+        world_size: int | None = None,
+        rank: int | None = None,
         audit_dir: str | None = None,
     ) -> None:
         if micro_batch < 1:
             raise ValueError(f"micro_batch: {micro_batch} must be >= 1")
-        super().__init__(dataset, global_batch, seed=seed, audit_dir=audit_dir)
+        super().__init__(
+            dataset, global_batch, seed=seed, world_size=world_size, rank=rank, audit_dir=audit_dir
+        )
         self.micro_batch = micro_batch
 
     @property
