@@ -33,8 +33,8 @@ hyperparameter search. See docs/huggingface.md.
 
 Private names of transformers and accelerate this module relies on (one place to look when they change):
 ``Trainer._init_training_state``, ``_prepare_for_training``, ``_run_epoch``, ``_load_rng_state``,
-``_maybe_log_save_evaluate`` and ``_created_lr_scheduler``, ``_eval_dataloaders``; accelerate's
-``PartialState._shared_state`` and ``AcceleratorState._shared_state``.
+``_load_from_checkpoint``, ``_maybe_log_save_evaluate``, ``_created_lr_scheduler`` and ``_eval_dataloaders``;
+accelerate's ``PartialState._shared_state`` and ``AcceleratorState._shared_state``.
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ from accelerate.utils import DistributedType
 from torch.utils.data import DataLoader
 from transformers import Trainer
 from transformers.trainer_callback import ExportableState, TrainerControl
+from transformers.trainer_utils import get_last_checkpoint
 
 from elastic_train import elastic as et
 from elastic_train.checkpoint.config import CheckpointConfig
@@ -73,8 +74,8 @@ log = get_logger(__name__)
 
 __all__ = ["ElasticTrainer", "HFUnsupported"]
 
-#: What ``_run_epoch`` is told it resumes from when the state is ours (the data position is the sampler's,
-#: the generators are seeded per step: nothing of a Trainer checkpoint is read).
+#: What ``_run_epoch`` is told it resumes from (the data position is the sampler's, the generators are
+#: seeded per step: no file of a Trainer checkpoint is read there).
 RESUMED = "<elastic_train snapshot>"
 #: Labels the loss ignores (the Trainer's and the models' convention): a padding micro-batch's labels.
 IGNORE_INDEX = -100
@@ -166,8 +167,8 @@ class ElasticTrainer(Trainer):
         #: The state tiers of the ``train()`` in progress (None outside it).
         self.checkpointer: et.Checkpointer | None = None
         self._configured_accumulation = configured
-        self._resumed = False  # this train() entry restored a state of ours
-        self._committed_here = 0  # steps this process committed (a re-entry then has a state in memory)
+        self._resumed: str | None = None  # this train() entry resumed: "ours", or "trainer" (its checkpoint)
+        self._trainer_checkpoint: str | bool | None = None  # train()'s resume_from_checkpoint
         self._weights: deque[float] = deque()  # loss factors of the step's micro-batches still to come
         self._step_loss: torch.Tensor | None = None
         self._backward = self.accelerator.backward
@@ -189,10 +190,11 @@ class ElasticTrainer(Trainer):
 
         def body(world: et.World) -> Any:
             self._adopt(world)
-            # a re-entry after this process committed a step finds it in memory: no Trainer checkpoint to read
-            resume = resume_from_checkpoint if self._committed_here == 0 else None
+            # read in _init_training_state, and only when the run has no state of ours (the Trainer would read
+            # it first, to have it overwritten by ours: seconds of a large model's weights at every restart)
+            self._trainer_checkpoint = resume_from_checkpoint
             try:
-                output = Trainer.train(self, resume, None, ignore_keys_for_eval, **kwargs)
+                output = Trainer.train(self, None, None, ignore_keys_for_eval, **kwargs)
             except BaseException:
                 self._leave_group()
                 raise
@@ -214,7 +216,7 @@ class ElasticTrainer(Trainer):
                 shared.update(num_processes=world.world_size, process_index=world.rank)
         if hasattr(self, "_eval_dataloaders"):
             del self._eval_dataloaders  # prepared for the previous group's ranks
-        self._resumed = False
+        self._resumed = None
         self._weights.clear()
 
     def _leave_group(self) -> None:
@@ -315,11 +317,12 @@ class ElasticTrainer(Trainer):
         resume_from_checkpoint: str | None,
         trial: Any,
     ) -> tuple[int, int]:
-        """The Trainer's state (from ``resume_from_checkpoint`` if given), then, collectively, the newest
-        state of ours anywhere into the model, optimizer, scheduler, scaler, data position, RNGs and Trainer
-        state; returns where the epoch loop starts (epoch, micro-batches of that epoch already trained)."""
+        """Collectively, the newest state of ours anywhere into the model, optimizer, scheduler, scaler, data
+        position, RNGs and the Trainer's state; without one, the Trainer's checkpoint given to ``train()``
+        (as the Trainer resumes from it); returns where the epoch loop starts (epoch, micro-batches of that
+        epoch already trained)."""
         epochs, micro_done = super()._init_training_state(
-            max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint, trial
+            max_steps, num_update_steps_per_epoch, num_train_epochs, None, trial
         )
         sampler = self.sampler
         assert sampler is not None, "get_train_dataloader() makes the sampler first"
@@ -343,19 +346,33 @@ class ElasticTrainer(Trainer):
             state, self._ckpt_args["url"], **args, hooks=self._ckpt_args["hooks"]
         )
         step = self.checkpointer.restore()
-        steps = steps_per_epoch(sampler.dataset_len, self.global_batch)
         if step > 0:
             if sampler.cursor % self.global_batch:
                 _refuse(
                     f"the run's checkpoint was trained with another global batch (its data position "
                     f"{sampler.cursor} is not a step boundary of global_batch={self.global_batch})"
                 )
-            self._resumed = True
+            self._resumed = "ours"
             log.info("hf_resumed", step=step, epoch=sampler.epoch, source=self.checkpointer.source)
             return sampler.epoch, sampler.cursor // self.global_batch * sampler.accumulation
-        # nothing of ours: go on from the Trainer's checkpoint (its global step), or from the start
+        checkpoint = self._trainer_checkpoint
+        if checkpoint is True:
+            checkpoint = get_last_checkpoint(str(self.args.output_dir))
+            if checkpoint is None:
+                raise ValueError(f"No valid checkpoint found in output directory ({self.args.output_dir})")
+        if isinstance(checkpoint, str):
+            # nothing of ours: what Trainer.train does with resume_from_checkpoint, in the same order (the
+            # weights before the model is prepared, the optimizer and scheduler in _prepare_for_training)
+            self._trainer_checkpoint = checkpoint
+            self._load_from_checkpoint(checkpoint)
+            epochs, micro_done = super()._init_training_state(
+                max_steps, num_update_steps_per_epoch, num_train_epochs, checkpoint, trial
+            )
+            self._resumed = "trainer"
+            log.info("hf_resumed", step=self.state.global_step, source=checkpoint)
+        # the data position of the Trainer's global step (every epoch has the same steps of global_batch)
         global_step = self.state.global_step
-        sampler.epoch, done = divmod(global_step, steps)
+        sampler.epoch, done = divmod(global_step, steps_per_epoch(sampler.dataset_len, self.global_batch))
         sampler.cursor = done * self.global_batch
         state.step = sampler.step = global_step
         return epochs, micro_done
@@ -365,10 +382,9 @@ class ElasticTrainer(Trainer):
     ) -> Any:
         created = self._created_lr_scheduler
         self._created_lr_scheduler = False  # keep the scheduler made (and restored) in _init_training_state
+        checkpoint = self._trainer_checkpoint if self._resumed == "trainer" else None
         try:
-            return super()._prepare_for_training(
-                max_steps, train_dataloader, None if self._resumed else resume_from_checkpoint
-            )
+            return super()._prepare_for_training(max_steps, train_dataloader, checkpoint)
         finally:
             self._created_lr_scheduler = created
 
@@ -386,8 +402,8 @@ class ElasticTrainer(Trainer):
         epochs_trained: Any,
         steps_trained_in_current_epoch: Any,
     ) -> Any:
-        """The Trainer's epoch; the first one after a restore of ours resumes at its data position (the
-        sampler starts there: the Trainer only counts the micro-batches trained before)."""
+        """The Trainer's epoch; the first one after a restore resumes at its data position (the sampler
+        starts there: the Trainer only counts the micro-batches trained before)."""
         if self._resumed and epoch == epochs_trained:
             resume_from_checkpoint = RESUMED
         return super()._run_epoch(
@@ -423,7 +439,6 @@ class ElasticTrainer(Trainer):
             )
         loss, self._step_loss = self._step_loss, None
         ckpt.commit(loss)
-        self._committed_here += 1
 
 
 class _Progress:
