@@ -3,18 +3,35 @@
 A small GPT-2 built from a config (no download: nothing is read from the Hub), trained as a causal LM on
 synthetic token sequences with ``TrainingArguments``, the Trainer's own ``save_steps`` checkpoints and
 ``train(resume_from_checkpoint=get_last_checkpoint(...))``, as the Trainer's docs have it; docs/huggingface.md
-explains each changed line. Run it like any torchrun script:
+explains each changed line. Without torchrun it trains a world of one (``--epochs`` shortens a run):
 
-    python examples/hf_train.py                 # no torchrun: a world of one
+    python examples/hf_train.py --epochs 1
+
+On every node, as any torchrun script (here with an etcd at etcd:2379):
+
+.. doc-test: etcd=etcd:2379 nodes=2 shrink="--epochs 1"
+
     torchrun --nnodes=2:4 --nproc-per-node=1 --max-restarts=100 --rdzv-backend=etcd3 \\
-             --rdzv-endpoint=127.0.0.1:2379 --rdzv-id=hf examples/hf_train.py
-    elastic-train run --nodes 2:4 --endpoint 127.0.0.1:2379 --run-id hf \\
-             --preload elastic_train.hf --entry examples/hf_train.py
-    elastic-train local --nodes 3 --kill-node 1@step=8 --add-node @step=16 \\
-             --preload elastic_train.hf --entry examples/hf_train.py --epochs 3
+             --rdzv-endpoint=etcd:2379 --rdzv-id=job-42 examples/hf_train.py
 
-``--epochs`` and ``--samples`` shorten or lengthen a run. A node that dies costs at most the step it was in;
-each epoch trains every sample exactly once, with the same global batch at every world size.
+Or through ``elastic-train run``, whose fork server imports transformers once per node rather than at every
+worker start:
+
+.. doc-test: etcd=etcd:2379 nodes=2 shrink="--epochs 1"
+
+    elastic-train run --nodes 2:4 --endpoint etcd:2379 --run-id job-42 \\
+        --preload elastic_train.hf --entry examples/hf_train.py
+
+A whole job on this machine, node 1 killed after step 8 and a node added after step 60 (the join lands if
+the job still trains when the new node has started):
+
+.. doc-test: shrink="--epochs 3"
+
+    elastic-train local --nodes 3 --kill-node 1@step=8 --add-node @step=60 \\
+        --preload elastic_train.hf --entry examples/hf_train.py --epochs 12
+
+A node that dies costs at most the step it was in; each epoch trains every sample exactly once, with the same
+global batch at every world size.
 """
 
 from __future__ import annotations

@@ -168,6 +168,58 @@ def test_a_plain_trainer_loses_and_repeats_samples_on_a_resize() -> None:
     assert elastic["lost"] == 0 and elastic["duplicated"] == 0, elastic
 
 
+MEAN_LOSS = """
+import sys, torch
+from torch.utils.data import Dataset
+from transformers import TrainingArguments, set_seed
+from elastic_train.hf import ElasticTrainer
+
+class Waves(Dataset):
+    def __init__(self, n):
+        g = torch.Generator().manual_seed(1)
+        self.x = torch.randn(n, 6, generator=g, dtype=torch.float64)
+        self.y = torch.sin(self.x.sum(1, keepdim=True))
+    def __len__(self): return len(self.x)
+    def __getitem__(self, i): return {"x": self.x[i], "y": self.y[i]}
+
+class Net(torch.nn.Module):  # no num_items_in_batch: its loss is the mean over the micro-batch
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    def forward(self, x, y=None):
+        return {"loss": torch.nn.functional.mse_loss(self.body(x), y)}
+
+set_seed(0)
+args = TrainingArguments(output_dir=sys.argv[1], per_device_train_batch_size=3, num_train_epochs=2,
+    learning_rate=0.05, report_to="none", disable_tqdm=True, use_cpu=True, save_strategy="no",
+    eval_strategy="steps", eval_steps=5, dataloader_num_workers=1, label_names=["y"])
+ElasticTrainer(model=Net().double(), args=args, train_dataset=Waves(70), eval_dataset=Waves(20),
+               global_batch=10).train()
+"""
+
+
+def test_a_mean_loss_is_weighted_to_the_same_update_at_any_world_size(tmp_path: Path) -> None:
+    """A model whose loss is the mean over its micro-batch (the Trainer divides it by the accumulation
+    steps): global batch 10 at world 1 (micro-batches of 3, 3, 2, 2) and world 3 (shares of 4, 3, 3 in two
+    micro-batches each) end with the same weights; evaluation and a DataLoader worker on the way."""
+    script = tmp_path / "mean_loss.py"
+    script.write_text(MEAN_LOSS)
+    for world in (1, 3):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"]
+        proc = subprocess.run(
+            [*(cmd if world > 1 else [sys.executable]), str(script), str(tmp_path / f"w{world}")],
+            cwd=tmp_path,
+            env=env(),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    (run_id,) = (p.name for p in (tmp_path / "w3" / "elastic").iterdir())
+    weights = final_weights(tmp_path / "w3" / "elastic", run_id, 14)
+    assert_same_weights(weights, final_weights(tmp_path / "w1" / "elastic", "default", 14), torch.float64)
+
+
 UNSUPPORTED = """
 import sys, torch
 from torch.utils.data import Dataset, IterableDataset
