@@ -18,7 +18,7 @@ run, from the audit lines (one per step and rank with the indices trained), samp
 twice over the run's surviving trajectory (for every step, the last round that trained it), per epoch,
 against ``epochs x dataset`` expected. Prints a table and writes JSON.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/hf.py --json hf.json
+    python benchmarks/hf.py --json docs/benchmarks/hf.json
 """
 
 from __future__ import annotations
