@@ -195,12 +195,12 @@ class ElasticTrainer(Trainer):
             self._trainer_checkpoint = resume_from_checkpoint
             try:
                 output = Trainer.train(self, None, None, ignore_keys_for_eval, **kwargs)
+                if self.checkpointer is not None:
+                    self.checkpointer.finalize()  # collective: a peer lost here re-forms and finalizes again
+                    self.checkpointer = None
             except BaseException:
                 self._leave_group()
                 raise
-            ckpt, self.checkpointer = self.checkpointer, None
-            if ckpt is not None:
-                ckpt.finalize()
             return output
 
         try:
