@@ -64,6 +64,7 @@ from elastic_train.rendezvous.outcome import (
 )
 from elastic_train.rendezvous.protocol import Participant, ProtocolSettings, RoundResult
 from elastic_train.rendezvous.standby import Standby
+from elastic_train.torchcompat import torchrun_nproc_per_node
 
 log = get_logger(__name__)
 
@@ -319,21 +320,4 @@ def local_identity(settings: ProtocolSettings) -> JobIdentity:
         raise ConfigError(f"job identity in the environment: {exc}") from exc
     if ident is not None:
         return ident
-    return JobIdentity(torchrun_settings(settings.min_nodes, settings.max_nodes, _torchrun_nproc_per_node()))
-
-
-def _torchrun_nproc_per_node() -> int | None:
-    """``nproc_per_node`` of the torchrun launch creating this handler, or ``None`` outside one.
-
-    torch passes a handler only the rendezvous parameters; the worker count per node lives in the
-    ``LaunchConfig`` of ``launch_agent``, the caller that creates the handler.
-    """
-    from torch.distributed.launcher.api import LaunchConfig
-
-    frame = sys._getframe(1)
-    while frame is not None:
-        config = frame.f_locals.get("config")
-        if isinstance(config, LaunchConfig):
-            return int(config.nproc_per_node)
-        frame = frame.f_back  # type: ignore[assignment]
-    return None
+    return JobIdentity(torchrun_settings(settings.min_nodes, settings.max_nodes, torchrun_nproc_per_node()))

@@ -34,7 +34,6 @@ import json
 import os
 import shutil
 import socket
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -46,6 +45,7 @@ from elastic_train.procs import scratch_dir
 from elastic_train.reform import Assignment, Channel
 from elastic_train.rendezvous.errors import RunRefused
 from elastic_train.rendezvous.protocol import Participant, RoundRecord, RoundResult
+from elastic_train.torchcompat import TorchrunAgent, WorkerSlot, role_info_key
 
 log = get_logger(__name__)
 
@@ -104,8 +104,7 @@ class HotPath:
         self.channel = Channel(self.directory)
         self.round: int | None = None
         self.fallback: str | None = None
-        self._group: Any = None
-        self._agent: Any = None
+        self._agent: TorchrunAgent | None = None
         self._nproc = 0
         self._announced: tuple[float, float] | None = None  # (when, grace)
         #: When the workers were asked to cut their group's connections (a stopped peer), in this round.
@@ -152,21 +151,9 @@ class HotPath:
     def _find_agent(self) -> None:
         """torchrun's agent and worker group, from the frames calling ``next_rendezvous`` (torch passes the
         handler neither): their record of ranks and store is updated after a round formed here."""
-        frame = sys._getframe(1)
-        while frame is not None:
-            group = frame.f_locals.get("worker_group")
-            agent = frame.f_locals.get("self")
-            if (
-                group is not None
-                and hasattr(group, "group_world_size")
-                and hasattr(group, "spec")
-                and hasattr(agent, "_assign_worker_ranks")
-            ):
-                self._group, self._agent = group, agent
-                self._nproc = int(group.spec.local_world_size)
-                return
-            frame = frame.f_back  # type: ignore[assignment]
-        self._nproc = 0  # not under torchrun's agent: the restart path only
+        self._agent = TorchrunAgent.find()
+        # not under torchrun's agent: the restart path only
+        self._nproc = self._agent.local_world_size if self._agent is not None else 0
 
     def engaged(self) -> bool:
         """True while this node's workers re-form in-process (torchrun is then not told of changes)."""
@@ -312,7 +299,7 @@ class HotPath:
                         round=result.round,
                         node_rank=result.rank,
                         nodes=result.world_size,
-                        ranks=[w.global_rank for w in sorted(workers, key=lambda w: w.local_rank)],
+                        ranks=[w.global_rank for w in workers],
                         world_size=workers[0].world_size,
                         master_addr=str(info.master_addr),
                         master_port=int(info.master_port),
@@ -351,33 +338,29 @@ class HotPath:
             return None
         return result
 
-    def _update_torchrun(self, result: RoundResult, store: Any, info: Any) -> list[Any]:
-        """Assign the workers' global ranks the way torchrun's agent does after its own rendezvous (its
-        ``_assign_worker_ranks`` through the round's store: every agent of the round takes part, also one
-        that restarts or joins through torchrun's path), and make torchrun's record of the worker group that
-        of the new round (ranks, world size, store): its exit barrier then waits for this round's nodes.
+    def _update_torchrun(self, result: RoundResult, store: Any, info: Any) -> list[WorkerSlot]:
+        """Assign the workers' global ranks the way torchrun's agent does after its own rendezvous (its rank
+        exchange through the round's store: every agent of the round takes part, also one that restarts or
+        joins through torchrun's path), and make torchrun's record of the worker group that of the new round
+        (ranks, world size, store): its exit barrier then waits for this round's nodes.
 
         Raises:
             RoundAbandoned: a member of the round is gone before it wrote its part (:meth:`_await_members`).
         """
         from torch.distributed.elastic.utils.store import store_timeout
 
-        group, agent = self._group, self._agent
+        agent = self._agent
+        assert agent is not None
         self._await_members(result, store)
         with store_timeout(store, ASSIGN_TIMEOUT):
-            workers = agent._assign_worker_ranks(store, result.rank, result.world_size, group.spec)
-        for old, new in zip(sorted(group.workers, key=lambda w: w.local_rank), workers, strict=True):
-            old.global_rank, old.role_rank = new.global_rank, new.role_rank
-            old.world_size, old.role_world_size = new.world_size, new.role_world_size
-        group.group_rank, group.group_world_size, group.store = result.rank, result.world_size, store
-        group.master_addr, group.master_port = info.master_addr, info.master_port
-        agent._store = store
-        return list(workers)
+            workers = agent.assign_ranks(store, result.rank, result.world_size)
+        agent.adopt_round(result.rank, result.world_size, store, info.master_addr, info.master_port)
+        return workers
 
     def _await_members(self, result: RoundResult, store: Any) -> None:
         """Wait, without blocking in the store, until every other agent of the round wrote its role for
-        torchrun's rank exchange: then ``_assign_worker_ranks`` does not wait on a dead member (torch's
-        blocking get would hold this thread for :data:`ASSIGN_TIMEOUT`, then the restart path).
+        torchrun's rank exchange: then the exchange does not wait on a dead member (torch's blocking get
+        would hold this thread for :data:`ASSIGN_TIMEOUT`, then the restart path).
 
         Raises:
             RoundAbandoned: a member that has not written its role is gone: its lease expired, its store
@@ -387,16 +370,13 @@ class HotPath:
         """
         if os.environ.get("TORCH_ELASTIC_WORKER_IDENTICAL", "0") == "1":
             return  # torch's fast path: no exchange through the store
-        from torch.distributed.elastic.agent.server.api import _RoleInstanceInfo
-
-        spec = self._group.spec
-        # what _assign_worker_ranks writes first, written here so that the members waiting here see it
-        mine = _RoleInstanceInfo(spec.role, result.rank, spec.local_world_size).serialize()
+        assert self._agent is not None
+        # what the exchange writes first, written here so that the members waiting here see it
         try:
-            store.set(f"torchelastic/role_info/{result.rank}", mine)
+            self._agent.write_role_info(store, result.rank)
         except RuntimeError as exc:
             raise RoundAbandoned(f"the round's store on rank 0 is unreachable: {exc}") from exc
-        keys = {i: f"torchelastic/role_info/{i}" for i in range(result.world_size) if i != result.rank}
+        keys = {i: role_info_key(i) for i in range(result.world_size) if i != result.rank}
         participant = self._participant()
         deadline = time.monotonic() + ASSIGN_TIMEOUT
         probed: dict[int, float] = {}

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from elastic_train import torchcompat
 from elastic_train.errors import ElasticTrainError
 from elastic_train.log import bind_context, configure_logging
 from elastic_train.net import free_port
@@ -326,11 +327,9 @@ def _backend_of_default_group() -> str:
 
 
 def _abort_nccl() -> None:
-    """Abort every NCCL communicator of this process (torch's ``_abort_process_group``: all groups, within
-    one NCCL group call so that no abort waits on another); it also unregisters the groups."""
-    from torch.distributed.distributed_c10d import _abort_process_group
-
-    _abort_process_group()
+    """Abort every NCCL communicator of this process (all groups, within one NCCL group call so that no
+    abort waits on another); it also unregisters the groups."""
+    torchcompat.abort_groups()
 
 
 def _install_excepthook() -> None:

@@ -35,6 +35,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from elastic_train import torchcompat
 from elastic_train.envvars import ENV_SHM_OWNER
 
 #: Unix socket of this node's fork server; when set, ``python -m elastic_train.worker`` is a stand-in.
@@ -45,7 +46,7 @@ PRELOAD = (
     "torch.distributed",
     "torch.nn.parallel",
     "torch.optim",
-    "torch._dynamo",  # imported lazily by the first Optimizer(): over a second on its own
+    *torchcompat.PRELOAD,  # torch._dynamo: imported lazily by the first Optimizer(), over a second on its own
     "elastic_train.train.tasks.charlm",
     "elastic_train.train.tasks.regression",
     "elastic_train.worker.main",

@@ -19,6 +19,7 @@ from elastic_train.envvars import ENV_REFORM_DIR
 from elastic_train.rendezvous import hot as hot_mod
 from elastic_train.rendezvous.hot import HotPath, RoundAbandoned
 from elastic_train.rendezvous.protocol import RoundRecord, RoundResult
+from elastic_train.torchcompat import TorchrunAgent
 
 
 class FakeView:
@@ -96,7 +97,7 @@ def store() -> Iterator[dist.Store]:
 def hot_path(participant: FakeParticipant, monkeypatch: pytest.MonkeyPatch) -> HotPath:
     monkeypatch.delenv(ENV_REFORM_DIR, raising=False)
     hp = HotPath(lambda: participant, lambda r: (None, None), threading.Lock())  # type: ignore[arg-type,return-value]
-    hp._group = SimpleNamespace(spec=SimpleNamespace(role="default", local_world_size=1))
+    hp._agent = TorchrunAgent(None, SimpleNamespace(spec=SimpleNamespace(role="default", local_world_size=1)))
     hp.round = 1
     return hp
 

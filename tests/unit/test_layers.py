@@ -34,6 +34,7 @@ LAYER_OF = {
     "hf": "integration",
     "integrations": "integration",
     "node": "foundation",
+    "torchcompat": "compat",
     "config": "config",
     "worker": "worker",
     "standin": "worker",
@@ -43,18 +44,30 @@ LAYER_OF = {
     "__init__": "api",
 }
 
-#: What each layer may import (besides itself). checkpoint and train know nothing of coordination.
+#: What each layer may import (besides itself). checkpoint and train know nothing of coordination; ``compat``
+#: (torchcompat) is the one module that touches torch's private names.
 ALLOWED = {
     "foundation": set(),
+    "compat": {"foundation"},
     "etcd": {"foundation"},
-    "rendezvous": {"foundation", "etcd"},
-    "checkpoint": {"foundation"},
-    "train": {"foundation", "checkpoint"},
-    "integration": {"foundation", "checkpoint", "train"},
-    "config": {"foundation", "etcd", "rendezvous", "checkpoint", "train"},
-    "worker": {"foundation", "etcd", "rendezvous", "checkpoint", "train", "config"},
-    "launch": {"foundation", "etcd", "rendezvous", "checkpoint", "train", "config", "worker"},
-    "cli": {"foundation", "etcd", "rendezvous", "checkpoint", "train", "config", "worker", "launch"},
+    "rendezvous": {"foundation", "compat", "etcd"},
+    "checkpoint": {"foundation", "compat"},
+    "train": {"foundation", "compat", "checkpoint"},
+    "integration": {"foundation", "compat", "checkpoint", "train"},
+    "config": {"foundation", "compat", "etcd", "rendezvous", "checkpoint", "train"},
+    "worker": {"foundation", "compat", "etcd", "rendezvous", "checkpoint", "train", "config"},
+    "launch": {"foundation", "compat", "etcd", "rendezvous", "checkpoint", "train", "config", "worker"},
+    "cli": {
+        "foundation",
+        "compat",
+        "etcd",
+        "rendezvous",
+        "checkpoint",
+        "train",
+        "config",
+        "worker",
+        "launch",
+    },
     "api": {"foundation", "train"},
 }
 
