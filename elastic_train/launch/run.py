@@ -93,7 +93,7 @@ def torchrun_argv(
     if local_addr:
         argv.append(f"--local-addr={local_addr}")
     if entry:
-        return [*argv, "-m", "elastic_train.standin", *entry]
+        return [*argv, "-m", "elastic_train.worker.standin", *entry]
     argv += ["-m", "elastic_train.worker"]
     if config_path:
         argv += ["--config", os.path.abspath(config_path)]

@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from elastic_train.node import Outcome, seconds
+
 #: Why a node (re-)joins. "start": first join of this agent; "failure": its own workers failed;
 #: "lost": it restarted because a member of its round disappeared; "scale": it restarted because another
 #: node waits to join; "excluded": its last attempt was left out of a round (max_nodes reached); "rejoin": its
@@ -132,6 +134,23 @@ def is_failure_transition(
     return any(p not in member_set and p not in live_set for p in previous)
 
 
+def exit_report(outcomes: Iterable[Outcome]) -> tuple[int, str] | None:
+    """(exit code, error line) when the exited workers of a node's group all failed the same way: the same
+    code, the same non-empty line; ``None`` otherwise (none exited, they differ, or no line was written)."""
+    reports = {(o.code, o.message.strip()) for o in outcomes if o.state == "exited"}
+    if len(reports) != 1:
+        return None
+    code, line = reports.pop()
+    if code is None or code <= 0 or not line:
+        return None
+    return code, line
+
+
+def exit_ran_s(outcomes: Iterable[Outcome]) -> float:
+    """The longest any exited worker's script ran before it exited (0 when none says)."""
+    return max((seconds(o.ran_s) for o in outcomes if o.state == "exited"), default=0.0)
+
+
 def is_startup_report(j: Joiner) -> bool:
     """The node re-joined because its workers exited before any step, all with one exit code and line."""
     return j.reason == "failure" and j.exit_code is not None and bool(j.error) and not j.trained
@@ -185,8 +204,8 @@ def hold_for_startup_reports(
     Args:
         seen_for: seconds since this node first saw the reports.
         peer_ran_s: the longest any reporter's script ran before it failed.
-        own: this node's scripts (``outcome.script_clock``): ``None`` when unknown, else (some still wait to
-            start, when the last of the others started).
+        own: this node's scripts (``AgentChannel.script_clock``): ``None`` when unknown, else (some still
+            wait to start, when the last of the others started).
         now: the time on the clock of ``own``.
         grace: the least hold, and the margin on the reporters' time.
         most: the longest hold.

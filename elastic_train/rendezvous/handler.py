@@ -18,9 +18,12 @@ What torchrun's agent does with it (torch 2.13, ``agent/server/api.py``):
 Before its first round a node checks the run's identity (:mod:`elastic_train.rendezvous.identity`): the
 settings the launcher left in ``ELASTIC_TRAIN_JOB_IDENTITY``, or for plain torchrun the node range and
 processes per node. A node turned away (other settings, a finished or failed run) prints one line and exits
-with status 2, having written nothing the job would notice. Workers report their outcome through
-:mod:`elastic_train.rendezvous.outcome`: a non-retryable failure closes the run as failed instead of
-restarting the worker group.
+with status 2, having written nothing the job would notice.
+
+The handler talks to its workers through the node's directory (:mod:`elastic_train.node`): it writes the
+assignment of each worker group it starts (the round), reads the workers' outcomes (a non-retryable
+failure closes the run as failed instead of restarting the worker group), their step beats (the fence)
+and serves the publish gate.
 
 Store: every agent hosts a small TCPStore from its first rendezvous and advertises its port in its node key;
 the round's rank 0 store, wrapped in a per-round PrefixStore, is the agent store. Workers do not share it
@@ -45,23 +48,17 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousStoreInfo,
 )
 
-from elastic_train.envvars import ENV_OUTCOME_DIR, ENV_ROUND
+from elastic_train.envvars import ENV_NODE_DIR
 from elastic_train.errors import ConfigError
 from elastic_train.etcd.client import Etcd
 from elastic_train.log import bind_context, get_logger
+from elastic_train.node import AgentChannel, Assignment
 from elastic_train.procs import scratch_dir
+from elastic_train.rendezvous.decide import exit_ran_s, exit_report
 from elastic_train.rendezvous.errors import JobFailed, RendezvousClosed, RunFinished, RunRefused
 from elastic_train.rendezvous.fence import Fence
 from elastic_train.rendezvous.hot import HotPath
 from elastic_train.rendezvous.identity import JobIdentity, identity_from_environ, torchrun_settings
-from elastic_train.rendezvous.outcome import (
-    clear_outcomes,
-    exit_ran_s,
-    exit_report,
-    read_outcomes,
-    script_clock,
-    trained,
-)
 from elastic_train.rendezvous.protocol import Participant, ProtocolSettings, RoundResult
 from elastic_train.rendezvous.standby import Standby
 from elastic_train.torchcompat import torchrun_nproc_per_node
@@ -102,13 +99,13 @@ class Etcd3RendezvousHandler(RendezvousHandler):
         self._closed_by_us = False
         if settings.identity is None:
             settings.identity = local_identity(settings)
-        self._outcomes = scratch_dir("outcome")
-        os.environ[ENV_OUTCOME_DIR] = self._outcomes
+        self._node = AgentChannel(scratch_dir("node"))
+        os.environ[ENV_NODE_DIR] = self._node.directory
         self._join_lock = threading.Lock()
         self._hot: HotPath | None = None
         self._standby: Standby | None = None
         if settings.hot:
-            self._hot = HotPath(lambda: self.participant, self._bootstrap, self._join_lock)
+            self._hot = HotPath(lambda: self.participant, self._bootstrap, self._join_lock, self._node)
             self._standby = Standby(
                 self._hot,
                 lambda: self.participant,
@@ -143,8 +140,8 @@ class Etcd3RendezvousHandler(RendezvousHandler):
             self._participant = Participant(
                 self._etcd, self._settings, addr=self._addr, store_port=self._server.port
             )
-            self._participant.script_clock = lambda: script_clock(self._outcomes)
-            self._fence = Fence(self._participant, self._outcomes)
+            self._participant.script_clock = self._node.script_clock
+            self._fence = Fence(self._participant, self._node)
             self._fence.start_gate()
             if self._hot is not None:
                 self._hot.blocked = self._fence.workers_blocked
@@ -174,17 +171,16 @@ class Etcd3RendezvousHandler(RendezvousHandler):
     def _end_if_workers_gave_up(self) -> None:
         """Close the run as failed when a worker of the last group failed with a non-retryable error; else
         give the next join this node's report of how its workers exited (the start-up failure rule)."""
-        outcomes = read_outcomes(self._outcomes)
-        failed = [o for o in outcomes if o["state"] == "failed"]
+        outcomes = self._node.take_outcomes()
+        failed = [o for o in outcomes if o.state == "failed"]
         report = exit_report(outcomes)
-        clear_outcomes(self._outcomes)
         if self._participant is None:
             return
         self._participant.failure_report = (
             {
                 "exit_code": report[0],
                 "error": report[1],
-                "trained": trained(self._outcomes),
+                "trained": self._node.trained() is not None,
                 "ran_s": exit_ran_s(outcomes),
             }
             if report
@@ -192,10 +188,8 @@ class Etcd3RendezvousHandler(RendezvousHandler):
         )
         if not failed:
             return
-        message = str(failed[0].get("message") or "a worker failed with an error no restart can fix")
-        log.error(
-            "worker_failed_for_good", run_id=self._settings.run_id, rank=failed[0].get("rank"), error=message
-        )
+        message = failed[0].message or "a worker failed with an error no restart can fix"
+        log.error("worker_failed_for_good", run_id=self._settings.run_id, rank=failed[0].rank, error=message)
         self._participant.close("failed", message)
         self._closed_by_us = True
         raise JobFailed(f"run {self._settings.run_id} failed: {message}")
@@ -213,7 +207,19 @@ class Etcd3RendezvousHandler(RendezvousHandler):
         with self._join_lock:
             result, info = self._join_round(handoff)
         if self._hot is not None:
-            self._hot.started(result)
+            self._hot.started(result)  # forgets the last group's re-formation first
+        store_info = info.bootstrap_store_info
+        assert store_info is not None
+        self._node.assign(
+            Assignment(
+                round=result.round,
+                node_rank=result.rank,
+                nodes=result.world_size,
+                master_addr=str(store_info.master_addr),
+                master_port=int(store_info.master_port),
+                reform=self._hot is not None,
+            )
+        )
         return info
 
     def _join_round(self, handoff: RoundResult | None = None) -> tuple[RoundResult, RendezvousInfo]:
@@ -224,7 +230,6 @@ class Etcd3RendezvousHandler(RendezvousHandler):
             except (RuntimeError, dist.DistStoreError) as exc:  # rank 0 vanished between close and connect
                 log.warning("rendezvous_store_unreachable", round=result.round, error=str(exc))
                 continue
-            os.environ[ENV_ROUND] = str(result.round)
             assert self._fence is not None
             self._fence.arm()
             bind_context(round=result.round, node=self.participant.node_id)
@@ -260,11 +265,11 @@ class Etcd3RendezvousHandler(RendezvousHandler):
     def set_closed(self) -> None:
         if self._participant is not None and self._participant.refused:
             return
-        outcomes = read_outcomes(self._outcomes)
-        failed = [o for o in outcomes if o["state"] == "failed"]
-        steps = [o["step"] for o in outcomes if o["state"] == "finished" and isinstance(o.get("step"), int)]
+        outcomes = self._node.outcomes()
+        failed = [o for o in outcomes if o.state == "failed"]
+        steps = [o.step for o in outcomes if o.state == "finished" and o.step is not None]
         if failed:
-            self.participant.close("failed", str(failed[0].get("message") or "a worker failed"))
+            self.participant.close("failed", failed[0].message or "a worker failed")
         else:
             self.participant.close("finished", step=max(steps) if steps else None)
         self._closed_by_us = True
@@ -298,7 +303,7 @@ class Etcd3RendezvousHandler(RendezvousHandler):
         finally:
             if self._fence is not None:
                 self._fence.close()
-            shutil.rmtree(self._outcomes, ignore_errors=True)
+            shutil.rmtree(self._node.directory, ignore_errors=True)
         return True
 
 

@@ -2,7 +2,7 @@
 
 torchrun's agent restarts its worker group whenever ``num_nodes_waiting()`` is positive or a worker exits.
 With hot recovery the ``etcd3`` handler keeps a change from torchrun while its workers can re-form in-process
-(every local worker registered through the node's channel, :mod:`elastic_train.reform`), and runs the round
+(every local worker registered through the node's channel, :mod:`elastic_train.node`), and runs the round
 itself, on a thread of the agent:
 
 1. a local worker reports that its group broke (a collective failed: a peer died), or the run's watch shows
@@ -32,17 +32,14 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import socket
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
-from elastic_train.envvars import ENV_REFORM_DIR, ENV_ROUND
 from elastic_train.log import get_logger
-from elastic_train.procs import scratch_dir
-from elastic_train.reform import Assignment, Channel
+from elastic_train.node import AgentChannel, Assignment
 from elastic_train.rendezvous.errors import RunRefused
 from elastic_train.rendezvous.protocol import Participant, RoundRecord, RoundResult
 from elastic_train.torchcompat import TorchrunAgent, WorkerSlot, role_info_key
@@ -92,16 +89,20 @@ class HotPath:
         participant: returns this node's participant (created lazily by the handler).
         bootstrap: the round's agent store and workers' bootstrap info, as torchrun's path builds them.
         lock: held while any join runs (this thread's, or torchrun's ``next_rendezvous``).
-        lease_ttl: the run's lease TTL (how fast a lost member shows).
+        channel: the node's channel to its workers.
     """
 
-    def __init__(self, participant: Callable[[], Participant], bootstrap: Bootstrap, lock: threading.Lock):
+    def __init__(
+        self,
+        participant: Callable[[], Participant],
+        bootstrap: Bootstrap,
+        lock: threading.Lock,
+        channel: AgentChannel,
+    ):
         self._participant = participant
         self._bootstrap = bootstrap
         self._lock = lock
-        self.directory = scratch_dir("reform")
-        os.environ[ENV_REFORM_DIR] = self.directory
-        self.channel = Channel(self.directory)
+        self.channel = channel
         self.round: int | None = None
         self.fallback: str | None = None
         self._agent: TorchrunAgent | None = None
@@ -128,7 +129,7 @@ class HotPath:
             # torchrun restarted workers that re-form in-process: one of them exited (an error no
             # re-formation fixes, a crash): torchrun's failure summary says which
             log.warning("hot_fallback", round=self.round, reason="a worker exited; torchrun restarts them")
-        self.channel.reset()
+        self.channel.start_group()
         self.round = result.round
         self.fallback = None
         self._announced = None
@@ -175,13 +176,13 @@ class HotPath:
         if not self.engaged():
             return
         assert self.round is not None
-        asked = {r: d for r, d in self.channel.requests().items() if d["round"] >= self.round}
+        asked = {r: q for r, q in self.channel.requests().items() if q.round >= self.round}
         if asked:
             dead = self._dead_workers()
             if dead:  # torchrun restarts the group when it sees them: no in-process round for the others
                 self.give_up(f"local worker(s) {sorted(dead)} exited")
                 return
-            reason = str(next(iter(asked.values())).get("reason") or "")
+            reason = next(iter(asked.values())).reason
             self._reform(reason)
             return
         participant = self._participant()
@@ -235,7 +236,7 @@ class HotPath:
         left = [m for m in left if m != participant.node_id]
         if not left:
             return None
-        if any(r < self.round for r in self.channel.ready().values()):
+        if any(r.round < self.round for r in self.channel.ready().values()):
             return f"member(s) {left} asked for a newer round while the group of round {self.round} formed"
         if self.blocked():
             # formed, but the member's workers are gone: a collective (or a wait on the round's store) with
@@ -248,11 +249,11 @@ class HotPath:
         import psutil
 
         dead = set()
-        for rank, d in self.channel.registered().items():
+        for rank, ready in self.channel.ready().items():
             try:
-                if psutil.Process(int(d.get("pid") or 0)).status() == psutil.STATUS_ZOMBIE:
+                if psutil.Process(ready.pid).status() == psutil.STATUS_ZOMBIE:
                     dead.add(rank)
-            except (psutil.Error, ValueError):
+            except psutil.Error:
                 dead.add(rank)
         return dead
 
@@ -290,19 +291,19 @@ class HotPath:
                 if self.fallback is not None:
                     self._hand_over(result)
                     return
-                os.environ[ENV_ROUND] = str(result.round)
                 self.round = result.round
                 self._announced = None
                 self._cut_at = None
-                self.channel.publish(
+                self.channel.assign(
                     Assignment(
                         round=result.round,
                         node_rank=result.rank,
                         nodes=result.world_size,
-                        ranks=[w.global_rank for w in workers],
-                        world_size=workers[0].world_size,
                         master_addr=str(info.master_addr),
                         master_port=int(info.master_port),
+                        ranks=tuple(w.global_rank for w in workers),
+                        world_size=workers[0].world_size,
+                        reform=True,
                     )
                 )
         log.info(
@@ -430,7 +431,6 @@ class HotPath:
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(5.0)
-        shutil.rmtree(self.directory, ignore_errors=True)
 
 
 def latest_round(participant: Participant) -> int:

@@ -38,6 +38,7 @@ from typing import Any
 from elastic_train.etcd.client import Etcd, cmp_mod, cmp_version, op_put
 from elastic_train.etcd.errors import EtcdError
 from elastic_train.log import get_logger
+from elastic_train.node import seconds
 from elastic_train.rendezvous.config import RendezvousConfig, run_prefix
 from elastic_train.rendezvous.decide import (
     FAILURE_REASONS,
@@ -58,7 +59,6 @@ from elastic_train.rendezvous.errors import (
     RunRefused,
 )
 from elastic_train.rendezvous.identity import JobIdentity
-from elastic_train.rendezvous.outcome import seconds
 from elastic_train.rendezvous.view import LeaseKeeper, RunView
 
 log = get_logger(__name__)
@@ -278,7 +278,7 @@ class Participant:
         #: How this node's workers failed, sent with its next join (``decide.identical_startup_failure``):
         #: ``{"exit_code", "error", "trained", "ran_s"}``, or ``None``.
         self.failure_report: dict[str, Any] | None = None
-        #: How far this node's workers' scripts got (``outcome.script_clock``), set by the handler.
+        #: How far this node's workers' scripts got (``AgentChannel.script_clock``), set by the handler.
         self.script_clock: Callable[[], tuple[bool, float | None] | None] | None = None
         #: Whether ``inproc/<node>`` says this node's workers re-form in-process (:meth:`advertise_inproc`).
         self.inproc = False

@@ -9,9 +9,9 @@ on, the ``etcd3`` handler instead gives such a node a *standby* start:
    whose own workers died) and whose live members all re-form in-process (they say so in etcd,
    ``inproc/<node>``, :meth:`~elastic_train.rendezvous.protocol.Participant.advertise_inproc`). It joins
    nothing: torchrun gets a provisional rendezvous of this node alone (a prefix of the agent's own store,
-   a fresh bootstrap port) and starts the workers with :data:`~elastic_train.envvars.ENV_STANDBY` set.
+   a fresh bootstrap port) and starts the workers with an assignment that says so (``standby_s``).
 2. The workers import, build model, optimizer and data, and report ready on the node's channel
-   (``standby-<local_rank>.json``, :mod:`elastic_train.reform`); the running job trains all along.
+   (:class:`~elastic_train.node.Standby`); the running job trains all along.
 3. Once every local worker is ready, a thread of the agent joins the next round through the hot path
    (:meth:`~elastic_train.rendezvous.hot.HotPath.admit`): the running nodes see a newcomer, stop at their
    next step boundary and re-form in-process; the round's agents exchange ranks, torchrun's record of the
@@ -31,7 +31,6 @@ instead of looping: a script that cannot build would fail the same way again.
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 import time
@@ -41,8 +40,8 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous.api import RendezvousInfo, RendezvousStoreInfo
 
-from elastic_train.envvars import ENV_ROUND, ENV_STANDBY
 from elastic_train.log import bind_context, get_logger
+from elastic_train.node import Assignment
 from elastic_train.rendezvous.errors import (
     FailureBudgetExhausted,
     RendezvousClosed,
@@ -118,7 +117,6 @@ class Standby:
                 )
         self._generation += 1
         self._waiting = False
-        os.environ.pop(ENV_STANDBY, None)
         participant = self._participant()
         participant.start()
         current = participant.standby_round()
@@ -130,8 +128,17 @@ class Standby:
             return None
         store = dist.PrefixStore(f"elastic_train/standby/{self._generation}/", self._store())
         info = RendezvousStoreInfo.build(0, store, local_addr=self._addr)
-        os.environ[ENV_ROUND] = str(current)
-        os.environ[ENV_STANDBY] = str(round(self._wait))
+        self._hot.channel.assign(
+            Assignment(
+                round=current,
+                node_rank=0,
+                nodes=1,
+                master_addr=str(info.master_addr),
+                master_port=int(info.master_port),
+                standby_s=float(round(self._wait)),
+                reform=True,
+            )
+        )
         self._arm()
         self._waiting = True
         bind_context(round=current, node=participant.node_id)
@@ -159,7 +166,7 @@ class Standby:
                 if hot.fallback is not None:
                     return
                 participant.check_open()
-            if not all(_alive(d.get("pid")) for d in hot.channel.standbys().values()):
+            if not all(_alive(s.pid) for s in hot.channel.standbys().values()):
                 return  # a worker died after it was built: torchrun restarts the group
             built = time.monotonic()
             hot.admit(f"{workers} standby worker(s) ready")

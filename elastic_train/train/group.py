@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 import types
+from collections.abc import MutableMapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -25,6 +26,7 @@ from elastic_train.log import bind_context, configure_logging
 from elastic_train.net import free_port
 from elastic_train.train.env import WorkerEnv
 from elastic_train.train.errors import TrainingError
+from elastic_train.train.link import process_link
 
 #: Run id of the checkpoints when torchrun gives none (``TORCHELASTIC_RUN_ID`` unset: a plain process).
 DEFAULT_RUN_ID = "default"
@@ -45,6 +47,19 @@ _LINKS: dict[int, int] = {}
 _LINKS_ROUND = [-1]
 #: Orders recording and cutting: a watcher thread may cut while the training thread re-forms.
 _LINKS_LOCK = threading.Lock()
+#: The NCCL watchdog mode hot recovery needs: abort the failed communicator and raise on the training thread
+#: (torch's ``ErrorHandlingMode::CleanUpOnly``); torch's default (3, ``SkipCleanUp``) takes the process down.
+NCCL_CLEAN_UP_ONLY = "2"
+ENV_NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+
+
+def nccl_error_handling(environ: MutableMapping[str, str], reform: bool) -> None:
+    """Under an agent that re-forms in-process (``reform``), make NCCL's watchdog abort a failed communicator
+    and raise instead of ending the process (unless the user chose a mode: then hot recovery leaves NCCL
+    groups to the restart path, ``hot.Reformer.register``). torch reads the variable when an NCCL group
+    forms: :func:`init` calls this first."""
+    if reform:
+        environ.setdefault(ENV_NCCL_ERROR_HANDLING, NCCL_CLEAN_UP_ONLY)
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,7 +137,8 @@ def init(backend: str = "auto", *, timeout: timedelta | None = None, env: Worker
     global _WORLD
     if _WORLD is not None and dist.is_initialized():
         return _WORLD
-    env = env or WorkerEnv.from_environ(os.environ)
+    link = process_link()
+    env = env or WorkerEnv.from_environ(os.environ, link.assignment)
     import structlog
 
     if not structlog.is_configured():
@@ -141,6 +157,7 @@ def init(backend: str = "auto", *, timeout: timedelta | None = None, env: Worker
                 raise TrainingError("backend nccl needs CUDA, and no GPU is visible")
             device = torch.device("cuda", env.local_rank)
             torch.cuda.set_device(device)
+            nccl_error_handling(os.environ, link.reform)
         else:
             device = torch.device("cpu")
         _form_group(chosen, device, env, timeout)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import socket
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -15,7 +16,7 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-from elastic_train.envvars import ENV_REFORM_DIR
+from elastic_train.node import AgentChannel, WorkerChannel
 from elastic_train.rendezvous import hot as hot_mod
 from elastic_train.rendezvous.hot import HotPath, RoundAbandoned
 from elastic_train.rendezvous.protocol import RoundRecord, RoundResult
@@ -95,11 +96,16 @@ def store() -> Iterator[dist.Store]:
 
 
 def hot_path(participant: FakeParticipant, monkeypatch: pytest.MonkeyPatch) -> HotPath:
-    monkeypatch.delenv(ENV_REFORM_DIR, raising=False)
-    hp = HotPath(lambda: participant, lambda r: (None, None), threading.Lock())  # type: ignore[arg-type,return-value]
+    channel = AgentChannel(tempfile.mkdtemp(prefix="hot-path-"))
+    hp = HotPath(lambda: participant, lambda r: (None, None), threading.Lock(), channel)  # type: ignore[arg-type,return-value]
     hp._agent = TorchrunAgent(None, SimpleNamespace(spec=SimpleNamespace(role="default", local_world_size=1)))
     hp.round = 1
     return hp
+
+
+def worker(hp: HotPath, local_rank: int = 0) -> WorkerChannel:
+    """A local worker's side of the hot path's channel."""
+    return WorkerChannel(hp.channel.directory, local_rank)
 
 
 def live(view: FakeView, *nodes: str) -> None:
@@ -198,11 +204,11 @@ def test_a_member_that_leaves_the_forming_round_shortens_the_step_grace(view, mo
     participant: Any = FakeParticipant("a", members, view)
     hp = hot_path(participant, monkeypatch)
     hp.round = 2
-    hp.channel.register(0, 1)  # the worker forms round 2's group: registered for round 1 only
+    worker(hp).register(1)  # the worker forms round 2's group: registered for round 1 only
     assert hp._no_boundary_coming(participant) is None
     view.keys["join/c"] = json.dumps({"target": 3, "reason": "failure"}).encode()
     assert "['c'] asked for a newer round" in str(hp._no_boundary_coming(participant))
-    hp.channel.register(0, 2)  # formed: the workers stop at their next step
+    worker(hp).register(2)  # formed: the workers stop at their next step
     assert hp._no_boundary_coming(participant) is None
     hp.close()
 
@@ -219,7 +225,7 @@ def test_a_member_that_left_a_formed_round_shortens_the_grace_once_the_workers_a
     participant.num_waiting = lambda: 1
     hp = hot_path(participant, monkeypatch)
     hp.round, hp._nproc = 2, 1
-    hp.channel.register(0, 2)
+    worker(hp).register(2)
     blocked = [False]
     hp.blocked = lambda: blocked[0]
     view.keys["join/c"] = json.dumps({"target": 3, "reason": "rejoin"}).encode()
@@ -243,11 +249,11 @@ def test_workers_blocked_after_a_member_lost_its_lease_fall_back_at_once(view, m
     participant.num_waiting = lambda: 1
     hp = hot_path(participant, monkeypatch)
     hp._nproc = 1
-    hp.channel.register(0, 1)
+    worker(hp).register(1)
     blocked = [False]
     hp.blocked = lambda: blocked[0]
     hp._tick()  # announces, with the lost-member grace
-    assert hp.channel.change_after(1) and hp.fallback is None
+    assert worker(hp).change_after(1) and hp.fallback is None
     hp._tick()  # the workers still step: they may reach a boundary within the grace
     assert hp.fallback is None
     blocked[0] = True  # no step for a stall's length: they wait in a collective with the stopped peer
@@ -269,12 +275,12 @@ def test_gloo_workers_blocked_with_a_stopped_peer_are_asked_to_cut_their_links_f
     participant.num_waiting = lambda: 1
     hp = hot_path(participant, monkeypatch)
     hp._nproc = 1
-    hp.channel.register(0, 1, cut=True)
+    worker(hp).register(1, cut=True)
     hp.blocked = lambda: True
-    assert not hp.channel.cut_asked(1)
+    assert not worker(hp).cut_asked(1)
     hp._tick()  # announced
     hp._tick()  # blocked with a lost member: cut
-    assert hp.channel.cut_asked(1) and not hp.channel.cut_asked(2)
+    assert worker(hp).cut_asked(1) and not worker(hp).cut_asked(2)
     assert hp.fallback is None
     hp._tick()
     assert hp.fallback is None  # the workers have the grace to fail and ask
@@ -289,8 +295,8 @@ def test_a_cut_is_asked_only_when_every_registered_worker_can_cut(view, monkeypa
     participant: Any = FakeParticipant("a", ["a"], view)
     hp = hot_path(participant, monkeypatch)
     assert not hp.channel.cuttable()  # nobody registered
-    hp.channel.register(0, 1, cut=True)
+    worker(hp).register(1, cut=True)
     assert hp.channel.cuttable()
-    hp.channel.register(1, 1)  # e.g. an NCCL worker
+    worker(hp, 1).register(1)  # e.g. an NCCL worker
     assert not hp.channel.cuttable()
     hp.close()

@@ -2,27 +2,16 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
-import pytest
-
-from elastic_train.envvars import ENV_OUTCOME_DIR
+from elastic_train.node import AgentChannel, Outcome, WorkerChannel, seconds
 from elastic_train.rendezvous.decide import (
     Joiner,
+    exit_ran_s,
+    exit_report,
     hold_for_startup_reports,
     identical_startup_failure,
     is_startup_report,
-)
-from elastic_train.rendezvous.outcome import (
-    clear_outcomes,
-    exit_ran_s,
-    exit_report,
-    mark_script,
-    read_outcomes,
-    record_outcome,
-    script_clock,
-    seconds,
 )
 
 LINE = "train.py: error: the following arguments are required: --lr"
@@ -58,15 +47,14 @@ def test_anything_else_keeps_the_ordinary_restart() -> None:
 
 
 def test_a_nodes_report_needs_its_exited_workers_to_agree() -> None:
-    def exited(rank: int, code: int = 2, line: str = LINE) -> dict:
-        return {"state": "exited", "rank": rank, "code": code, "message": line}
+    def exited(rank: int, code: int = 2, line: str = LINE) -> Outcome:
+        return Outcome(rank, "exited", code=code, message=line)
 
     assert exit_report([exited(0), exited(1)]) == (2, LINE)
     assert exit_report([exited(0), exited(1, code=1)]) is None
     assert exit_report([exited(0), exited(1, line="other")]) is None
     assert exit_report([exited(0, line="")]) is None
-    assert exit_report([{"state": "finished", "rank": 0, "step": 3}]) is None
-    assert exit_report([exited(0, code=True)]) is None  # type: ignore[arg-type]
+    assert exit_report([Outcome(0, "finished", step=3)]) is None
 
 
 def hold(seen_for: float, own, *, now: float = 100.0, peer_ran_s: float = 0.5) -> bool:
@@ -87,32 +75,13 @@ def test_a_node_holds_its_workers_until_its_own_script_had_the_reporters_time() 
     assert not hold(30.0, (True, None))  # never longer than the most
 
 
-def test_a_script_marks_its_start_for_the_agent(tmp_path: Path) -> None:
-    env = {ENV_OUTCOME_DIR: str(tmp_path)}
-    assert script_clock(str(tmp_path)) is None
-    mark_script(env, 0, started=False)
-    mark_script(env, 1, started=False)
-    assert script_clock(str(tmp_path)) == (True, None)
-    before = time.monotonic()
-    mark_script(env, 0, started=True)
-    pending, at = script_clock(str(tmp_path))  # type: ignore[misc]
-    assert pending and at is not None and at >= before
-    mark_script(env, 1, started=True)
-    assert script_clock(str(tmp_path)) == (False, pytest.approx(time.monotonic(), abs=5))
-    (tmp_path / "rank-2.start").write_text("[1, 2")  # torn or foreign: ignored
-    assert script_clock(str(tmp_path))[0] is False  # type: ignore[index]
-    clear_outcomes(str(tmp_path))
-    assert script_clock(str(tmp_path)) is None
-    mark_script({}, 0, started=True)  # outside an agent: nothing
-
-
 def test_the_report_carries_how_long_the_script_ran(tmp_path: Path) -> None:
-    env = {ENV_OUTCOME_DIR: str(tmp_path)}
-    record_outcome(env, 0, "exited", code=2, message=LINE, ran_s=0.25)
-    record_outcome(env, 1, "exited", code=2, message=LINE, ran_s=1.5)
-    outcomes = read_outcomes(str(tmp_path))
+    worker = WorkerChannel(str(tmp_path))
+    worker.report(Outcome(0, "exited", code=2, message=LINE, ran_s=0.25))
+    worker.report(Outcome(1, "exited", code=2, message=LINE, ran_s=1.5))
+    outcomes = AgentChannel(str(tmp_path)).outcomes()
     assert exit_report(outcomes) == (2, LINE)
     assert exit_ran_s(outcomes) == 1.5
-    assert exit_ran_s([{"state": "exited", "ran_s": "x"}, {"state": "exited", "ran_s": float("nan")}]) == 0.0
+    assert exit_ran_s([Outcome(0, "exited", ran_s=1e9)]) == 86400.0
     assert seconds(float("inf")) == 0.0 and seconds(True) == 0.0 and seconds(-3) == 0.0
     assert seconds(1e12) == 86400.0 and seconds(2) == 2.0

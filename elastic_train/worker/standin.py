@@ -1,4 +1,4 @@
-"""``python -m elastic_train.standin [-m MODULE | SCRIPT] ARGS...``: run any torchrun worker fast.
+"""``python -m elastic_train.worker.standin [-m MODULE | SCRIPT] ARGS...``: run any torchrun worker fast.
 
 What torchrun starts when ``elastic-train run --entry ...`` launches a user's own training script. With
 this node's fork server (started by ``elastic-train run``) the script runs in a process forked from one that
@@ -7,7 +7,7 @@ with its own ``sys.argv``, exactly as under plain torchrun.
 
 The script's stderr passes through this process unchanged (a pipe, copied as it comes), so that when the
 script exits non-zero the stand-in can leave its exit code and last stderr line for the agent
-(:mod:`elastic_train.rendezvous.outcome`): the same failure on every node before any step ends the run with
+(:class:`~elastic_train.node.Outcome`): the same failure on every node before any step ends the run with
 that line instead of burning the failure budget (docs/operating.md).
 """
 
@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 
-from elastic_train.rendezvous.outcome import mark_script, record_outcome
+from elastic_train.node import Outcome, WorkerChannel
 from elastic_train.worker.forkserver import ENV_SOCKET, exit_like, run_entry, run_standin
 
 #: Bytes of the script's stderr kept to find its last line.
@@ -72,11 +72,11 @@ class StderrTail:
 def split_entry(args: list[str]) -> tuple[list[str], list[str]]:
     """``["-m", "pkg.train", "--lr", "1"]`` → (["-m", "pkg.train"], ["--lr", "1"]); a script is one item."""
     if not args:
-        sys.stderr.write("usage: python -m elastic_train.standin [-m MODULE | SCRIPT] ARGS...\n")
+        sys.stderr.write("usage: python -m elastic_train.worker.standin [-m MODULE | SCRIPT] ARGS...\n")
         raise SystemExit(2)
     if args[0] == "-m":
         if len(args) < 2:
-            sys.stderr.write("elastic_train.standin: -m needs a module name\n")
+            sys.stderr.write("elastic_train.worker.standin: -m needs a module name\n")
             raise SystemExit(2)
         return args[:2], args[2:]
     return args[:1], args[1:]
@@ -87,13 +87,16 @@ def main() -> None:
     socket_path = os.environ.get(ENV_SOCKET)
     rank_text = os.environ.get("RANK", "0")
     rank = int(rank_text) if rank_text.isdigit() else 0
-    mark_script(os.environ, rank, started=False)
+    channel = WorkerChannel.from_environ(os.environ)
+    if channel is not None:
+        channel.mark_script(rank, started=False)
     started = time.monotonic()
 
     def on_start() -> None:
         nonlocal started
         started = time.monotonic()
-        mark_script(os.environ, rank, started=True)
+        if channel is not None:
+            channel.mark_script(rank, started=True)
 
     tail = StderrTail()
     try:
@@ -104,9 +107,9 @@ def main() -> None:
             code = run_entry(entry, argv)
     finally:
         last = tail.close()
-    if code > 0:
+    if code > 0 and channel is not None:
         ran = time.monotonic() - started
-        record_outcome(os.environ, rank, "exited", code=code, message=last, ran_s=round(ran, 3))
+        channel.report(Outcome(rank, "exited", code=code, message=last, ran_s=round(ran, 3)))
     exit_like(code)
 
 
