@@ -104,16 +104,6 @@ class Etcd3RendezvousHandler(RendezvousHandler):
         self._join_lock = threading.Lock()
         self._hot: HotPath | None = None
         self._standby: Standby | None = None
-        if settings.hot:
-            self._hot = HotPath(lambda: self.participant, self._bootstrap, self._join_lock, self._node)
-            self._standby = Standby(
-                self._hot,
-                lambda: self.participant,
-                lambda: self._server,
-                self._addr,
-                lambda: self._fence.arm() if self._fence is not None else None,
-                settings.join_timeout,
-            )
 
     # -- RendezvousHandler --------------------------------------------------------------------------------
 
@@ -129,22 +119,27 @@ class Etcd3RendezvousHandler(RendezvousHandler):
 
     @property
     def participant(self) -> Participant:
+        """This node in the run, made on first use with what hangs on it: the agent's store, the fence,
+        and with hot recovery the standby starts and the hot path."""
         if self._participant is None:
-            self._server = dist.TCPStore(
+            server = dist.TCPStore(
                 self._addr,
                 0,
                 is_master=True,
                 wait_for_workers=False,
                 timeout=self._store_timeout,
             )
-            self._participant = Participant(
-                self._etcd, self._settings, addr=self._addr, store_port=self._server.port
-            )
-            self._participant.script_clock = self._node.script_clock
-            self._fence = Fence(self._participant, self._node)
-            self._fence.start_gate()
-            if self._hot is not None:
-                self._hot.blocked = self._fence.workers_blocked
+            participant = Participant(self._etcd, self._settings, addr=self._addr, store_port=server.port)
+            participant.script_clock = self._node.script_clock
+            fence = Fence(participant, self._node)
+            fence.start_gate()
+            if self._settings.hot:
+                standby = Standby(
+                    participant, self._node, server, self._addr, fence, self._settings.join_timeout
+                )
+                self._standby = standby
+                self._hot = HotPath(participant, self._node, fence, standby, self._bootstrap, self._join_lock)
+            self._server, self._fence, self._participant = server, fence, participant
         return self._participant
 
     def next_rendezvous(self) -> RendezvousInfo:
@@ -198,12 +193,15 @@ class Etcd3RendezvousHandler(RendezvousHandler):
         # A round the hot path's thread joined after it gave up (the fence fired during its join) is this
         # path's: joining again, or starting on standby, would leave its other members forming a group with
         # workers that never come. The lock waits for such a join still in flight.
+        participant = self.participant
         with self._join_lock:
             handoff = self._hot.take_handoff() if self._hot is not None else None
-        if handoff is None and self._standby is not None:  # a node joining a running job builds first
-            standby = self._standby.start()
-            if standby is not None:
-                return standby
+        if handoff is None and self._standby is not None and self._hot is not None:
+            current = self._standby.eligible()  # a node joining a running job builds first
+            if current is not None:
+                self._hot.started(RoundResult(current, 0, 1, [participant.node_id], {}))
+                if self._hot.local_workers > 0:  # under torchrun's agent: workers to hand a round to
+                    return self._standby.begin(current, self._hot.local_workers)
         with self._join_lock:
             result, info = self._join_round(handoff)
         if self._hot is not None:
@@ -278,7 +276,9 @@ class Etcd3RendezvousHandler(RendezvousHandler):
         if self._participant is None:
             return 0
         hot = self._hot is not None and self._hot.engaged()
-        if self._standby is not None and self._standby.monitor(hot):
+        if self._hot is not None:  # the others start joiners on standby only while every member says so
+            self._participant.advertise_inproc(hot)
+        if self._standby is not None and self._standby.waiting:
             return 0  # standby workers build, then the node joins at the running job's step boundary
         if self._fence is not None:
             reason = self._fence.check(lease_loss_handled=hot)

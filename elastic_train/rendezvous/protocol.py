@@ -59,6 +59,7 @@ from elastic_train.rendezvous.errors import (
     RunRefused,
 )
 from elastic_train.rendezvous.identity import JobIdentity
+from elastic_train.rendezvous.probe import probe_node
 from elastic_train.rendezvous.view import LeaseKeeper, RunView
 
 log = get_logger(__name__)
@@ -76,8 +77,6 @@ OWN_JOIN_WAIT = 0.05
 STARTUP_REPORT_GRACE = 3.0
 #: Longest such a hold lasts (``decide.hold_for_startup_reports``).
 STARTUP_REPORT_HOLD_MAX = 30.0
-#: Seconds a probe of a silent member's store port waits for the connection (refused: the agent is gone).
-PROBE_TIMEOUT = 0.05
 #: Seconds before a member whose store port accepted a probe is probed again in the same round: a killed
 #: agent's port may accept while the kernel still tears the process down.
 REPROBE_INTERVAL = 0.1
@@ -637,6 +636,18 @@ class Participant:
             live = self._live()
             return {m for m in self.members if m not in live}
 
+    def asking_beyond(self, round: int) -> set[str]:
+        """Live nodes whose join key asks for a round after ``round``."""
+        with self.view.cond:
+            live = self._live()
+            return {n for n, j in self._joins().items() if j.target > round and n in live}
+
+    def latest_round(self) -> int:
+        """The newest closed round of the run, from the view (0 before the first)."""
+        with self.view.cond:
+            rec, _ = self._round_record()
+        return rec.round if rec is not None else 0
+
     def _classify(
         self, rec: RoundRecord | None, live: set[str], joins: dict[str, Joiner], *, local_failure: bool
     ) -> str:
@@ -781,11 +792,10 @@ class Participant:
     ) -> set[str]:
         """Members of the last round that are live in etcd but have not asked for this round, and whose agent
         refuses connections to its store port: the process is gone (kill -9, a crash), only its lease has not
-        expired yet (``view.cond`` held; a refused loopback or LAN connection answers in well under a
-        millisecond). A member whose port accepted is probed again every :data:`REPROBE_INTERVAL` (a killed
-        agent's port may accept while its process is torn down); one whose probe got no answer within
-        :data:`PROBE_TIMEOUT` is probed once per target round and counts as alive: a stopped or unreachable
-        node is left to the lease."""
+        expired yet (``view.cond`` held; a refused connection answers within a round trip). A member whose
+        port accepted is probed again every :data:`REPROBE_INTERVAL` (a killed agent's port may accept while
+        its process is torn down); one whose probe got no answer in time (:mod:`.probe`) is probed once per
+        target round and counts as alive: a stopped or unreachable node is left to the lease."""
         if rec is None:
             return set()
         now = time.monotonic()
@@ -803,23 +813,13 @@ class Participant:
         return {n for n, gone in state.probed.items() if gone and n in live and n not in joins}
 
     def _probe(self, node: str) -> str:
-        """``refused`` when ``node``'s store port (from its node key) refuses a TCP connection, ``accepted``
-        when it accepts one, else ``unknown`` (no port, no answer within :data:`PROBE_TIMEOUT`)."""
+        """:func:`~elastic_train.rendezvous.probe.probe_node` of ``node``'s store, as its node key says."""
         kv = self.view.get("nodes/" + node)
         try:
-            d = json.loads(kv.value) if kv is not None else {}
-            addr, port = str(d["addr"]), int(d["store_port"])
-        except (ValueError, KeyError, TypeError):
-            return "unknown"
-        if port <= 0:
-            return "unknown"
-        try:
-            socket.create_connection((addr, port), timeout=PROBE_TIMEOUT).close()
-        except ConnectionRefusedError:
-            return "refused"
-        except OSError:
-            return "unknown"
-        return "accepted"
+            d = json.loads(kv.value) if kv is not None else None
+        except ValueError:
+            d = None
+        return probe_node(d if isinstance(d, dict) else None)
 
     def _etcd_step(self, deadline: float, fn: Callable[..., object], *args: Any) -> bool:
         """Run one etcd write, ``fn(*args)``; on an etcd error log, pause briefly and report False (the
