@@ -3,7 +3,7 @@ still the run's current one.
 
 The agent serves ``gate.sock`` in the node's directory (:class:`GateServer`); it answers from a fresh
 (linearizable) read of the coordination service: :data:`CURRENT`, :data:`STALE` (a newer round closed: this
-world is fenced off) or :data:`UNKNOWN` (no answer within its bound). One line each way: the round as
+world is stale) or :data:`UNKNOWN` (no answer within its bound). One line each way: the round as
 decimal digits, the answer as a word. Outside such an agent there is no socket and every publish is allowed.
 """
 
@@ -68,7 +68,7 @@ class Link:
         )
 
     @property
-    def fenced(self) -> bool:
+    def gated(self) -> bool:
         """Whether an agent answers the publish gate for this worker."""
         return self.directory is not None and self.round is not None
 
@@ -78,7 +78,7 @@ class Link:
 
     def may_publish(self, timeout: float = TIMEOUT) -> str:
         """:func:`ask` for this link's round; :data:`CURRENT` without an agent."""
-        if not self.fenced:
+        if not self.gated:
             return CURRENT
         assert self.directory is not None and self.round is not None
         return ask(self.directory, self.round, timeout)

@@ -19,7 +19,8 @@ from collections.abc import Callable
 from typing import Any
 
 from elastic_train.rendezvous.probe import probe_node
-from elastic_train.rendezvous.protocol import Participant, RoundResult
+from elastic_train.rendezvous.protocol import Participant
+from elastic_train.rendezvous.records import RoundResult
 from elastic_train.torchcompat import TorchrunAgent, WorkerSlot, role_info_key
 
 #: Seconds the agents of a round formed in-process get to exchange their workers' ranks (all of them are at

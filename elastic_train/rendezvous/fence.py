@@ -50,7 +50,8 @@ import psutil
 from elastic_train.etcd.errors import EtcdError
 from elastic_train.log import get_logger
 from elastic_train.node import CURRENT, STALE, UNKNOWN, AgentChannel, GateServer
-from elastic_train.rendezvous.protocol import Participant, RoundRecord
+from elastic_train.rendezvous.protocol import Participant
+from elastic_train.rendezvous.records import RoundRecord
 
 log = get_logger(__name__)
 
@@ -249,7 +250,7 @@ class Fence:
                     return UNKNOWN
                 self._stop.wait(0.25)
                 continue
-            except (ValueError, KeyError, TypeError):
+            except ValueError:
                 return UNKNOWN  # an unreadable record confirms nothing
             return CURRENT if latest == round else STALE
 

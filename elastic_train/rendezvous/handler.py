@@ -54,12 +54,14 @@ from elastic_train.etcd.client import Etcd
 from elastic_train.log import bind_context, get_logger
 from elastic_train.node import AgentChannel, Assignment
 from elastic_train.procs import scratch_dir
+from elastic_train.rendezvous.config import ProtocolSettings
 from elastic_train.rendezvous.decide import exit_ran_s, exit_report
 from elastic_train.rendezvous.errors import JobFailed, RendezvousClosed, RunFinished, RunRefused
 from elastic_train.rendezvous.fence import Fence
 from elastic_train.rendezvous.hot import HotPath
 from elastic_train.rendezvous.identity import JobIdentity, identity_from_environ, torchrun_settings
-from elastic_train.rendezvous.protocol import Participant, ProtocolSettings, RoundResult
+from elastic_train.rendezvous.protocol import Participant
+from elastic_train.rendezvous.records import RoundResult
 from elastic_train.rendezvous.standby import Standby
 from elastic_train.torchcompat import torchrun_nproc_per_node
 

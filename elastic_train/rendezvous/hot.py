@@ -47,7 +47,8 @@ from elastic_train.rendezvous.errors import FailureBudgetExhausted, RendezvousCl
 from elastic_train.rendezvous.exchange import RoundAbandoned, exchange_ranks
 from elastic_train.rendezvous.fence import Fence
 from elastic_train.rendezvous.hotdecide import Act, Action, Observation, StandbyState, decide
-from elastic_train.rendezvous.protocol import Participant, RoundResult
+from elastic_train.rendezvous.protocol import Participant
+from elastic_train.rendezvous.records import RoundResult
 from elastic_train.rendezvous.standby import Standby
 from elastic_train.torchcompat import TorchrunAgent
 

@@ -121,7 +121,7 @@ class Standby:
         self._generation += 1
         self._pending = None
         self.participant.start()
-        return self.participant.standby_round()
+        return standby_round(self.participant)
 
     def begin(self, current: int, workers: int) -> RendezvousInfo:
         """Start ``workers`` local workers on standby while round ``current`` trains: the provisional
@@ -168,3 +168,24 @@ class Standby:
             return False
         self._pending = None
         return True
+
+
+def standby_round(participant: Participant) -> int | None:
+    """The run's last round when ``participant``'s node may start its workers on standby for the next one:
+    the run is open, every member of that round other than this node is live (none lost: the others re-form
+    now, and a peer that stopped makes them restart), and every one of them (at least one) re-forms
+    in-process (``inproc/<node>``), so its workers will admit this node's at a step boundary. ``None``
+    otherwise (start as usual)."""
+    run = participant.run
+    with run.view.cond:
+        if run.closed() is not None:
+            return None
+        rec, _ = run.round_record()
+        if rec is None:
+            return None
+        live = run.live()
+        others = [m for m in rec.members if m != participant.node_id]
+        if any(m not in live for m in others):
+            return None
+        inproc = run.view.under("inproc/")
+        return rec.round if others and all(m in inproc for m in others) else None

@@ -206,12 +206,12 @@ def test_the_publish_gate_answers_for_the_round_asked(tmp_path: Path) -> None:
     finally:
         server.close()
     assert ask(str(tmp_path), 4, timeout=1) == UNKNOWN  # nobody answers: unconfirmed
-    assert Link(None, None).may_publish() == CURRENT and not Link(None, None).fenced  # outside an agent
+    assert Link(None, None).may_publish() == CURRENT and not Link(None, None).gated  # outside an agent
     assert Link(str(tmp_path), 3).may_publish(timeout=1) == UNKNOWN  # an agent dir without a gate
 
 
 def test_a_link_from_the_environment_carries_the_round_of_the_last_assignment(tmp_path: Path) -> None:
     AgentChannel(str(tmp_path)).assign(assignment(6))
     link = Link.from_env({ENV_NODE_DIR: str(tmp_path)})
-    assert (link.directory, link.round, link.fenced) == (str(tmp_path), 6, True)
+    assert (link.directory, link.round, link.gated) == (str(tmp_path), 6, True)
     assert Link.from_env({}).round is None
