@@ -258,6 +258,10 @@ class WorkerChannel(_Directory):
         """This standby worker built what it trains and asks to join the round after ``round``."""
         self._write(f"{Standby.PREFIX}{self.local_rank}.json", Standby(round, os.getpid()).encode())
 
+    def outcome(self, rank: int) -> Outcome | None:
+        """What the worker of global rank ``rank`` reported (the stand-in completes a worker's own report)."""
+        return self._read(f"{Outcome.PREFIX}{rank}.json", Outcome)
+
     def report(self, outcome: Outcome) -> None:
         """Leave this worker's outcome for the agent (best effort: an agent that went away reads nothing)."""
         with contextlib.suppress(OSError):

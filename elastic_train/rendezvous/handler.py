@@ -52,10 +52,10 @@ from elastic_train.envvars import ENV_NODE_DIR
 from elastic_train.errors import ConfigError
 from elastic_train.etcd.client import Etcd
 from elastic_train.log import bind_context, get_logger
-from elastic_train.node import AgentChannel, Assignment
+from elastic_train.node import AgentChannel, Assignment, Outcome
 from elastic_train.procs import scratch_dir
 from elastic_train.rendezvous.config import ProtocolSettings
-from elastic_train.rendezvous.decide import exit_ran_s, exit_report
+from elastic_train.rendezvous.decide import exit_report, torchrun_report
 from elastic_train.rendezvous.errors import JobFailed, RendezvousClosed, RunFinished, RunRefused
 from elastic_train.rendezvous.fence import Fence
 from elastic_train.rendezvous.hot import HotPath
@@ -63,7 +63,7 @@ from elastic_train.rendezvous.identity import JobIdentity, identity_from_environ
 from elastic_train.rendezvous.protocol import Participant
 from elastic_train.rendezvous.records import RoundResult
 from elastic_train.rendezvous.standby import Standby
-from elastic_train.torchcompat import torchrun_nproc_per_node
+from elastic_train.torchcompat import torchrun_failures, torchrun_nproc_per_node
 
 log = get_logger(__name__)
 
@@ -170,19 +170,9 @@ class Etcd3RendezvousHandler(RendezvousHandler):
         give the next join this node's report of how its workers exited (the start-up failure rule)."""
         outcomes = self._node.take_outcomes()
         failed = [o for o in outcomes if o.state == "failed"]
-        report = exit_report(outcomes)
         if self._participant is None:
             return
-        self._participant.failure_report = (
-            {
-                "exit_code": report[0],
-                "error": report[1],
-                "trained": self._node.trained() is not None,
-                "ran_s": exit_ran_s(outcomes),
-            }
-            if report
-            else None
-        )
+        self._participant.failure_report = self._exit_report(outcomes)
         if not failed:
             return
         message = failed[0].message or "a worker failed with an error no restart can fix"
@@ -190,6 +180,32 @@ class Etcd3RendezvousHandler(RendezvousHandler):
         self._participant.close("failed", message)
         self._closed_by_us = True
         raise JobFailed(f"run {self._settings.run_id} failed: {message}")
+
+    def _exit_report(self, outcomes: list[Outcome]) -> dict[str, Any] | None:
+        """How this node's workers of the last group exited, for its next join (``decide.
+        identical_startup_failure``), or None: they did not all fail alike, the hot path had given up on
+        them (they exited because it did), or torchrun stopped them itself.
+
+        What the workers said through the node's directory (the exception's type and where it was raised,
+        the stand-in's exit code and last stderr line) comes first; for a script that says nothing, under
+        plain torchrun, torchrun's own record of the exit codes and error files.
+        """
+        if self._hot is not None and self._hot.fallback is not None:
+            return None
+        report = exit_report(outcomes) if any(o.state == "exited" for o in outcomes) else None
+        if report is None and not outcomes:
+            exits = torchrun_failures()
+            report = torchrun_report(exits) if exits else None
+        if report is None:
+            return None
+        mark = self._node.trained()
+        return {
+            "exit_code": report.code,
+            "error": report.line,
+            "signature": report.signature,
+            "trained": mark is not None and mark.round == self.participant.round,
+            "ran_s": report.ran_s,
+        }
 
     def _next_rendezvous(self) -> RendezvousInfo:
         # A round the hot path's thread joined after it gave up (the fence fired during its join) is this

@@ -4,7 +4,7 @@ Keys of a run, all under ``/elastic_train/<run_id>/``:
 
 - ``nodes/<node>``  (leased) ``{"addr", "store_port", "host", "pid"}``: the node is alive.
 - ``join/<node>``   (leased) ``{"target": R, "reason": ...}``: the node asks to be in round R (with a failure
-  report: ``exit_code``, ``error``, ``trained``, ``ran_s``).
+  report: ``exit_code``, ``error``, ``signature``, ``trained``, ``ran_s``).
 - ``inproc/<node>`` (leased) present while the node's workers re-form in-process (hot recovery): a node that
   joins a round all of whose live members have it starts its workers on standby (:mod:`.standby`).
 - ``round``         ``{"round", "members": [rank order], "nodes": {id: {"addr", "store_port"}}, "failure"}``:
@@ -136,6 +136,7 @@ def decode_join(node: str, kv: KeyValue) -> Joiner | None:
             error=str(error)[:2000],
             trained=d.get("trained") is True,
             ran_s=seconds(d.get("ran_s")),
+            signature=str(d.get("signature") or "")[:2000],
         )
     except ValueError:
         return None

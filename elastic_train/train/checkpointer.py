@@ -192,8 +192,6 @@ class Checkpointer:
         self.load(restored.state)
         self.link.live.set(self.state, self.step)
         self.source = restored.source
-        if self.step > 0:
-            self.link.mark_trained()
         sampler = self.state.sampler
         epoch = sampler.epoch if sampler is not None else None
         log.info("training_resumed", step=self.step, source=restored.source, epoch=epoch)

@@ -5,6 +5,7 @@ Used by the built-in worker and by scripts with their own loop alike (``elastic_
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import stat
@@ -350,12 +351,15 @@ def _abort_nccl() -> None:
 
 
 def _install_excepthook() -> None:
-    """Render an :class:`ElasticTrainError` that ends the script as one line on stderr (exit code 1)."""
+    """Render an :class:`ElasticTrainError` that ends the script as one line on stderr (exit code 1), and
+    tell the worker's agent how the script ended (:meth:`.link.ProcessLink.report_exit`)."""
     previous = sys.excepthook
     if getattr(previous, "_elastic_train", False):
         return
 
     def hook(kind: type[BaseException], exc: BaseException, tb: types.TracebackType | None) -> None:
+        with contextlib.suppress(Exception):  # best effort: the error itself is what must be seen
+            process_link().report_exit(exc)
         if isinstance(exc, ElasticTrainError):
             rank = _WORLD.rank if _WORLD is not None else os.environ.get("RANK", "0")
             prog = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "python"

@@ -23,7 +23,7 @@ import weakref
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
-from elastic_train.node import Assignment, Beat, Link, WorkerChannel
+from elastic_train.node import Assignment, Beat, Link, Outcome, WorkerChannel
 from elastic_train.train.env import WorkerEnv
 
 
@@ -142,11 +142,27 @@ class ProcessLink:
         return self.channel is not None and round is not None and self.channel.change_after(round)
 
     def mark_trained(self) -> None:
-        """Tell the agent that this process committed (or resumed past) a step in its round (once per
-        round): a failure from then on is not one at start-up (docs/operating.md)."""
+        """Tell the agent that this process committed a step in its round (once per round): a failure from
+        then on is not one before the round's first step (docs/operating.md)."""
         if self.channel is not None and self._trained != self.round:
             self._trained = self.round
             self.channel.mark_trained(self.round)
+
+    def report_exit(self, exc: BaseException, code: int = 1) -> None:
+        """Tell the agent how this worker ends: the exception that escapes the script (its type, where it
+        was raised, its line), for the start-up failure rule (docs/operating.md). Nothing outside an agent,
+        for an interrupt, or when the agent itself ended the group (it gave up on the in-process re-formation,
+        or the run ended): that exit is not the script's failure."""
+        channel = self.channel
+        if channel is None or isinstance(exc, KeyboardInterrupt | SystemExit):
+            return
+        if channel.fallback() is not None or channel.ended() is not None:
+            return
+        kind, where, line = describe(exc)
+        rank = os.environ.get("RANK", "0")
+        outcome = Outcome(int(rank) if rank.isdigit() else 0, "exited", code=code, message=line, kind=kind,
+                          where=where)  # fmt: skip
+        channel.report(outcome)
 
     def checkpoint_link(self) -> Link:
         """What a checkpoint manager of this round needs: the round its checkpoints carry, the publish gate,
@@ -160,6 +176,19 @@ class ProcessLink:
         assert self.channel is not None
         self.channel.register(round, cut=cut)
         self.registered = True
+
+
+def describe(exc: BaseException) -> tuple[str, str, str]:
+    """(type, where it was raised, its line) of an exception: ``("RuntimeError", "train.py:42",
+    "RuntimeError: mat1 and mat2 must have the same dtype")``; the line is what Python prints last."""
+    import traceback
+
+    kind = type(exc).__qualname__
+    text = str(exc).strip()
+    line = f"{kind}: {text.splitlines()[0]}" if text else kind
+    frames = traceback.extract_tb(exc.__traceback__) if exc.__traceback__ is not None else []
+    where = f"{os.path.basename(frames[-1].filename)}:{frames[-1].lineno}" if frames else ""
+    return kind, where, line[:2000]
 
 
 _PROCESS: ProcessLink | None = None

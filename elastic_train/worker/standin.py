@@ -17,6 +17,7 @@ import os
 import sys
 import threading
 import time
+from dataclasses import replace
 
 from elastic_train.node import Outcome, WorkerChannel
 from elastic_train.worker.forkserver import ENV_SOCKET, exit_like, run_entry, run_standin
@@ -98,19 +99,33 @@ def main() -> None:
         if channel is not None:
             channel.mark_script(rank, started=True)
 
+    signalled: list[int] = []
     tail = StderrTail()
     try:
         if socket_path:
-            code = run_standin(socket_path, argv, entry, on_start)
+            code = run_standin(socket_path, argv, entry, on_start, signalled.append)
         else:
             on_start()
             code = run_entry(entry, argv)
     finally:
         last = tail.close()
-    if code > 0 and channel is not None:
-        ran = time.monotonic() - started
-        channel.report(Outcome(rank, "exited", code=code, message=last, ran_s=round(ran, 3)))
+    if channel is not None and not signalled:  # a worker its agent stopped did not fail
+        report_exit(channel, rank, code, last, round(time.monotonic() - started, 3))
     exit_like(code)
+
+
+def report_exit(channel: WorkerChannel, rank: int, code: int, line: str, ran_s: float | None) -> None:
+    """Leave a worker's exit for its agent (the start-up failure rule, docs/operating.md): its exit code
+    (any but 0; negative: the signal that killed it), its last stderr line, and how long the script ran,
+    completing what the worker reported itself (the exception's type and where it was raised). Nothing
+    when the agent itself ended the group (it gave up on the in-process re-formation, or the run ended)."""
+    if code == 0 or channel.fallback() is not None or channel.ended() is not None:
+        return
+    own = channel.outcome(rank)
+    if own is None:
+        channel.report(Outcome(rank, "exited", code=code, message=line, ran_s=ran_s))
+    elif own.state == "exited":
+        channel.report(replace(own, code=code, message=own.message or line, ran_s=ran_s))
 
 
 if __name__ == "__main__":
