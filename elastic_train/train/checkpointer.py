@@ -55,6 +55,23 @@ class Manager(Protocol):
 
 
 @runtime_checkable
+class Planned(Protocol):
+    """A manager that takes a state flattened once and reused (``TrainState.snapshot``) and restores into
+    the live tensors (``into=``, ``live=``), when its ``planned_snapshots`` says so."""
+
+    planned_snapshots: bool
+
+
+@runtime_checkable
+class LeavesAtBoundary(Protocol):
+    """A manager that can keep the step's memory snapshot when the group re-forms after it."""
+
+    def save_before_leaving(self, step: int, state: Callable[[], Any]) -> bool:
+        """Take the step's snapshot without a collective; whether one was taken."""
+        ...
+
+
+@runtime_checkable
 class Fenced(Protocol):
     """A manager whose snapshots may copy an optimizer's parameters and state until its next step."""
 
@@ -142,6 +159,7 @@ class Checkpointer:
         elif url is not None or every_steps is not None or resume_from is not None or config is not None:
             raise ValueError("Checkpointer: give either a manager or checkpoint settings, not both")
         self.manager: Manager = manager
+        self._planned = isinstance(manager, Planned) and manager.planned_snapshots is True
         self.hooks = list(hooks)
         #: Where the restored state came from (``memory``, ``durable``, ``resume_from``), None when fresh.
         self.source: str | None = None
@@ -171,7 +189,7 @@ class Checkpointer:
             CheckpointError: storage failure or an unreadable ``resume_from``.
         """
         model = self.state.model.state_dict()
-        if getattr(self.manager, "planned_snapshots", False) is True:
+        if self._planned:
             # Restored bytes land in the parameters and optimizer buffers themselves where they fit: no
             # snapshot copy may still be reading them.
             if isinstance(self.manager, Fenced):
@@ -265,7 +283,7 @@ class Checkpointer:
         for hook in self.hooks:
             hook(step)
         # A manager that takes a flattened state gets the planned one (no state dicts built per step).
-        planned = getattr(self.manager, "planned_snapshots", False) is True
+        planned = self._planned
         # Such a manager checks the snapshot's full structure before it publishes the copy (the memory tier
         # on its copier thread): the training thread checks only what costs no tensor access.
         snapshot = self._unverified_snapshot if planned else self.state.state_dict
@@ -291,11 +309,10 @@ class Checkpointer:
     def _leave(self, step: int, snapshot: Callable[[], Any]) -> None:
         """The group re-forms after this step: keep its snapshot (memory tier only), so that the members
         start the next group from it instead of redoing it, and nothing is sent to those that hold it."""
-        leave = getattr(self.manager, "save_before_leaving", None)
-        if leave is None:
+        if not isinstance(self.manager, LeavesAtBoundary):
             return
         try:
-            if leave(step, snapshot):
+            if self.manager.save_before_leaving(step, snapshot):
                 self.link.live.set(self.state, step)
         except Exception as exc:  # the step is then redone from the previous snapshot, as without this
             log.warning("snapshot_before_leaving_failed", step=step, error=str(exc))

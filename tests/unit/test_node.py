@@ -215,3 +215,18 @@ def test_a_link_from_the_environment_carries_the_round_of_the_last_assignment(tm
     link = Link.from_env({ENV_NODE_DIR: str(tmp_path)})
     assert (link.directory, link.round, link.gated) == (str(tmp_path), 6, True)
     assert Link.from_env({}).round is None
+
+
+def test_the_contract_imports_neither_torch_nor_etcd() -> None:
+    """Both sides import the contract: the stand-in (no torch) and the agent's layer (no training)."""
+    import ast
+
+    package = Path(__file__).resolve().parents[2] / "elastic_train" / "node"
+    third_party = set()
+    for path in package.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                third_party.update(a.name.split(".")[0] for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                third_party.add(node.module.split(".")[0])
+    assert not third_party & {"torch", "etcd3", "grpc", "psutil", "numpy"}, third_party
