@@ -172,10 +172,15 @@ class Standby:
 
 def standby_round(participant: Participant) -> int | None:
     """The run's last round when ``participant``'s node may start its workers on standby for the next one:
-    the run is open, every member of that round other than this node is live (none lost: the others re-form
-    now, and a peer that stopped makes them restart), and every one of them (at least one) re-forms
+    the run is open, and every live member of that round other than this node (at least one) re-forms
     in-process (``inproc/<node>``), so its workers will admit this node's at a step boundary. ``None``
-    otherwise (start as usual)."""
+    otherwise (start as usual).
+
+    A member whose lease is gone does not count: the others re-form without it now, and a node that joined
+    their round instead of building on standby would make that recovery wait for its own workers' start-up
+    (they would form the new group with workers still importing and building). Should the others give up
+    on re-forming in-process (a stopped peer they cannot cut loose), they withdraw ``inproc`` at once.
+    """
     run = participant.run
     with run.view.cond:
         if run.closed() is not None:
@@ -184,8 +189,6 @@ def standby_round(participant: Participant) -> int | None:
         if rec is None:
             return None
         live = run.live()
-        others = [m for m in rec.members if m != participant.node_id]
-        if any(m not in live for m in others):
-            return None
+        others = [m for m in rec.members if m != participant.node_id and m in live]
         inproc = run.view.under("inproc/")
         return rec.round if others and all(m in inproc for m in others) else None

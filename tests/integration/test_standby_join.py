@@ -235,7 +235,7 @@ def test_plain_torchrun_own_loop_joiner_builds_on_standby(
     assert_same_weights(weights, reference, torch.float64)
 
 
-def test_a_joiner_waits_on_standby_only_when_every_member_is_live_and_re_forms_in_process(
+def test_a_joiner_waits_on_standby_only_when_every_live_member_re_forms_in_process(
     etcd_server: Any,
 ) -> None:
     from elastic_train.etcd.client import connect
@@ -271,10 +271,13 @@ def test_a_joiner_waits_on_standby_only_when_every_member_is_live_and_re_forms_i
         while standby_round(joiner) != 1:
             assert time.monotonic() < deadline, "the joiner never saw both members re-form in-process again"
             time.sleep(0.05)
-        b.leave()  # a member of the round is gone: the others re-form now (or restart, after a stop)
+        b.leave()  # a member of the round is gone: a re-forms without it and would admit the joiner later
+        time.sleep(0.3)
+        assert standby_round(joiner) == 1, "a lost member sent the joiner into the survivors' recovery round"
+        a.advertise_inproc(False)  # ... unless the survivor restarts its workers
         deadline = time.monotonic() + 10
         while standby_round(joiner) is not None:
-            assert time.monotonic() < deadline, "the joiner waits on standby although the round lost a member"
+            assert time.monotonic() < deadline, "the joiner waits on standby for a member that restarts"
             time.sleep(0.05)
     finally:
         for p in (a, b, joiner):
