@@ -214,6 +214,12 @@ def test_torchruns_record_of_failed_workers_is_read_from_its_run_loop(tmp_path: 
     assert torchcompat.torchrun_failures() is None
 
 
+def test_many_tensors_are_copied_in_one_call() -> None:
+    dests, srcs = [torch.zeros(3), torch.zeros(2, 2)], [torch.arange(3.0), torch.ones(2, 2)]
+    torchcompat.foreach_copy(dests, srcs)
+    assert all(torch.equal(d, s) for d, s in zip(dests, srcs, strict=True))
+
+
 def test_the_module_inside_a_compiled_wrapper_is_found() -> None:
     model = torch.nn.Linear(2, 2)
     assert torchcompat.uncompiled(torch.compile(model)) is model
