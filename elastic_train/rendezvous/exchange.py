@@ -1,5 +1,8 @@
-"""The rank exchange of a round formed in-process: the agents of the round assign their workers' global ranks
-as torchrun's own path does, without waiting on a member that is gone.
+"""A round's store, and its rank exchange when the round formed in-process: the agents of the round assign
+their workers' global ranks as torchrun's own path does, without waiting on a member that is gone.
+
+Every agent hosts a TCPStore for its whole life and advertises its port; a round's store is its rank 0's,
+behind a prefix of the round's own (:class:`RoundStores`), for torchrun's path and the hot path alike.
 
 After an in-process round the hot path (:mod:`elastic_train.rendezvous.hot`) runs torchrun's rank exchange
 through the round's store (:class:`~elastic_train.torchcompat.TorchrunAgent`): every agent of the round takes
@@ -16,6 +19,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 from elastic_train.rendezvous.probe import probe_node
@@ -32,6 +36,46 @@ PROBE_EVERY = 0.1
 
 class RoundAbandoned(Exception):
     """A member of the round just formed is gone before the agents exchanged their workers' ranks."""
+
+
+class RoundStores:
+    """The store of each round this node takes part in.
+
+    Args:
+        server: this agent's own TCPStore (the store of a round whose rank 0 this node is).
+        addr: the address this node's workers bootstrap at.
+        timeout: the stores' timeout.
+        node_id: this node.
+    """
+
+    def __init__(self, server: Any, addr: str, timeout: timedelta, node_id: str) -> None:
+        self.server, self.addr, self.timeout, self.node_id = server, addr, timeout, node_id
+        self._clients: dict[tuple[str, int], Any] = {}
+
+    def bootstrap(self, result: RoundResult) -> tuple[Any, Any]:
+        """The round's store (rank 0's, behind the round's own prefix) and the workers' bootstrap address
+        (a fresh ``MASTER_PORT`` on rank 0 every round).
+
+        Raises:
+            RuntimeError: rank 0's store cannot be reached, or the round record names none.
+        """
+        import torch.distributed as dist
+        from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
+
+        rank0 = result.members[0]
+        if rank0 == self.node_id:
+            base = self.server
+        else:
+            node = result.nodes.get(rank0) or {}
+            host, port = node.get("addr"), node.get("store_port")
+            if not isinstance(host, str) or isinstance(port, bool) or not isinstance(port, int):
+                raise RuntimeError(f"round {result.round} names no store for its rank 0 ({node!r})")
+            base = self._clients.get((host, port))
+            if base is None:
+                base = dist.TCPStore(host, port, is_master=False, timeout=self.timeout)
+                self._clients[(host, port)] = base
+        store = dist.PrefixStore(f"elastic_train/round/{result.round}/", base)
+        return store, RendezvousStoreInfo.build(result.rank, store, local_addr=self.addr)
 
 
 def exchange_ranks(

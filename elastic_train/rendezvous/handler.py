@@ -45,7 +45,6 @@ import torch.distributed as dist
 from torch.distributed.elastic.rendezvous.api import (
     RendezvousHandler,
     RendezvousInfo,
-    RendezvousStoreInfo,
 )
 
 from elastic_train.envvars import ENV_NODE_DIR
@@ -57,6 +56,7 @@ from elastic_train.procs import scratch_dir
 from elastic_train.rendezvous.config import ProtocolSettings
 from elastic_train.rendezvous.decide import exit_report, torchrun_report
 from elastic_train.rendezvous.errors import JobFailed, RendezvousClosed, RunFinished, RunRefused
+from elastic_train.rendezvous.exchange import RoundStores
 from elastic_train.rendezvous.fence import Fence
 from elastic_train.rendezvous.hot import HotPath
 from elastic_train.rendezvous.identity import JobIdentity, identity_from_environ, torchrun_settings
@@ -94,8 +94,7 @@ class Etcd3RendezvousHandler(RendezvousHandler):
         self._store_timeout = timedelta(seconds=store_timeout)
         self._settings = settings
         self._addr = local_addr or socket.getfqdn()
-        self._server: dist.TCPStore | None = None
-        self._clients: dict[tuple[str, int], dist.TCPStore] = {}
+        self._stores: RoundStores | None = None
         self._participant: Participant | None = None
         self._fence: Fence | None = None
         self._closed_by_us = False
@@ -132,6 +131,7 @@ class Etcd3RendezvousHandler(RendezvousHandler):
                 timeout=self._store_timeout,
             )
             participant = Participant(self._etcd, self._settings, addr=self._addr, store_port=server.port)
+            stores = RoundStores(server, self._addr, self._store_timeout, participant.node_id)
             participant.script_clock = self._node.script_clock
             fence = Fence(participant, self._node)
             fence.start_gate()
@@ -140,8 +140,8 @@ class Etcd3RendezvousHandler(RendezvousHandler):
                     participant, self._node, server, self._addr, fence, self._settings.join_timeout
                 )
                 self._standby = standby
-                self._hot = HotPath(participant, self._node, fence, standby, self._bootstrap, self._join_lock)
-            self._server, self._fence, self._participant = server, fence, participant
+                self._hot = HotPath(participant, self._node, fence, standby, stores, self._join_lock)
+            self._stores, self._fence, self._participant = stores, fence, participant
         return self._participant
 
     def next_rendezvous(self) -> RendezvousInfo:
@@ -242,7 +242,8 @@ class Etcd3RendezvousHandler(RendezvousHandler):
         while True:
             result, handoff = handoff or self.participant.join(), None
             try:
-                store, info = self._bootstrap(result)
+                assert self._stores is not None
+                store, info = self._stores.bootstrap(result)
             except (RuntimeError, dist.DistStoreError) as exc:  # rank 0 vanished between close and connect
                 log.warning("rendezvous_store_unreachable", round=result.round, error=str(exc))
                 continue
@@ -258,22 +259,6 @@ class Etcd3RendezvousHandler(RendezvousHandler):
                 master_port=info.master_port,
             )
             return result, RendezvousInfo(store, result.rank, result.world_size, info)
-
-    def _bootstrap(self, result: RoundResult) -> tuple[Any, RendezvousStoreInfo]:
-        rank0 = result.members[0]
-        if rank0 == self.participant.node_id:
-            assert self._server is not None
-            base: dist.Store = self._server
-        else:
-            node = result.nodes.get(rank0) or {}
-            host, port = str(node.get("addr")), int(node.get("store_port") or 0)
-            base = self._clients.get((host, port)) or dist.TCPStore(
-                host, port, is_master=False, timeout=self._store_timeout
-            )
-            self._clients[(host, port)] = base
-        store = dist.PrefixStore(f"elastic_train/round/{result.round}/", base)
-        info = RendezvousStoreInfo.build(result.rank, store, local_addr=self._addr)
-        return store, info
 
     def is_closed(self) -> bool:
         return self.participant.is_closed()

@@ -37,14 +37,12 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from collections.abc import Callable
-from typing import Any
 
 from elastic_train.log import get_logger
 from elastic_train.node import AgentChannel, Assignment, Ready
 from elastic_train.procs import running
 from elastic_train.rendezvous.errors import FailureBudgetExhausted, RendezvousClosed, RunRefused
-from elastic_train.rendezvous.exchange import RoundAbandoned, exchange_ranks
+from elastic_train.rendezvous.exchange import RoundAbandoned, RoundStores, exchange_ranks
 from elastic_train.rendezvous.fence import Fence
 from elastic_train.rendezvous.hotdecide import Act, Action, Observation, StandbyState, decide
 from elastic_train.rendezvous.protocol import Participant
@@ -58,9 +56,6 @@ log = get_logger(__name__)
 TICK = 0.005
 #: Rounds one re-formation may abandon in a row (a member gone before the rank exchange) before it gives up.
 MAX_ABANDONED = 3
-
-Bootstrap = Callable[[RoundResult], tuple[Any, Any]]
-"""The round's agent store and the workers' bootstrap address, as torchrun's path builds them."""
 
 
 class _Stopping(Exception):
@@ -79,7 +74,7 @@ class HotPath:
         channel: the node's channel to its workers.
         fence: the node's fence (whether the workers are blocked).
         standby: the node's standby starts (None: a node that never starts on standby).
-        bootstrap: the round's agent store and workers' bootstrap address.
+        stores: the round's store and the workers' bootstrap address, as torchrun's path builds them.
         lock: held while any join runs (this thread's, or torchrun's ``next_rendezvous``).
     """
 
@@ -89,14 +84,14 @@ class HotPath:
         channel: AgentChannel,
         fence: Fence,
         standby: Standby | None,
-        bootstrap: Bootstrap,
+        stores: RoundStores,
         lock: threading.Lock,
     ):
         self.participant = participant
         self.channel = channel
         self.fence = fence
         self.standby = standby
-        self._bootstrap = bootstrap
+        self.stores = stores
         self._lock = lock
         self.round: int | None = None
         self.fallback: str | None = None
@@ -255,7 +250,7 @@ class HotPath:
                     return
                 try:
                     try:
-                        store, info = self._bootstrap(result)
+                        store, info = self.stores.bootstrap(result)
                     except RuntimeError as exc:  # rank 0 vanished between close and connect
                         raise RoundAbandoned(f"the round's store on rank 0 is unreachable: {exc}") from exc
                     ranked = time.perf_counter()

@@ -126,3 +126,30 @@ def test_a_round_record_without_a_usable_address_is_not_a_gone_member(store: Any
     with pytest.raises(TimeoutError):
         await_members(agent(), participant, result, store, stop_after_a_few)
     assert json.loads(store.get(role_info_key(0)))["rank"] == 0  # its own part written first
+
+
+def test_a_rounds_store_is_rank_0s_behind_the_rounds_own_prefix() -> None:
+    from datetime import timedelta
+
+    from elastic_train.rendezvous.exchange import RoundStores
+
+    wait = timedelta(seconds=10)
+    server_a = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=wait)
+    server_b = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=wait)
+    a = RoundStores(server_a, "127.0.0.1", wait, "a")
+    b = RoundStores(server_b, "127.0.0.1", wait, "b")
+    nodes = {
+        "a": {"addr": "127.0.0.1", "store_port": server_a.port},
+        "b": {"addr": "127.0.0.1", "store_port": 1},
+    }
+    store_a, info = a.bootstrap(RoundResult(4, 0, 2, ["a", "b"], nodes))
+    store_b, _ = b.bootstrap(RoundResult(4, 1, 2, ["a", "b"], nodes))
+    store_a.set("k", b"from a")
+    assert store_b.get("k") == b"from a"  # both on a's store, in round 4's prefix
+    assert info.master_port > 0  # a fresh bootstrap port for the workers, from rank 0
+    a.bootstrap(RoundResult(5, 0, 2, ["a", "b"], nodes))
+    later, _ = b.bootstrap(RoundResult(5, 1, 2, ["a", "b"], nodes))
+    assert not later.check(["k"])  # nothing of round 4 is seen in round 5
+    malformed = {"a": {"addr": None, "store_port": "x"}}
+    with pytest.raises(RuntimeError, match="names no store"):
+        b.bootstrap(RoundResult(6, 1, 2, ["a", "b"], malformed))

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -80,7 +81,8 @@ class FakeStandby:
 def hot_path(tmp_path: Path, participant: FakeParticipant, *, nproc: int = 1, round_: int = 1) -> HotPath:
     """A hot path engaged in round ``round_`` for ``nproc`` local workers (as ``started()`` leaves it)."""
     standby: Any = FakeStandby()
-    hp = HotPath(participant, AgentChannel(str(tmp_path)), FakeFence(), standby, lambda r: (None, None),  # type: ignore[arg-type]
+    stores: Any = None  # a test that joins a round gives its own
+    hp = HotPath(participant, AgentChannel(str(tmp_path)), FakeFence(), standby, stores,  # type: ignore[arg-type]
                  threading.Lock())  # fmt: skip
     hp.round, hp._nproc = round_, nproc
     return hp
@@ -179,7 +181,7 @@ def test_after_give_up_a_round_joined_meanwhile_is_handed_to_torchruns_path(tmp_
         bootstrapped.append(result.round)
         return None, None
 
-    hp._bootstrap = bootstrap
+    hp.stores = SimpleNamespace(bootstrap=bootstrap)  # type: ignore[assignment]
     reform = threading.Thread(target=hp._reform, args=("Connection reset by peer",))
     reform.start()
     assert participant.joined.wait(5)
