@@ -4,8 +4,7 @@ torchrun's agent restarts its worker group whenever ``num_nodes_waiting()`` is p
 With hot recovery the ``etcd3`` handler keeps a change from torchrun while its workers can re-form in-process
 (every local worker registered through the node's channel, :mod:`elastic_train.node`), and a thread of the
 agent, :class:`HotPath`, runs the change: every few milliseconds it observes the node (the run's view, its
-workers, its fence, its standby workers), asks :func:`~elastic_train.rendezvous.hotdecide.decide` what to do,
-and does it:
+workers, its fence, its standby workers), asks :func:`decide` what to do, and does it:
 
 - *announce*: the run's watch shows a change of this node's round (a member's lease expired, a newcomer or
   a member asks for the next round): the workers stop at their next step boundary and ask for the next
@@ -28,6 +27,10 @@ members forming a group with workers that never come. A member of a just-formed 
 the agents exchanged ranks (a second death during a re-formation) abandons that round, and the next one forms
 in-process.
 
+The decision is a pure function from one :class:`Observation` to one :class:`Action`, after the pattern of
+torch's dynamic rendezvous (``_Action`` and its executor): nothing in it reads a clock, a file or etcd, so its
+rules are tested as tables of observations (tests/unit/test_hotdecide.py).
+
 Hot recovery is on by default; the rdzv-conf key ``hot=0`` (job.yaml ``rendezvous.hot: false``) turns all of
 it off.
 """
@@ -37,6 +40,8 @@ from __future__ import annotations
 import sys
 import threading
 import time
+from dataclasses import dataclass
+from enum import Enum
 
 from elastic_train.log import get_logger
 from elastic_train.node import AgentChannel, Assignment, Ready
@@ -44,13 +49,190 @@ from elastic_train.procs import running
 from elastic_train.rendezvous.errors import FailureBudgetExhausted, RendezvousClosed, RunRefused
 from elastic_train.rendezvous.exchange import RoundAbandoned, RoundStores, exchange_ranks
 from elastic_train.rendezvous.fence import Fence
-from elastic_train.rendezvous.hotdecide import Act, Action, Observation, StandbyState, decide
 from elastic_train.rendezvous.protocol import Participant
 from elastic_train.rendezvous.records import RoundResult
 from elastic_train.rendezvous.standby import Standby
 from elastic_train.torchcompat import TorchrunAgent
 
 log = get_logger(__name__)
+
+#: Seconds the workers get to reach a step boundary after a member of their round lost its lease, before the
+#: agent restarts them (a peer that stopped, SIGSTOP or a partition, leaves them blocked in a collective).
+LOST_GRACE = 1.0
+#: Seconds the workers get to reach a step boundary after a newcomer or a member asked for a new round.
+STEP_GRACE = 120.0
+#: Seconds gloo workers blocked with a stopped peer get to ask for the next round once their agent asked them
+#: to cut their group's connections (they fail at once), before the restart path.
+CUT_GRACE = 1.0
+
+
+class Act(Enum):
+    """What the hot path can do."""
+
+    NOTHING = "nothing"
+    ANNOUNCE = "announce"
+    """Tell the workers their group re-forms at the next step boundary, with a grace to reach it."""
+    CUT = "cut"
+    """Ask the workers to cut their group's connections (a stopped peer blocks their collective)."""
+    SHORTEN = "shorten"
+    """No step boundary is coming: wait :data:`LOST_GRACE` instead of the step grace."""
+    REFORM = "reform"
+    """Join the next round and hand it to the workers, which asked for it."""
+    ADMIT = "admit"
+    """Join the next round for the standby workers, which are built."""
+    END = "end"
+    """The run ended before the standby workers were admitted: they exit with status 0."""
+    GIVE_UP = "give_up"
+    """Leave the change to torchrun's restart path."""
+
+
+@dataclass(frozen=True, slots=True)
+class Action:
+    """One action and what it needs: a reason (re-form, end, give up, shorten) or a grace (announce)."""
+
+    act: Act
+    reason: str = ""
+    grace: float = 0.0
+
+
+NOTHING = Action(Act.NOTHING)
+
+
+@dataclass(frozen=True, slots=True)
+class StandbyState:
+    """This node's standby workers, while they build (a node joining a running job)."""
+
+    needed: int
+    """Local workers of the group."""
+    ready: int
+    """Of them, built and asking for admission."""
+    alive: bool = True
+    """Every one that asked still runs."""
+    finished: str | None = None
+    """The run finished meanwhile: the line a node of a finished run says."""
+    refused: str | None = None
+    """The run failed, or its failure budget is spent: why."""
+    generation: int = 0
+    """Which standby start of this node (its executor's bookkeeping; the decision does not read it)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Observation:
+    """What the hot path sees at one look."""
+
+    now: float
+    """The monotonic clock."""
+    round: int | None = None
+    """The round this node's workers train in (None before torchrun started any)."""
+    engaged: bool = False
+    """Every local worker re-forms in-process, and the hot path has not given up."""
+    asked: str | None = None
+    """Why a local worker asked for the next round (its group broke, or it stopped at a step boundary)."""
+    dead: tuple[int, ...] = ()
+    """Registered local workers whose process is gone (looked at when one asked)."""
+    waiting: int = 0
+    """The run's view says this node's round is obsolete (a member lost, re-joining, a newcomer)."""
+    lost: tuple[str, ...] = ()
+    """Members of the round whose lease expired."""
+    left: tuple[str, ...] = ()
+    """Other members of the round that ask for a newer round."""
+    forming: bool = False
+    """A local worker is still at an older round: the round's group is still forming."""
+    blocked: bool = False
+    """The fence saw no step for a stall's length: the workers wait in a collective."""
+    cuttable: bool = False
+    """Every registered worker cuts its group's connections when asked (gloo)."""
+    announced_at: float | None = None
+    """When the change was announced to the workers (None: not yet)."""
+    grace: float = 0.0
+    """The grace the announcement gave them."""
+    cut_at: float | None = None
+    """When the workers were asked to cut their group's connections, in this round."""
+    standby: StandbyState | None = None
+    """Set while standby workers wait for admission."""
+
+
+def decide(o: Observation) -> Action:
+    """The hot path's next action (see the module docstring and docs/rendezvous.md, *Hot recovery*).
+
+    In order: standby workers are admitted once all are built (or told the run ended); a local worker that
+    asked for the next round gets it (unless a registered worker died: torchrun restarts them all); a change
+    of the round is announced, with a short grace when a member's lease expired; workers blocked with a
+    stopped peer are asked to cut their links, and restarted if that does not free them; a grace that can no
+    longer end in a step boundary is shortened; a grace that ran out gives up.
+    """
+    if o.standby is not None:
+        return _admission(o.standby)
+    if not o.engaged or o.round is None:
+        return NOTHING
+    if o.asked is not None:
+        if o.dead:  # torchrun restarts the group when it sees them: no in-process round for the others
+            return Action(Act.GIVE_UP, f"local worker(s) {list(o.dead)} exited")
+        return Action(Act.REFORM, o.asked)
+    if o.waiting == 0:
+        return NOTHING
+    if o.announced_at is None:
+        return Action(Act.ANNOUNCE, grace=LOST_GRACE if o.lost else STEP_GRACE)
+    if o.grace <= LOST_GRACE and o.lost and o.blocked:
+        # a stopped peer: no step boundary comes. gloo workers cut their group's connections when asked,
+        # their collective fails and they ask for the next round; others restart
+        if o.cut_at is None and o.cuttable:
+            return Action(Act.CUT)
+        if o.cut_at is None or o.now - o.cut_at > CUT_GRACE:
+            after_cut = f", and still {CUT_GRACE:g} s after the cut" if o.cut_at is not None else ""
+            return Action(
+                Act.GIVE_UP,
+                "workers blocked in a collective with a member whose lease expired (a stopped peer): "
+                f"no step boundary to wait for{after_cut}",
+            )
+        return NOTHING
+    if o.grace > LOST_GRACE and (why := no_boundary_coming(o)) is not None:
+        # the workers cannot reach a step boundary: waiting the step grace would only delay the restart
+        return Action(Act.SHORTEN, why, grace=LOST_GRACE)
+    if o.now - o.announced_at > o.grace:
+        return Action(
+            Act.GIVE_UP,
+            f"workers did not reach a step boundary within {o.grace:g} s of the change "
+            "(a peer that stopped leaves them blocked in a collective)",
+        )
+    return NOTHING
+
+
+def no_boundary_coming(o: Observation) -> str | None:
+    """Why the workers will not reach the step boundary the change waits for, or None.
+
+    A member of the round that lost its lease (a peer that stopped or was cut off: the workers are blocked
+    in a collective with it), or a member that asks for a newer round (it left this round: its workers
+    exited, or its node was fenced and torchrun restarts them) while the workers still form the round's
+    group, which then never completes, or while no step finished for a stall's length (they wait on the
+    member's workers, which are gone). A member asking while the workers step is one whose workers reached
+    the boundary first.
+    """
+    if o.lost:
+        return f"member(s) {sorted(o.lost)} lost their lease"
+    if not o.left:
+        return None
+    left = sorted(o.left)
+    if o.forming:
+        return f"member(s) {left} asked for a newer round while the group of round {o.round} formed"
+    if o.blocked:
+        # formed, but the member's workers are gone: a collective (or a wait on the round's store) with them
+        # does not return, and no step finished for a stall's length
+        return f"member(s) {left} asked for a newer round while the workers are blocked"
+    return None  # formed and stepping: they stop at their next step
+
+
+def _admission(s: StandbyState) -> Action:
+    if s.finished is not None:
+        return Action(Act.END, s.finished)
+    if s.refused is not None:  # the restart path's next join says it again, with its line and status
+        return Action(Act.GIVE_UP, f"admission refused: {s.refused}")
+    if s.ready < s.needed or not s.alive:  # still building; or one died: torchrun restarts the group
+        return NOTHING
+    return Action(Act.ADMIT, f"{s.needed} standby worker(s) ready")
+
+
+# -- the executor -----------------------------------------------------------------------------------------
 
 #: Seconds between two looks of the agent's thread at its node.
 TICK = 0.005
@@ -149,7 +331,7 @@ class HotPath:
                 self.give_up(f"in-process re-formation failed: {exc!r}")
 
     def observe(self) -> Observation:
-        """What the node looks like now (see :class:`~elastic_train.rendezvous.hotdecide.Observation`)."""
+        """What the node looks like now (see :class:`Observation`)."""
         now = time.monotonic()
         standby = self._standby_state()
         if standby is not None:

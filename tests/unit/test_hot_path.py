@@ -16,8 +16,7 @@ import pytest
 
 from elastic_train.node import AgentChannel, Ready, WorkerChannel
 from elastic_train.rendezvous.errors import RendezvousClosed
-from elastic_train.rendezvous.hot import HotPath
-from elastic_train.rendezvous.hotdecide import LOST_GRACE, Act, StandbyState, decide
+from elastic_train.rendezvous.hot import LOST_GRACE, Act, HotPath, StandbyState, decide
 from elastic_train.rendezvous.protocol import RoundResult
 from elastic_train.rendezvous.standby import Pending
 

@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from elastic_train.rendezvous.hotdecide import (
+from elastic_train.rendezvous.hot import (
     CUT_GRACE,
     LOST_GRACE,
     NOTHING,
