@@ -3,9 +3,9 @@
 One seam, used by the built-in worker and by :func:`elastic_train.elastic.run` alike: a training body is
 called with the current :class:`~elastic_train.train.group.World`; when it fails because the group broke (a
 collective error: a peer died) or the node's agent announced a membership change (the body stops at its
-next step boundary, :meth:`Reformer.boundary`), the :class:`Reformer` destroys the group, tells the agent,
-waits for the next round's assignment (:mod:`elastic_train.node`), forms the new group and calls the body
-again. The body rebuilds what depends on the group (DDP wrapper, checkpoint manager, sampler shares) and
+next step boundary, :meth:`~elastic_train.train.link.ProcessLink.boundary`), the :class:`Reformer` destroys
+the group, tells the agent, waits for the next round's assignment (:mod:`elastic_train.node`), forms the new
+group and calls the body again. The body rebuilds what depends on the group (DDP wrapper, checkpoint manager, sampler shares) and
 restores: every member agrees on the newest step anyone holds and a failed step is redone.
 
 A worker started on standby (its node joins a running job, :mod:`elastic_train.rendezvous.standby`) forms no
