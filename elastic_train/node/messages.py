@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 #: Longest text kept in a message (a reason, an error line).
 TEXT_MAX = 2000
 #: What a worker's outcome may say (:class:`Outcome`).
-OUTCOME_STATES = ("finished", "failed", "exited")
+OUTCOME_STATES = ("finished", "failed", "exited", "restarting")
 
 
 def _int(d: Mapping[str, Any], key: str, *, low: int | None = 0, high: int | None = None) -> int:
@@ -123,8 +123,10 @@ class Standby:
 @dataclass(frozen=True, slots=True)
 class Outcome:
     """How a worker's training ended, by global rank: ``finished`` (at ``step``), ``failed`` for good (a
-    non-retryable error: ``message`` says why) or ``exited`` (the script ended with ``code``: ``message`` is
-    its own error line, ``kind`` and ``where`` the exception's type and where it was raised when known)."""
+    non-retryable error: ``message`` says why), ``exited`` (the script ended with ``code``: ``message`` is
+    its own error line, ``kind`` and ``where`` the exception's type and where it was raised when known) or
+    ``restarting`` (it leaves for the restart path because its group could not re-form in-process: not a
+    failure of the script's)."""
 
     PREFIX: ClassVar[str] = "rank-"
     rank: int

@@ -156,6 +156,9 @@ class ExitReport:
 def exit_report(outcomes: Iterable[Outcome]) -> ExitReport | None:
     """The node's report when the exited workers of its group all failed the same way (the same non-zero
     exit code and signature); ``None`` otherwise (none exited, or they differ)."""
+    outcomes = list(outcomes)
+    if any(o.state == "restarting" for o in outcomes):  # left for the restart path: nothing failed
+        return None
     exited = [o for o in outcomes if o.state == "exited"]
     signatures = {(o.code, f"{o.kind} at {o.where}" if o.kind else o.message.strip()) for o in exited}
     if len(signatures) != 1:

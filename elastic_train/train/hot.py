@@ -5,8 +5,8 @@ called with the current :class:`~elastic_train.train.group.World`; when it fails
 collective error: a peer died) or the node's agent announced a membership change (the body stops at its
 next step boundary, :meth:`~elastic_train.train.link.ProcessLink.boundary`), the :class:`Reformer` destroys
 the group, tells the agent, waits for the next round's assignment (:mod:`elastic_train.node`), forms the new
-group and calls the body again. The body rebuilds what depends on the group (DDP wrapper, checkpoint manager, sampler shares) and
-restores: every member agrees on the newest step anyone holds and a failed step is redone.
+group and calls the body again. The body rebuilds what depends on the group (DDP wrapper, checkpoint manager,
+sampler shares) and restores: every member agrees on the newest step anyone holds and a failed step is redone.
 
 A worker started on standby (its node joins a running job, :mod:`elastic_train.rendezvous.standby`) forms no
 group of the job's before ``run()``: the model, optimizer and data are built by then, so it reports ready,
@@ -40,7 +40,7 @@ from typing import TypeVar
 from elastic_train.log import get_logger
 from elastic_train.train import group
 from elastic_train.train.env import WorkerEnv
-from elastic_train.train.errors import TrainingError
+from elastic_train.train.errors import ReformAbandoned
 from elastic_train.train.group import ENV_NCCL_ERROR_HANDLING, NCCL_CLEAN_UP_ONLY
 from elastic_train.train.link import GroupChanged, ProcessLink, process_link, worker_env
 
@@ -91,10 +91,6 @@ _NCCL_GROUP_MARKERS = (
     "NCCL timeout in",  # C10D_CHECK_TIMEOUT of a non-blocking NCCL call
     "Process group watchdog thread terminated",  # the watchdog's exception, relayed
 )
-
-
-class ReformAbandoned(TrainingError):
-    """The group could not be re-formed in-process; the worker exits and its agent restarts it."""
 
 
 class RunEnded(SystemExit):

@@ -25,6 +25,7 @@ from typing import Any, Protocol
 
 from elastic_train.node import Assignment, Beat, Link, Outcome, WorkerChannel
 from elastic_train.train.env import WorkerEnv
+from elastic_train.train.errors import ReformAbandoned
 
 
 class TrainState(Protocol):
@@ -151,18 +152,18 @@ class ProcessLink:
     def report_exit(self, exc: BaseException, code: int = 1) -> None:
         """Tell the agent how this worker ends: the exception that escapes the script (its type, where it
         was raised, its line), for the start-up failure rule (docs/operating.md). Nothing outside an agent,
-        for an interrupt, or when the agent itself ended the group (it gave up on the in-process re-formation,
-        or the run ended): that exit is not the script's failure."""
+        for an interrupt, or when the group could not re-form in-process (the agent gave up on it, no round
+        came, or the run ended): that exit is the restart path's, not the script's failure."""
         channel = self.channel
         if channel is None or isinstance(exc, KeyboardInterrupt | SystemExit):
             return
-        if channel.fallback() is not None or channel.ended() is not None:
-            return
         kind, where, line = describe(exc)
         rank = os.environ.get("RANK", "0")
-        outcome = Outcome(int(rank) if rank.isdigit() else 0, "exited", code=code, message=line, kind=kind,
-                          where=where)  # fmt: skip
-        channel.report(outcome)
+        rank_ = int(rank) if rank.isdigit() else 0
+        if isinstance(exc, ReformAbandoned) or channel.fallback() is not None or channel.ended() is not None:
+            channel.report(Outcome(rank_, "restarting", message=line))
+            return
+        channel.report(Outcome(rank_, "exited", code=code, message=line, kind=kind, where=where))
 
     def checkpoint_link(self) -> Link:
         """What a checkpoint manager of this round needs: the round its checkpoints carry, the publish gate,

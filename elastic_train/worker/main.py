@@ -96,12 +96,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _report_failure(exc: ElasticTrainError, rank: int | str) -> None:
     """Tell the agent how this worker failed: for good when no restart can fix it (it then ends the job
     instead of retrying), else what it exits with (the start-up failure rule)."""
-    rank = int(rank) if str(rank).isdigit() else 0
     if is_non_retryable(exc):
-        _report(Outcome(rank, "failed", message=str(exc)))
+        _report(Outcome(int(rank) if str(rank).isdigit() else 0, "failed", message=str(exc)))
     else:
-        _report(Outcome(rank, "exited", code=exc.exit_code, message=f"{PROG}: error: {exc}",
-                        kind=type(exc).__qualname__))  # fmt: skip
+        from elastic_train.train.link import process_link
+
+        process_link().report_exit(exc, code=exc.exit_code)
 
 
 def _report(outcome: Outcome) -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from elastic_train.node import AgentChannel, Outcome, WorkerChannel
+from elastic_train.rendezvous.decide import exit_report
 from elastic_train.train.link import ProcessLink, describe
 from elastic_train.worker.standin import report_exit
 
@@ -50,9 +51,20 @@ def test_a_stand_in_alone_reports_any_exit_code_and_nothing_the_agent_caused(tmp
     report_exit(worker, 1, 0, "", 2.0)  # exited 0: nothing to say
     assert agent.take_outcomes() == [Outcome(0, "exited", code=-11, ran_s=2.0)]
     agent.give_up("workers did not reach a step boundary")  # the agent ended the group itself
-    report_exit(worker, 0, 1, "ReformAbandoned: ...", 1.0)
-    ProcessLink(worker).report_exit(raised())
-    assert agent.outcomes() == []
+    report_exit(worker, 1, 1, "ReformAbandoned: ...", 1.0)
+    assert agent.take_outcomes() == []
+    ProcessLink(worker).report_exit(raised())  # the worker says it leaves for the restart path ...
+    report_exit(worker, 0, 1, "TypeError: ...", 1.0)  # ... and its stand-in keeps that
+    [left] = agent.outcomes()
+    assert left.state == "restarting" and exit_report([left]) is None
+
+
+def test_a_group_that_could_not_re_form_is_the_restart_paths_not_a_failure(tmp_path: Path) -> None:
+    from elastic_train.train.errors import ReformAbandoned
+
+    ProcessLink(WorkerChannel(str(tmp_path))).report_exit(ReformAbandoned("no new round within 120 s"))
+    [left] = AgentChannel(str(tmp_path)).outcomes()
+    assert (left.state, left.message) == ("restarting", "ReformAbandoned: no new round within 120 s")
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGSEGV, signal.SIGSTOP])
