@@ -130,9 +130,14 @@ class Etcd3RendezvousHandler(RendezvousHandler):
                 wait_for_workers=False,
                 timeout=self._store_timeout,
             )
-            participant = Participant(self._etcd, self._settings, addr=self._addr, store_port=server.port)
+            participant = Participant(
+                self._etcd,
+                self._settings,
+                addr=self._addr,
+                store_port=server.port,
+                script_clock=self._node.script_clock,
+            )
             stores = RoundStores(server, self._addr, self._store_timeout, participant.node_id)
-            participant.script_clock = self._node.script_clock
             fence = Fence(participant, self._node)
             fence.start_gate()
             if self._settings.hot:

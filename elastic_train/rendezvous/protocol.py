@@ -132,6 +132,8 @@ class Participant:
         view: a started :func:`run_view` of the same run to read instead of a watch of this participant's
             own (several participants hosted in one process, as the scale benchmark runs them); it is
             left running by :meth:`leave`.
+        script_clock: how far this node's workers' scripts got (``AgentChannel.script_clock``), for the
+            hold of a start-up failure report; None: unknown.
     """
 
     def __init__(
@@ -143,6 +145,7 @@ class Participant:
         store_port: int = 0,
         node_id: str | None = None,
         view: RunView | None = None,
+        script_clock: Callable[[], tuple[bool, float | None] | None] | None = None,
     ) -> None:
         self.etcd = etcd
         self.s = settings
@@ -173,8 +176,7 @@ class Participant:
         #: How this node's workers failed, sent with its next join (``decide.identical_startup_failure``):
         #: ``{"exit_code", "error", "trained", "ran_s"}``, or ``None``.
         self.failure_report: dict[str, Any] | None = None
-        #: How far this node's workers' scripts got (``AgentChannel.script_clock``), set by the handler.
-        self.script_clock: Callable[[], tuple[bool, float | None] | None] | None = None
+        self._script_clock = script_clock
         #: Whether ``inproc/<node>`` says this node's workers re-form in-process (:meth:`advertise_inproc`).
         self.inproc = False
         self._inproc_lock = threading.Lock()
@@ -287,7 +289,7 @@ class Participant:
         return hold_for_startup_reports(
             seen_for=now - first,
             peer_ran_s=max(j.ran_s for j in waiting),
-            own=self.script_clock() if self.script_clock is not None else None,
+            own=self._script_clock() if self._script_clock is not None else None,
             now=now,
             grace=STARTUP_REPORT_GRACE,
             most=STARTUP_REPORT_HOLD_MAX,
