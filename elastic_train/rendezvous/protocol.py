@@ -545,6 +545,7 @@ class Participant:
         self.members = list(rec.members)
         self._losses_at_round = self.lease.losses
         self._waiting_cause = None
+        self.failure_report = None  # it went with this round's join; a later join reports afresh
         return RoundResult(
             rec.round, rec.members.index(self.node_id), len(rec.members), list(rec.members), rec.nodes
         )
