@@ -153,9 +153,15 @@ class ExitReport:
     """The longest any of them ran before it exited (0 when unknown)."""
 
 
+#: Python's exit status for any uncaught exception, one that a peer's failure caused included: alone, without
+#: the exception or a line, it names no failure.
+GENERIC_EXIT = 1
+
+
 def exit_report(outcomes: Iterable[Outcome]) -> ExitReport | None:
     """The node's report when the exited workers of its group all failed the same way (the same non-zero
-    exit code and signature); ``None`` otherwise (none exited, or they differ)."""
+    exit code and signature); ``None`` otherwise (none exited, they differ, or the exit code is all there
+    is and it is :data:`GENERIC_EXIT`)."""
     outcomes = list(outcomes)
     if any(o.state == "restarting" for o in outcomes):  # left for the restart path: nothing failed
         return None
@@ -164,7 +170,7 @@ def exit_report(outcomes: Iterable[Outcome]) -> ExitReport | None:
     if len(signatures) != 1:
         return None
     code, signature = signatures.pop()
-    if not code:
+    if not code or (code == GENERIC_EXIT and not signature):
         return None
     line = next((o.message.strip() for o in exited if o.message.strip()), "")
     return ExitReport(code, line, signature, max(seconds(o.ran_s) for o in exited))
@@ -172,12 +178,15 @@ def exit_report(outcomes: Iterable[Outcome]) -> ExitReport | None:
 
 def torchrun_report(exits: Iterable[WorkerExit]) -> ExitReport | None:
     """The node's report from torchrun's own record of its failed workers (a script that tells its agent
-    nothing, under plain torchrun): the same exit code and error-file line on every one, else ``None``."""
+    nothing, under plain torchrun): the same exit code and error-file line on every one, else ``None`` (also
+    for :data:`GENERIC_EXIT` without a line)."""
     signatures = {(e.exit_code, e.message) for e in exits}
     if len(signatures) != 1:
         return None
     code, line = signatures.pop()
-    return ExitReport(code, line, line) if code else None
+    if not code or (code == GENERIC_EXIT and not line):
+        return None
+    return ExitReport(code, line, line)
 
 
 def exit_ran_s(outcomes: Iterable[Outcome]) -> float:

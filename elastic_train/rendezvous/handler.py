@@ -203,12 +203,16 @@ class Etcd3RendezvousHandler(RendezvousHandler):
             report = torchrun_report(exits) if exits else None
         if report is None:
             return None
+        # a step committed in the round (the Trained mark), or counted by the workers' step beat (a script
+        # of its own that beats): they failed after the round's first step
         mark = self._node.trained()
+        trained = mark is not None and mark.round == self.participant.round
+        trained = trained or any(b.steps > 0 for b in self._node.beats().values())
         return {
             "exit_code": report.code,
             "error": report.line,
             "signature": report.signature,
-            "trained": mark is not None and mark.round == self.participant.round,
+            "trained": trained,
             "ran_s": report.ran_s,
         }
 

@@ -91,6 +91,7 @@ def test_a_nodes_report_needs_its_exited_workers_to_agree() -> None:
     assert exit_report([exited(0), exited(1, code=1)]) is None
     assert exit_report([exited(0), exited(1, line="other")]) is None
     assert exit_report([exited(0, line="")]) == ExitReport(2, "", "")  # the exit code alone
+    assert exit_report([exited(0, code=1, line="")]) is None  # exit 1 alone: any exception, a peer's too
     assert exit_report([exited(0, code=0)]) is None
     assert exit_report([Outcome(0, "finished", step=3)]) is None
     thrown = [exited(r, 1, DTYPE + str(r), kind="RuntimeError", where="linear.py:125") for r in range(2)]
@@ -103,6 +104,8 @@ def test_torchruns_record_is_the_report_of_a_script_that_says_nothing() -> None:
         1, "ValueError: x", "ValueError: x"
     )
     assert torchrun_report([WorkerExit(0, 1, ""), WorkerExit(1, -9, "")]) is None
+    # a script that exits 1 on every node names no failure: a peer's crash fails the others' collectives too
+    assert torchrun_report([WorkerExit(0, 1, ""), WorkerExit(1, 1, "")]) is None
 
 
 def hold(seen_for: float, own, *, now: float = 100.0, peer_ran_s: float = 0.5) -> bool:
