@@ -124,12 +124,16 @@ def _no_snapshots_of_this_process() -> Iterator[None]:
 def _restored_environ() -> Iterator[None]:
     """Give every test the environment the session started with.
 
-    Code under test may set process-wide variables (the etcd3 rendezvous handler exports the round for the
-    workers an agent starts, as ``ELASTIC_TRAIN_RDZV_ROUND``); left behind, they reach every process a later
-    test starts and change what it does.
+    Code under test may set process-wide variables (the etcd3 rendezvous handler names its node's directory
+    for the workers an agent starts, ``ELASTIC_TRAIN_NODE_DIR``); left behind, they reach every process a
+    later test starts and change what it does. The process's link to its agent, made from the environment
+    on first use, is made afresh too.
     """
+    from elastic_train.train.link import use_process_link
+
     saved = dict(os.environ)
     yield
+    use_process_link(None)
     for key in set(os.environ) - set(saved):
         del os.environ[key]
     for key, value in saved.items():

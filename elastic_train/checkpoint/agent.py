@@ -1,23 +1,23 @@
 """The checkpoint tiers' one contact with the worker's agent: its round, the heartbeat, the publish gate.
 
-- **The heartbeat** (:meth:`Agent.beat`): a save counts as a step of progress, and so does waiting on this
-  worker's own durable writer; the agent tells a node whose collectives make progress from one blocked in a
-  collective whose peers went away.
+- **The heartbeat while waiting** (:meth:`Agent.beat`): waiting on this worker's own durable writer counts
+  as progress (the training loop's step boundary beats for every step, :mod:`elastic_train.train.link`); the
+  agent tells a node whose collectives make progress from one blocked in a collective whose peers went away.
 - **The publish gate** (:meth:`Agent.may_publish`): a durable checkpoint is made visible only while the
   agent confirms that this worker group's rendezvous round is still the run's current one
   (docs/checkpoints.md, "Stale writers").
 
 Outside an agent (plain processes, other rendezvous backends) there is no round, nothing is counted and
 every publish is allowed. Nothing else in :mod:`elastic_train.checkpoint` knows how a worker talks to its
-agent (:mod:`elastic_train.agentlink`).
+agent (:mod:`elastic_train.node.gate`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from elastic_train.agentlink import CURRENT, STALE, AgentLink
 from elastic_train.log import get_logger
+from elastic_train.node.gate import CURRENT, STALE, Link
 
 log = get_logger(__name__)
 
@@ -29,10 +29,9 @@ class Agent:
         link: the worker's link to its agent (default: from the environment).
     """
 
-    def __init__(self, link: AgentLink | None = None) -> None:
-        self.link = link if link is not None else AgentLink.from_env()
-        #: The heartbeat: count one step of progress (a store into a mapped page). The link's own method, so
-        #: that a save pays no call of this class's for it.
+    def __init__(self, link: Link | None = None) -> None:
+        self.link = link if link is not None else Link.from_env()
+        #: The heartbeat: count one unit of progress (a store into a mapped page).
         self.beat: Callable[[], None] = self.link.beat
 
     @property

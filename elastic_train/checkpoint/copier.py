@@ -21,6 +21,7 @@ import torch
 
 from elastic_train.checkpoint.codec import Flat
 from elastic_train.log import get_logger
+from elastic_train.torchcompat import foreach_copy
 
 log = get_logger(__name__)
 
@@ -87,7 +88,7 @@ class Copier:
             dests, srcs = take(job.dests), take(job.flat.tensors)
             if len(job.later) == 1:
                 dests, srcs = (dests,), (srcs,)
-            torch._foreach_copy_(list(dests), list(srcs))
+            foreach_copy(dests, srcs)
 
     def hand_over(self, job: CopyJob, *, copying: bool) -> None:
         """Give ``job`` to the copier thread (started here when there is none) and wake it; ``copying``:

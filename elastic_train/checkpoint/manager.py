@@ -22,7 +22,6 @@ from typing import Any
 
 import torch
 
-from elastic_train.agentlink import AgentLink
 from elastic_train.checkpoint import durable
 from elastic_train.checkpoint.agent import Agent
 from elastic_train.checkpoint.codec import Flat, TensorSpec, flatten
@@ -37,6 +36,7 @@ from elastic_train.checkpoint.shmfiles import release_siblings, sweep_stale
 from elastic_train.checkpoint.storage import Storage, open_storage
 from elastic_train.checkpoint.writer import Committed, DurableWriter
 from elastic_train.log import get_logger
+from elastic_train.node.gate import Link
 
 log = get_logger(__name__)
 
@@ -71,9 +71,9 @@ class CheckpointManager:
         local_rank: rank on this node (names the shared-memory snapshot).
         group: process group of all workers (None: no coordination; rank 0 writes everything).
         device: the training device (restored tensors are returned on the CPU either way).
-        link: the worker's link to its agent (default: from the environment): every :meth:`save` counts a
-            step there, durable checkpoints go to round-stamped directories and are published only after
-            the agent confirms the round is still current (docs/checkpoints.md, "Stale writers").
+        link: the worker's link to its agent (default: from the environment): durable checkpoints go to
+            round-stamped directories and are published only after the agent confirms the round is still
+            current (docs/checkpoints.md, "Stale writers").
 
     Raises:
         StorageError: the URL's filesystem cannot be opened (e.g. ``s3://`` without ``elastic-train[s3]``).
@@ -94,7 +94,7 @@ class CheckpointManager:
         local_rank: int,
         group: Any = None,
         device: torch.device | None = None,
-        link: AgentLink | None = None,
+        link: Link | None = None,
     ) -> None:
         self.cfg = cfg
         self.agent = Agent(link)
@@ -214,7 +214,6 @@ class CheckpointManager:
             CheckpointError: the state holds something that cannot be checkpointed.
         """
         self._check_open()
-        self.agent.beat()
         self._raise_pending()
         mem_due = self.memory is not None and step % self.cfg.memory_every_steps == 0
         dur_due = self._durable_due(step)

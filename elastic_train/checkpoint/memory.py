@@ -32,8 +32,11 @@ from elastic_train.checkpoint.shmfiles import snapshot_path
 from elastic_train.checkpoint.slotmeta import SlotMeta
 from elastic_train.checkpoint.slots import SLOTS, Held, SlotFile, SlotReader, checksum
 from elastic_train.log import get_logger
+from elastic_train.torchcompat import foreach_copy_op
 
 log = get_logger(__name__)
+#: ``torch._foreach_copy_``, bound once: the copy of a save (torch's private name, behind its one door).
+_foreach_copy = foreach_copy_op()
 
 #: CPU states up to this size are copied in ``save`` itself (about 0.5 ms at memory bandwidth).
 INLINE_BYTES = 4 << 20
@@ -282,11 +285,11 @@ class MemorySnapshot:
                     sources = (flat.tensors[now[0]],)
                 if self.stats.record:
                     t0, c0 = time.perf_counter(), time.thread_time()
-                    torch._foreach_copy_(now_dests, sources)
+                    _foreach_copy(now_dests, sources)
                     self.stats.copy_s += time.perf_counter() - t0
                     self.stats.copy_cpu_s += time.thread_time() - c0
                 else:
-                    torch._foreach_copy_(now_dests, sources)
+                    _foreach_copy(now_dests, sources)
         self._seq += 1
         self._slot_seq[slot] = self._seq
         device = flat.tensors[on_gpu[0]].device if on_gpu else None

@@ -246,7 +246,7 @@ def test_fork_server_preloads_lightning(tmp_path: Path, reaper: Any) -> None:
     variables = env(**{ENV_SOCKET: sock, ENV_PID: str(server.pid)})
     for _ in range(2):  # every fork gets it
         proc = subprocess.run(
-            [sys.executable, "-m", "elastic_train.standin", str(script)],
+            [sys.executable, "-m", "elastic_train.worker.standin", str(script)],
             env=variables,
             capture_output=True,
             text=True,

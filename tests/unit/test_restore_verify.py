@@ -123,9 +123,9 @@ def test_a_torn_only_snapshot_and_nothing_else_is_nothing_to_restore(memdir, tmp
 
 
 def test_a_restore_that_looks_again_records_its_final_base_under_the_same_round(memdir, tmp_path) -> None:
-    from elastic_train.agentlink import AgentLink
     from elastic_train.checkpoint import durable
     from elastic_train.checkpoint.storage import open_storage
+    from elastic_train.node.gate import Link as AgentLink
 
     cfg = CheckpointConfig(url=str(tmp_path / "c"), memory_dir=memdir, every_steps=0)
     saver = CheckpointManager(cfg, "run", rank=0, world_size=1, local_rank=0)
@@ -147,10 +147,10 @@ def test_the_lineage_record_is_written_by_the_time_a_restore_returns_and_a_faile
 ) -> None:
     import threading
 
-    from elastic_train.agentlink import AgentLink
     from elastic_train.checkpoint import durable
     from elastic_train.checkpoint.errors import StorageError
     from elastic_train.checkpoint.storage import LocalStorage, open_storage
+    from elastic_train.node.gate import Link as AgentLink
 
     cfg = CheckpointConfig(url=str(tmp_path / "c"), memory_dir=memdir, every_steps=0)
     saver = CheckpointManager(cfg, "run", rank=0, world_size=1, local_rank=0)

@@ -1,4 +1,4 @@
-"""``python -m elastic_train.standin [-m MODULE | SCRIPT] ARGS...``: run any torchrun worker fast.
+"""``python -m elastic_train.worker.standin [-m MODULE | SCRIPT] ARGS...``: run any torchrun worker fast.
 
 What torchrun starts when ``elastic-train run --entry ...`` launches a user's own training script. With
 this node's fork server (started by ``elastic-train run``) the script runs in a process forked from one that
@@ -7,7 +7,7 @@ with its own ``sys.argv``, exactly as under plain torchrun.
 
 The script's stderr passes through this process unchanged (a pipe, copied as it comes), so that when the
 script exits non-zero the stand-in can leave its exit code and last stderr line for the agent
-(:mod:`elastic_train.rendezvous.outcome`): the same failure on every node before any step ends the run with
+(:class:`~elastic_train.node.Outcome`): the same failure on every node before any step ends the run with
 that line instead of burning the failure budget (docs/operating.md).
 """
 
@@ -17,8 +17,9 @@ import os
 import sys
 import threading
 import time
+from dataclasses import replace
 
-from elastic_train.rendezvous.outcome import mark_script, record_outcome
+from elastic_train.node import Outcome, WorkerChannel
 from elastic_train.worker.forkserver import ENV_SOCKET, exit_like, run_entry, run_standin
 
 #: Bytes of the script's stderr kept to find its last line.
@@ -72,11 +73,11 @@ class StderrTail:
 def split_entry(args: list[str]) -> tuple[list[str], list[str]]:
     """``["-m", "pkg.train", "--lr", "1"]`` → (["-m", "pkg.train"], ["--lr", "1"]); a script is one item."""
     if not args:
-        sys.stderr.write("usage: python -m elastic_train.standin [-m MODULE | SCRIPT] ARGS...\n")
+        sys.stderr.write("usage: python -m elastic_train.worker.standin [-m MODULE | SCRIPT] ARGS...\n")
         raise SystemExit(2)
     if args[0] == "-m":
         if len(args) < 2:
-            sys.stderr.write("elastic_train.standin: -m needs a module name\n")
+            sys.stderr.write("elastic_train.worker.standin: -m needs a module name\n")
             raise SystemExit(2)
         return args[:2], args[2:]
     return args[:1], args[1:]
@@ -87,27 +88,44 @@ def main() -> None:
     socket_path = os.environ.get(ENV_SOCKET)
     rank_text = os.environ.get("RANK", "0")
     rank = int(rank_text) if rank_text.isdigit() else 0
-    mark_script(os.environ, rank, started=False)
+    channel = WorkerChannel.from_environ(os.environ)
+    if channel is not None:
+        channel.mark_script(rank, started=False)
     started = time.monotonic()
 
     def on_start() -> None:
         nonlocal started
         started = time.monotonic()
-        mark_script(os.environ, rank, started=True)
+        if channel is not None:
+            channel.mark_script(rank, started=True)
 
+    signalled: list[int] = []
     tail = StderrTail()
     try:
         if socket_path:
-            code = run_standin(socket_path, argv, entry, on_start)
+            code = run_standin(socket_path, argv, entry, on_start, signalled.append)
         else:
             on_start()
             code = run_entry(entry, argv)
     finally:
         last = tail.close()
-    if code > 0:
-        ran = time.monotonic() - started
-        record_outcome(os.environ, rank, "exited", code=code, message=last, ran_s=round(ran, 3))
+    if channel is not None and not signalled:  # a worker its agent stopped did not fail
+        report_exit(channel, rank, code, last, round(time.monotonic() - started, 3))
     exit_like(code)
+
+
+def report_exit(channel: WorkerChannel, rank: int, code: int, line: str, ran_s: float | None) -> None:
+    """Leave a worker's exit for its agent (the start-up failure rule, docs/operating.md): its exit code
+    (any but 0; negative: the signal that killed it), its last stderr line, and how long the script ran,
+    completing what the worker reported itself (the exception's type and where it was raised). Nothing
+    when the agent itself ended the group (it gave up on the in-process re-formation, or the run ended)."""
+    if code == 0 or channel.fallback() is not None or channel.ended() is not None:
+        return
+    own = channel.outcome(rank)
+    if own is None:
+        channel.report(Outcome(rank, "exited", code=code, message=line, ran_s=ran_s))
+    elif own.state == "exited":
+        channel.report(replace(own, code=code, message=own.message or line, ran_s=ran_s))
 
 
 if __name__ == "__main__":
