@@ -111,7 +111,7 @@ class CheckpointManager:
             if os.path.isdir(cfg.memory_dir):
                 for path in sweep_stale(cfg.memory_dir):
                     log.info("memory_snapshot_swept", path=path)
-                self.memory = MemorySnapshot(cfg.memory_dir, run_id, local_rank)
+                self.memory = MemorySnapshot(cfg.memory_dir, run_id, local_rank, self.run_path)
             else:
                 log.warning("memory_tier_disabled", reason=f"{cfg.memory_dir} does not exist")
         self._origin = Origin(stamp=self.agent.round)

@@ -78,13 +78,14 @@ class SaveStats:
 
 
 class MemorySnapshot:
-    """Double-buffered shared-memory snapshot of one worker, plus a slot a durable write may pin.
+    """Shared-memory snapshot of one worker in three slots (one being written, the newest sealed one, and one
+    a durable write may pin).
 
     Not thread-safe: one training loop uses it (the durable writer only pins, reads and unpins a slot).
     """
 
-    def __init__(self, directory: str, run_id: str, local_rank: int) -> None:
-        self.path = snapshot_path(directory, run_id, local_rank)
+    def __init__(self, directory: str, run_id: str, local_rank: int, scope: str = "") -> None:
+        self.path = snapshot_path(directory, run_id, local_rank, scope)
         self._file = SlotFile(self.path)
         self._newest: int | None = None
         self._seq = 0

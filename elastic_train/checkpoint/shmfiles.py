@@ -1,14 +1,18 @@
 """The shared-memory snapshot files of a node: their names, their owners, and sweeping the orphans.
 
-A snapshot file is ``elastic_train.<run>.<owner pid>-<owner start ms>.<local rank>`` in a tmpfs. Its *owner*
-is the process whose lifetime scopes it: the torchrun agent (the worker's parent), which survives worker
-restarts, so a restarted worker finds its predecessor's snapshot. Files of owners that no longer exist are
-swept at start-up.
+A snapshot file is ``elastic_train.<run>+<scope>.<owner pid>-<owner start ms>.<local rank>`` in a tmpfs.
+Its *owner* is the process whose lifetime scopes it: the torchrun agent (the worker's parent), which survives
+worker restarts, so a restarted worker finds its predecessor's snapshot; for a world of one started without
+an agent, the shell (or whatever started it), so the same command run again resumes from memory. Files of
+owners that no longer exist are swept at start-up. ``<scope>`` is a digest of the run's durable location:
+two jobs of one run id under one owner (two scripts run in turn from one shell, each a world of one named
+``default``, with their own checkpoint directories) never read each other's snapshot.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import re
 from collections.abc import Callable
@@ -38,10 +42,12 @@ def _safe(run_id: str) -> str:
     return re.sub(r"[^A-Za-z0-9_-]", "_", run_id)
 
 
-def snapshot_path(directory: str, run_id: str, local_rank: int) -> str:
-    """The snapshot file of ``run_id``'s ``local_rank`` under this process's owner."""
+def snapshot_path(directory: str, run_id: str, local_rank: int, scope: str) -> str:
+    """The snapshot file of ``run_id``'s ``local_rank`` under this process's owner, for the run's durable
+    location ``scope`` (its checkpoint directory's absolute URL)."""
     pid, ctime = owner_identity()
-    return os.path.join(directory, f"{PREFIX}{_safe(run_id)}.{pid}-{ctime}.{local_rank}")
+    digest = hashlib.sha256(scope.encode()).hexdigest()[:12]
+    return os.path.join(directory, f"{PREFIX}{_safe(run_id)}+{digest}.{pid}-{ctime}.{local_rank}")
 
 
 def sweep_stale(directory: str) -> list[str]:
@@ -77,7 +83,7 @@ def owned_by(directory: str, pid: int) -> list[str]:
 def snapshot_files(directory: str, run_id: str) -> list[str]:
     """Paths of every snapshot file of ``run_id`` in ``directory`` (any owner, any local rank)."""
     run = _safe(run_id)
-    return _snapshots(directory, lambda m: m["run"] == run)
+    return _snapshots(directory, lambda m: m["run"].split("+", 1)[0] == run)
 
 
 def release_siblings(directory: str, run_id: str, path: str) -> None:

@@ -53,13 +53,18 @@ def state_of(model: torch.nn.Module, opt: torch.optim.Optimizer, n: int) -> dict
     return {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": n}
 
 
-def snapshot(memdir: str) -> tuple[int, dict]:
+def reader(memdir: str, tmp_path) -> MemorySnapshot:
+    """The snapshot file :func:`manager`'s worker writes (its run's durable location scopes it)."""
+    return MemorySnapshot(memdir, "run", 0, str(tmp_path / "c" / "run"))
+
+
+def snapshot(memdir: str, tmp_path) -> tuple[int, dict]:
     """The newest valid snapshot in ``memdir`` as (step, state), as a restarted worker reads it."""
-    held = MemorySnapshot(memdir, "run", 0).newest_valid()
+    held = reader(memdir, tmp_path).newest_valid()
     assert held is not None
-    reader = MemorySnapshot(memdir, "run", 0)
-    assert reader.newest_valid() is not None
-    buf = reader.data(held.slot, held.nbytes).clone()
+    reader_ = reader(memdir, tmp_path)
+    assert reader_.newest_valid() is not None
+    buf = reader_.data(held.slot, held.nbytes).clone()
     return held.step, unflatten(held.skeleton, [tensor_at(buf, s) for s in held.specs])
 
 
@@ -128,7 +133,7 @@ def test_fence_orders_the_copy_before_the_next_optimizer_step(memdir, tmp_path, 
     assert stepped.is_set()
     assert not same(model.state_dict()["0.weight"], expected["model"]["0.weight"])  # the step did run
     m.close()
-    got_step, got = snapshot(memdir)
+    got_step, got = snapshot(memdir, tmp_path)
     assert (
         got_step == 1
         and same(got["model"], expected["model"])
@@ -148,7 +153,7 @@ def test_buffers_changed_by_the_next_forward_are_taken_at_the_step(memdir, tmp_p
     assert not same(model.state_dict()["1.running_mean"], expected["model"]["1.running_mean"])
     gate.set()
     m.close()
-    _, got = snapshot(memdir)
+    _, got = snapshot(memdir, tmp_path)
     assert same(got["model"], expected["model"])
 
 
@@ -160,7 +165,7 @@ def test_without_an_attached_optimizer_save_copies_everything_before_returning(m
     assert not gate.entered.is_set()
     step(model, opt)  # no fence: nothing may still be reading the parameters
     m.close()
-    _, got = snapshot(memdir)
+    _, got = snapshot(memdir, tmp_path)
     assert same(got["model"], expected["model"]) and same(got["optimizer"], expected["optimizer"])
 
 
@@ -175,7 +180,7 @@ def test_detached_optimizer_is_no_longer_fenced(memdir, tmp_path):
     m.save(2, lambda: state_of(model, opt, 2))
     step(model, opt)
     m.close()
-    got_step, got = snapshot(memdir)
+    got_step, got = snapshot(memdir, tmp_path)
     assert got_step == 2 and same(got["model"], expected["model"])
 
 
@@ -188,7 +193,7 @@ def test_many_steps_through_the_fence_each_snapshot_is_its_step(memdir, tmp_path
         m.save(n, lambda n=n: state_of(model, opt, n))
     expected = clone(state_of(model, opt, 29))
     m.close()
-    got_step, got = snapshot(memdir)
+    got_step, got = snapshot(memdir, tmp_path)
     assert (
         got_step == 29
         and same(got["model"], expected["model"])
@@ -287,7 +292,7 @@ def test_kill_mid_copy_leaves_the_previous_step_valid(memdir, tmp_path, reaper, 
         pytest.fail(f"the snapshot process ended (exit {proc.wait()}) before its copy")
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait(10)
-    got_step, got = snapshot(memdir)
+    got_step, got = snapshot(memdir, tmp_path)
     assert got_step == 1
     assert all(torch.equal(t, torch.full((1000,), float(i))) for i, t in enumerate(got["params"]))
 
@@ -354,14 +359,14 @@ def test_small_cpu_states_are_copied_inside_save_and_sealed_by_the_copier(memdir
     expected = clone(state_of(model, opt, 1))
     m.save(1, lambda: state_of(model, opt, 1))
     assert m.memory is not None and entered.wait(10)
-    assert m.memory.sealed_step is None and MemorySnapshot(memdir, "run", 0).newest_valid() is None
+    assert m.memory.sealed_step is None and reader(memdir, tmp_path).newest_valid() is None
     m.fence()  # nothing left to copy: the optimizer may step while the seal runs
     step(model, opt)
     release.set()
     m.memory.wait_idle()
     assert m.memory.sealed_step == 1
     m.close()
-    got_step, got = snapshot(memdir)
+    got_step, got = snapshot(memdir, tmp_path)
     assert (
         got_step == 1
         and same(got["model"], expected["model"])
@@ -389,19 +394,19 @@ def test_the_smallest_cpu_states_are_sealed_inside_save(memdir, tmp_path, monkey
         expected = clone(state_of(model, opt, n))
         m.save(n, lambda n=n: state_of(model, opt, n))
         assert m.memory is not None and m.memory.sealed_step == n  # sealed before save returned
-        got_step, got = snapshot(memdir)
+        got_step, got = snapshot(memdir, tmp_path)
         assert got_step == n and same(got["model"], expected["model"])
         assert same(got["optimizer"], expected["optimizer"])
         step(model, opt)
     assert threads == [threading.main_thread()] * 2
     assert m.memory.copier.thread is None  # no copier was ever started
     # Flip one data byte of the newest slot: it fails its checksum, the one before is restored.
-    reader = MemorySnapshot(memdir, "run", 0)
-    held = reader.newest_valid()
+    torn = reader(memdir, tmp_path)
+    held = torn.newest_valid()
     assert held is not None and held.step == 2
-    data = reader.data(held.slot, held.nbytes)
+    data = torn.data(held.slot, held.nbytes)
     data[held.nbytes // 2] ^= 0xFF
-    again = MemorySnapshot(memdir, "run", 0).newest_valid()
+    again = reader(memdir, tmp_path).newest_valid()
     assert again is not None and again.step == 1
     m.close()
 
@@ -454,7 +459,7 @@ def test_kill_after_the_copy_before_the_seal_leaves_the_previous_step_valid(
         pytest.fail(f"the snapshot process ended (exit {proc.wait()}) before its copy")
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait(10)
-    got_step, got = snapshot(memdir)
+    got_step, got = snapshot(memdir, tmp_path)
     assert got_step == 1
     assert all(torch.equal(t, torch.full((1000,), float(i))) for i, t in enumerate(got["params"]))
 
