@@ -31,7 +31,7 @@ import struct
 import threading
 import time
 import zlib
-from collections.abc import Callable, Container
+from collections.abc import Callable, Container, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -465,8 +465,19 @@ class MemorySnapshot:
                 each bucket as it sends or lands it, :class:`DataCheck`, and on a mismatch
                 :meth:`invalidate`-s the slot and looks again).
         """
+        for held in self._valid(verify_data=verify_data):
+            return held
+        return None
+
+    def valid_slots(self) -> list[Held]:
+        """Every slot whose header and metadata verify, newest first (data checksums are left to the reader,
+        as :meth:`newest_valid` with ``verify_data=False``). A sharded restore may need an older step than a
+        rank's newest: the step that every shard of the state was sealed at."""
+        return list(self._valid(verify_data=False))
+
+    def _valid(self, *, verify_data: bool) -> Iterator[Held]:
         if self._mm is None and not self._open_existing():
-            return None
+            return
         self.wait_idle()
         assert self._mm is not None
         headers = []
@@ -477,6 +488,7 @@ class MemorySnapshot:
                 self._seq = max(self._seq, fields[2])
                 self._slot_seq[slot] = fields[2]
         # Newest first, and only until one verifies: hashing every slot would triple a large restore's reads.
+        first = True
         for slot, fields in sorted(headers, key=lambda h: h[1][1], reverse=True):
             _, step, _, sum_data, sum_meta, meta_len, data_len = fields
             base = self._slot_base(slot)
@@ -496,9 +508,9 @@ class MemorySnapshot:
             except ValueError as exc:
                 log.warning("memory_snapshot_invalid", path=self.path, slot=slot, step=step, reason=str(exc))
                 continue
-            self._newest = slot
-            return Held(slot, step, skeleton, specs, data_len, None if verify_data else sum_data)
-        return None
+            if first:  # the slot the next save must not overwrite
+                self._newest, first = slot, False
+            yield Held(slot, step, skeleton, specs, data_len, None if verify_data else sum_data)
 
     def invalidate(self, slot: int) -> None:
         """Mark ``slot`` torn (its data failed :class:`DataCheck`): no reader takes it again, and it is the
