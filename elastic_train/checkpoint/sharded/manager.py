@@ -52,6 +52,7 @@ from elastic_train.checkpoint.errors import (
     StorageError,
     WriteFailed,
 )
+from elastic_train.checkpoint.manager import Committed, Restored
 from elastic_train.checkpoint.policy import durable_due, step_dir
 from elastic_train.checkpoint.sharded import dcp, move, reshard
 from elastic_train.checkpoint.sharded import manifest as smanifest
@@ -67,26 +68,6 @@ log = get_logger(__name__)
 FINAL_ATTEMPTS = 8
 _RETRY = object()
 _REPLICATED_TAG = (1 << 26) + 7
-
-
-@dataclass(frozen=True, slots=True)
-class Restored:
-    """A restored sharded state (the same fields as the replicated manager's ``Restored``)."""
-
-    step: int
-    state: dict[str, Any]
-    source: str
-    holder_rank: int | None
-
-
-@dataclass(frozen=True, slots=True)
-class Committed:
-    """A durable checkpoint this manager committed."""
-
-    step: int
-    path: str
-    bytes: int
-    seconds: float
 
 
 @dataclass(frozen=True, slots=True)
