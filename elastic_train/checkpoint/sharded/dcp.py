@@ -336,6 +336,7 @@ def save(
         StorageError: DCP's write failed (the message is its first line).
     """
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     try:
         if isinstance(storage, LocalStorage):
@@ -345,7 +346,7 @@ def save(
 
             writer = FsspecWriter(_url(storage, path), **fsspec_options(storage, options))
         dcp.save(dict(state), storage_writer=writer, process_group=group)
-    except Exception as exc:
+    except (Exception, CheckpointException) as exc:  # DCP's own exception is a BaseException
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise StorageError(f"DCP write of {path} failed: {first}") from exc
 

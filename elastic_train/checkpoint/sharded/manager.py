@@ -56,8 +56,8 @@ from elastic_train.checkpoint.manager import Committed, Restored
 from elastic_train.checkpoint.policy import durable_due, step_dir
 from elastic_train.checkpoint.sharded import dcp, move, reshard
 from elastic_train.checkpoint.sharded import manifest as smanifest
-from elastic_train.checkpoint.sharded.local import join, leaves, live_shards, mesh_of, split
-from elastic_train.checkpoint.sharded.shardmap import ShardMap
+from elastic_train.checkpoint.sharded.local import join, leaves, live_shards, split
+from elastic_train.checkpoint.sharded.shardmap import ShardMap, fsdp_ranges
 from elastic_train.checkpoint.sharded.slots import INFO, ShardedMemory, Slot, shards_of
 from elastic_train.checkpoint.storage import open_storage
 from elastic_train.log import get_logger
@@ -102,6 +102,9 @@ class _Job:
     flat: Flat
     slot: int | None
     started: float
+    fqns: list[str]
+    """The optimizer's parameter names, read on the training thread (a forward in flight re-registers
+    FSDP2's unsharded parameters on the module)."""
     final: bool = False
 
 
@@ -148,7 +151,7 @@ class ShardedCheckpointManager:
         self.cfg, self.run_id = cfg, run_id
         self.rank, self.world_size, self.local_rank, self.round = rank, world_size, local_rank, round
         self.model, self.optimizer, self.current_state = model, optimizer, current_state
-        self._mesh = next((p.device_mesh for p in model.parameters() if hasattr(p, "device_mesh")), None)
+        self._mesh = _mesh_at(model, rank, world_size)
         self.link = link if link is not None else AgentLink.from_env()
         self.stamp: int | None = self.link.round
         self.base = 0
@@ -279,7 +282,7 @@ class ShardedCheckpointManager:
             if self._staging is None or self._staging.numel() < flat.nbytes:
                 self._staging = aligned_zeros(max(flat.nbytes, ALIGN), ALIGN)
             copy_into(flat, self._staging)
-        job = _Job(step, flat, slot, time.monotonic(), final)
+        job = _Job(step, flat, slot, time.monotonic(), self._fqn_of(), final)
         self._last_durable_time = time.monotonic()
         self._last_durable_step = step
         if not self.cfg.async_write or final:
@@ -349,7 +352,10 @@ class ShardedCheckpointManager:
             self._failure = failure
 
     def _fqn_of(self) -> list[str]:
-        """The name of each parameter the optimizer's state dict numbers (its param groups, in order)."""
+        """The name of each parameter the optimizer's state dict numbers (its param groups, in order).
+
+        Read between steps on the training thread: during a forward FSDP2 registers the unsharded
+        parameters on the module, and the optimizer's (sharded) ones have no name there."""
         opt = self.optimizer
         if not isinstance(opt, torch.optim.Optimizer):
             return []
@@ -360,8 +366,10 @@ class ShardedCheckpointManager:
         seen: dict[int, str] = {}
         for pid in key:
             seen.setdefault(pid, names.get(pid, f"param{len(seen)}"))
-        self._fqns = (key, list(seen.values()))
-        return self._fqns[1]
+        fqns = list(seen.values())
+        if all(pid in names for pid in seen):  # else: an optimizer over tensors the model does not hold
+            self._fqns = (key, fqns)
+        return fqns
 
     def _write_once(self, job: _Job, data: torch.Tensor) -> str | None:
         """One collective attempt: DCP writes every rank's part, each rank hashes its files, rank 0 commits.
@@ -372,7 +380,7 @@ class ShardedCheckpointManager:
         tensors = [tensor_at(data, s) for s in flat.specs]
         payload = unflatten(flat.skeleton, tensors)
         smap = ShardMap.from_json(payload[INFO]["map"])
-        fqns = self._fqn_of()
+        fqns = job.fqns
         record: Any = None
         error = None
         try:
@@ -532,7 +540,7 @@ class ShardedCheckpointManager:
             choice = reshard.choose(holdings, sorted(sharded), skip=skip)
             if choice is None:
                 break
-            if lost_info is None and newest is not None and (choice.step < newest or choice.lost):
+            if lost_info is None and newest is not None and choice.source != reshard.MEMORY:
                 at = [h for h in holdings if h.step == newest]
                 world = max((h.round, h.world_size) for h in at)
                 held = {h.old_rank for h in at if (h.round, h.world_size) == world}
@@ -681,7 +689,7 @@ class ShardedCheckpointManager:
         moved_s = time.perf_counter() - t0
         if self._torn_anywhere(torn):
             return _RETRY
-        state = join(unflatten(skeleton, tensors), new, mesh_of(model))  # type: ignore[arg-type]
+        state = join(unflatten(skeleton, tensors), new, self._mesh)  # type: ignore[arg-type]
         minimum = reshard.minimum(smap, holders, world, me)
         self.last_moved = {
             "kept": moved.kept,
@@ -767,7 +775,7 @@ class ShardedCheckpointManager:
                     f"{decision.entry}: the DCP checkpoint has no tensor for {name!r} (looked for "
                     f"'model.{name}' and '{name}')"
                 )
-            new_model[name] = _read_like(reader, key, v)
+            new_model[name] = _read_like(reader, key, v, self._mesh, self.rank)
             loaded += 1
         state["model"] = new_model
         opt = self.optimizer
@@ -780,7 +788,8 @@ class ShardedCheckpointManager:
                     found = {k[len(prefix) :]: k for k in keys if k.startswith(prefix)}
                     if found:
                         per_param[i] = {
-                            sub: _read_like(reader, k, params[i], sub) for sub, k in found.items()
+                            sub: _read_like(reader, k, params[i], self._mesh, self.rank)
+                            for sub, k in found.items()
                         }
                         break
             if per_param:
@@ -1025,19 +1034,37 @@ def _fingerprint(entries: list[dict[str, Any]]) -> list[list[Any]]:
     )
 
 
-def _read_like(reader: dcp.DcpReader, key: str, like: Any, sub: str | None = None) -> Any:
-    """The tensor at ``key``, as ``like`` is sharded: a DTensor's local rows (FSDP2's even chunk), whole
-    otherwise (a step count, a buffer)."""
-    from torch.distributed.tensor import DTensor
+def _read_like(reader: dcp.DcpReader, key: str, like: Any, mesh: Any, rank: int) -> Any:
+    """The tensor at ``key``, as ``like`` is sharded: this rank's rows (FSDP2's even chunk) as a DTensor on
+    ``mesh`` when ``like`` is a sharded DTensor of that shape, whole otherwise (a step count, a buffer)."""
+    from torch.distributed.tensor import DTensor, Shard
 
     stored = reader.layout.tensors[key]
-    if isinstance(like, DTensor) and stored.shape == tuple(like.shape) and stored.shape:
-        local = like.to_local()
-        first = like.device_mesh.get_local_rank() * -(-stored.shape[0] // like.device_mesh.size())
-        into = torch.empty(tuple(local.shape), dtype=stored.dtype)
-        reader.read(key, into, min(first, stored.shape[0]))
-        return DTensor.from_local(into, like.device_mesh, like.placements, run_check=False, shape=like.shape,
-                                  stride=like.stride())  # fmt: skip
+    if (
+        isinstance(like, DTensor)
+        and tuple(like.placements) == (Shard(0),)
+        and stored.shape == tuple(like.shape)
+    ):
+        first, rows = fsdp_ranges(stored.shape[0], mesh.size())[rank]
+        into = torch.empty((rows, *stored.shape[1:]), dtype=stored.dtype)
+        reader.read(key, into, first)
+        return DTensor.from_local(
+            into, mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride()
+        )
     into = torch.empty(stored.shape, dtype=stored.dtype)
     reader.read(key, into)
     return into
+
+
+def _mesh_at(model: torch.nn.Module, rank: int, world_size: int) -> Any:
+    """The device mesh of ``model``'s sharded parameters, checked to place this process at ``rank``; a
+    fresh 1-D mesh of the group when it does not (a mesh of an earlier group whose DTensors torch kept)."""
+    from torch.distributed.tensor import DTensor
+
+    mesh = next((p.device_mesh for p in model.parameters() if isinstance(p, DTensor)), None)
+    if mesh is None or mesh.get_coordinate() == (rank,):
+        return mesh
+    from torch.distributed.device_mesh import init_device_mesh
+
+    log.warning("device_mesh_stale", coordinate=mesh.get_coordinate(), rank=rank)
+    return init_device_mesh(mesh.device_type, (world_size,))
