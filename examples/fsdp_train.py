@@ -148,7 +148,8 @@ def main() -> None:
             resume_from=args.resume_from,
             config=config,
         ) as ckpt:
-            if ckpt.restore() == 0:  # elastic: nothing saved anywhere, a first start
+            ckpt.restore()  # elastic: the newest state anywhere, resharded to this world
+            if ckpt.source is None:  # elastic: nothing saved anywhere, a first start
                 et.load_full(model, initial_weights())  # elastic: each rank takes its rows
 
             for epoch in range(sampler.epoch, args.epochs):  # elastic: start at the restored epoch
