@@ -108,3 +108,40 @@ def _tensors(model: torch.nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
     for name, buf in model.named_buffers():
         if name in persistent:
             yield name, buf
+
+
+class ShardedTask:
+    """The built-in loop's FSDP2 (``train.fsdp: true``): the task's model sharded anew in each group, the
+    task's optimizer pointed at the new shards.
+
+    The task builds its model once, on the CPU, seeded: those are the initial weights (:attr:`initial`),
+    kept for a first start, and the model itself becomes a meta-device skeleton. Each group then builds a
+    copy of the skeleton, shards it (:func:`shard_model`), sets the buffers a checkpoint does not hold
+    (``persistent=False``) to their initial values, and re-points the optimizer's parameter groups at the new
+    shards with an empty state — the restore loads the step's state into them. The optimizer and the
+    scheduler stay the task's own objects.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        self._buffers = {k: v.detach().clone() for k, v in model.named_buffers()}
+        names = {id(p): n for n, p in model.named_parameters()}
+        self._names = [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
+        self._skeleton = model.to("meta")
+        self.optimizer = optimizer
+
+    def build(self, device: torch.device) -> torch.nn.Module:
+        """The model sharded over the current group, its shards allocated on ``device``; the optimizer now
+        steps them."""
+        import copy
+        from collections import defaultdict
+
+        model = shard_model(lambda: copy.deepcopy(self._skeleton), device=device)
+        with torch.no_grad():
+            for name, buf in model.named_buffers():
+                buf.copy_(self._buffers[name])
+        params = dict(model.named_parameters())
+        for group, names in zip(self.optimizer.param_groups, self._names, strict=True):
+            group["params"] = [params[n] for n in names]
+        self.optimizer.state = defaultdict(dict)
+        return model

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -72,3 +74,50 @@ def test_a_sharding_the_tiers_cannot_keep_is_one_line(world_one: None) -> None:
     hybrid = distribute_tensor(torch.ones(2, 2), init_device_mesh("cpu", (1, 1)), [Replicate(), Shard(0)])
     with pytest.raises(UnsupportedSharding, match="a 2-D device mesh .hybrid sharding. is not supported"):
         split({"w": hybrid}, rank=0, world_size=1)
+
+
+def _trainer(tmp: Path, *, fsdp: bool, steps: int) -> Any:
+    from elastic_train.checkpoint import CheckpointConfig, CheckpointManager
+    from elastic_train.checkpoint.sharded.manager import ShardedCheckpointManager
+    from elastic_train.train import rng
+    from elastic_train.train.api import load_task
+    from elastic_train.train.config import TrainConfig
+    from elastic_train.train.events import EventWriter
+    from elastic_train.train.fsdp import ShardedTask
+    from elastic_train.train.loop import Trainer
+
+    rng.seed_all(3)
+    task = load_task("regression", {"n_samples": 64})
+    cfg = CheckpointConfig(url=str(tmp / "ck"), memory=False, every_steps=0)
+    sharded = None
+    if fsdp:
+        parts = ShardedTask(task.model, task.optimizer)
+        model = parts.build(torch.device("cpu"))
+        sharded = (model, parts.initial)
+        manager: Any = ShardedCheckpointManager(
+            cfg, "r", rank=0, world_size=1, local_rank=0, model=model, optimizer=task.optimizer
+        )
+    else:
+        manager = CheckpointManager(cfg, "r", rank=0, world_size=1, local_rank=0)
+    trainer = Trainer(
+        TrainConfig(task="regression", steps=steps, global_batch=10, micro_batch=4, seed=3), task, rank=0,
+        world_size=1, round=0, device=torch.device("cpu"), checkpointer=manager,
+        events=EventWriter(None, round=0, world_size=1), sharded=sharded,
+    )  # fmt: skip
+    trainer.restore()
+    return trainer
+
+
+def test_the_builtin_loop_trains_a_sharded_task_as_ddp_does(world_one: None, tmp_path: Path) -> None:
+    """train.fsdp at world one: the same weights as the replicated loop, micro-batches accumulated without
+    a reduce in between, the task's optimizer stepping the shards."""
+    ddp = _trainer(tmp_path / "ddp", fsdp=False, steps=6)
+    ddp.run()
+    sharded = _trainer(tmp_path / "fsdp", fsdp=True, steps=6)
+    assert isinstance(next(sharded.model.parameters()), DTensor)
+    sharded.run()
+    for name, value in ddp.model.state_dict().items():
+        got = sharded.model.state_dict()[name]
+        assert torch.equal(got.full_tensor() if isinstance(got, DTensor) else got, value), name
+    resumed = _trainer(tmp_path / "fsdp", fsdp=True, steps=6)  # its final checkpoint: a DCP directory
+    assert resumed.step == 6 and resumed.ckpt.source == "durable"
