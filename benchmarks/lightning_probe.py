@@ -26,6 +26,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "lightning_train.py"
+# Run as a script, this folder is first on sys.path, where benchmarks/lightning.py would shadow Lightning's
+# own ``lightning`` package for the example's ``import lightning``.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
 
 def elastic(delay: float) -> None:
@@ -42,9 +45,9 @@ def elastic(delay: float) -> None:
 
 
 def plain(delay: float, audit_dir: str) -> None:
-    import pytorch_lightning as pl
+    import lightning.pytorch as pl  # the example's namespace
     import torch
-    from pytorch_lightning.callbacks import Callback, ModelCheckpoint
+    from lightning.pytorch.callbacks import Callback, ModelCheckpoint
     from torch.utils.data import DataLoader, Dataset
 
     from elastic_train.train.audit import AuditWriter
@@ -100,7 +103,7 @@ def plain(delay: float, audit_dir: str) -> None:
             self.events.emit("done", trainer.global_step)
 
     pl.seed_everything(args.seed, verbose=False)
-    dataset = Indexed(Waves(args.samples))
+    dataset = Indexed(Waves(args.samples, dtype=torch.float64 if args.float64 else torch.float32))
     loader = DataLoader(dataset, batch_size=args.batch_size, shuffle=True, num_workers=args.workers)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     num_nodes = world // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # what a plain script has to do

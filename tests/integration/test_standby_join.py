@@ -42,7 +42,7 @@ pytest.importorskip("elastic_train.rendezvous.registry")
 
 #: Seconds the joiner's build takes longer than the others' (a large model's build, on a small one).
 BUILD_S = 6.0
-#: Seconds per step of the own-loop script (its 90 steps outlast a joiner's start on a busy machine).
+#: Seconds per step of the own-loop script (its 60 steps outlast a joiner's start on a busy machine).
 OWN_STEP_S = "0.6"
 
 
