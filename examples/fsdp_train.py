@@ -4,16 +4,26 @@ Own model, own optimizer (AdamW) and LR schedule, own Dataset and DataLoader, ow
 ``# elastic`` are all it takes beyond a plain FSDP2 script (docs/sharded.md explains each). Every rank holds
 1/W of the weights and of the Adam moments; when a node dies or joins, the survivors keep their processes,
 shard the model over the new world and take the rows they now own from each other's memory. Run it like any
-torchrun script:
+torchrun script. Without torchrun it trains a world of one, 4 epochs of 12 steps (``--epochs`` sets the
+length; ``--float64`` trains in double precision):
 
-    python examples/fsdp_train.py                # no torchrun: a world of one
-    elastic-train local --nodes 3 --kill-node 1@step=20 --add-node @step=40 \\
-                        --entry examples/fsdp_train.py --replicas 1
+.. doc-test: covered="tests/integration/test_fsdp_train.py::test_a_world_of_one_as_shipped"
+
+    python examples/fsdp_train.py
+
+On every node, as any torchrun script (with an etcd at 127.0.0.1:2379: ``elastic-train etcd`` serves one):
 
 .. doc-test: etcd=127.0.0.1:2379 nodes=2 shrink="--epochs 1"
 
-    torchrun --nnodes=1:3 --nproc-per-node=1 --rdzv-backend=etcd3 --rdzv-endpoint=127.0.0.1:2379 \\
-             --rdzv-id=fsdp-train examples/fsdp_train.py --epochs 4
+    torchrun --nnodes=2:3 --nproc-per-node=1 --max-restarts=100 --rdzv-backend=etcd3 \\
+             --rdzv-endpoint=127.0.0.1:2379 --rdzv-id=fsdp-train examples/fsdp_train.py --replicas 1
+
+A whole job on this machine, node 1 killed with SIGKILL after step 20 and a node added after step 40:
+
+.. doc-test: covered="tests/integration/test_fsdp_train.py::test_local_entry_kill_and_join"
+
+    elastic-train local --nodes 3 --min-nodes 2 --max-nodes 3 --kill-node 1@step=20 --add-node @step=40 \\
+        --summary run.json --entry examples/fsdp_train.py --replicas 1
 
 ``--replicas 1`` keeps a copy of each rank's shards in the memory of the next node (a node's death then costs
 at most the step it was in; without it, the shards of a dead node come from the last durable checkpoint). A

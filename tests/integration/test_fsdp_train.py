@@ -1,14 +1,22 @@
-"""examples/fsdp_train.py, an FSDP2 script using the elastic_train API, under real faults.
+"""examples/fsdp_train.py, an FSDP2 script using the elastic_train API, run as its docs show it.
 
-- ``elastic-train local --entry``: a kill -9 of a node and a join with ``--replicas 1``: both resharded from
-  memory in-process, at most one step redone, exactly-once, each rank received exactly the bytes it lacked,
-  final weights equal to a fault-free world-1 run (float64, 1e-5).
-- plain ``torchrun --rdzv-backend=etcd3`` agents: a kill and a join, and a worker that dies in the middle of
-  the join's reshard (its agent restarts it): the job converges, the same checks.
-- a dead node whose shards had no other copy (no replica): one ``sharded_state_lost`` event, the lost
-  shards from the durable checkpoint, exactly-once, the same final weights.
-- DCP both ways at another world size: plain ``dcp.load`` of the fault-free run's checkpoint at world 2,
-  and a checkpoint in torchtitan's layout written at world 2 resumed by the script at world 1.
+- ``python examples/fsdp_train.py``, as shipped, at a world of one; with ``--float64``, the fault-free
+  reference of the runs below;
+- ``elastic-train local ... --entry examples/fsdp_train.py --replicas 1`` (the docs' command): a kill -9 of a
+  node and a join, each resharded in-process from memory with at most one step redone, each rank receiving
+  exactly the bytes it lacked, exactly-once;
+- plain ``torchrun --rdzv-backend=etcd3`` agents running the docs' ``examples/fsdp_train.py --replicas 1``
+  (``--float64``): a kill and a join, and a worker that dies in the middle of the join's reshard (its agent
+  starts a new one): the job converges, at most one step redone per fault, exactly-once, final weights equal
+  to the reference within 1e-5;
+- a dead node whose shards had no other copy (no replica): one ``sharded_state_lost`` event, the state from
+  the durable checkpoint, exactly-once, the same final weights;
+- DCP both ways at another world size: plain ``dcp.load`` of the reference's checkpoint at world 2, and a
+  checkpoint in torchtitan's layout written at world 2 resumed by the script at world 1.
+
+Runs with faults keep the script and its command line; the test environment adds the hold gate of
+tests/instrument/sitecustomize.py, which keeps a group at a step until a fault has landed or a joining node
+is in, however loaded the machine.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ from tests.helpers import (
     assert_local_kill_and_join,
     assert_resumed_once_each,
     assert_same_weights,
+    gated,
     made_once,
     script_env,
 )
@@ -40,14 +49,24 @@ pytestmark = pytest.mark.slow
 pytest.importorskip("elastic_train.rendezvous.registry")
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "examples" / "fsdp_train.py"
-SLOW_SCRIPT = ROOT / "tests" / "integration" / "slow_fsdp_train.py"
+SCRIPT = str(ROOT / "examples" / "fsdp_train.py")
+#: The script, unchanged, with a worker dying in a reshard when RESHARD_FAULT says so.
+FAULT_SCRIPT = str(ROOT / "tests" / "integration" / "fsdp_reshard_fault.py")
 DCP_SCRIPTS = ROOT / "tests" / "integration" / "dcp_scripts.py"
-EPOCHS = 4
-STEPS = EPOCHS * 12  # 192 windows, 16 per step
-ARGS = ["--float64", "--epochs", str(EPOCHS), "--checkpoint-every", "10"]
+#: 4 epochs of 192 windows, 16 per step.
+STEPS = 48
 
 env = script_env
+
+
+def run_example(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """``python examples/fsdp_train.py ARGS`` in ``cwd`` (a world of one)."""
+    proc = subprocess.run(
+        [sys.executable, SCRIPT, *args], cwd=cwd, env=env(), capture_output=True, text=True, timeout=240
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    return proc
 
 
 def sharded_weights(root: Path, run_id: str, step: int) -> dict[str, torch.Tensor]:
@@ -75,92 +94,100 @@ def log_events(logs: list[Path], name: str) -> list[dict[str, Any]]:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The script, fault-free, as one plain process (a world of one); run once a session."""
-
-    def run(ck: Path) -> None:
-        proc = subprocess.run(
-            [sys.executable, str(SCRIPT), *ARGS, "--checkpoint", str(ck / "ck")],
-            cwd=ck, env=env(), capture_output=True, text=True, timeout=300,
-        )  # fmt: skip
-        assert proc.returncode == 0, proc.stderr[-3000:]
-
-    return made_once(tmp_path_factory, "fsdp-reference", run) / "ck"
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    """``python examples/fsdp_train.py --float64``, fault-free, at a world of one; run once a session."""
+    made = made_once(tmp_path_factory, "fsdp-reference", lambda d: run_example(d, "--float64"))
+    return sharded_weights(made / "checkpoints", "default", STEPS)
 
 
-def test_local_entry_kill_and_join_reshard_from_memory(tmp_path: Path, reference: Path) -> None:
-    summary_path = tmp_path / "summary.json"
+def test_a_world_of_one_as_shipped(tmp_path: Path) -> None:
+    proc = run_example(tmp_path)  # python examples/fsdp_train.py
+    assert "epoch 3 step 40 loss" in proc.stdout, proc.stdout
+    weights = sharded_weights(tmp_path / "checkpoints", "default", STEPS)
+    assert {t.dtype for t in weights.values()} == {torch.float32}
+
+
+def test_local_entry_kill_and_join(tmp_path: Path) -> None:
+    """The docs' ``elastic-train local`` command, as written."""
     cmd = [
         sys.executable, "-m", "elastic_train", "local",
         "--nodes", "3", "--min-nodes", "2", "--max-nodes", "3",
-        "--kill-node", "1@step=15", "--add-node", "@step=30", "--workdir", str(tmp_path / "work"),
-        "--audit", str(tmp_path / "audit"), "--summary", str(summary_path), "--timeout", "400",
-        "--entry", str(SLOW_SCRIPT), "0.3", *ARGS, "--replicas", "1", "--checkpoint", str(tmp_path / "ck"),
+        "--kill-node", "1@step=20", "--add-node", "@step=40", "--summary", "run.json",
+        "--entry", SCRIPT, "--replicas", "1",
     ]  # fmt: skip
-    hold = tmp_path / "hold"  # at world 2 the job waits for the joiner before its last steps
-    hold.write_text(f"2 {STEPS - 10}")
+    gate = tmp_path / "gate"
+    gate.write_text("3 30\n2 44")  # the kill lands before step 30; at world 2 the job waits for the joiner
     proc = subprocess.run(
-        cmd, cwd=tmp_path, env=env(HOLD=str(hold)), capture_output=True, text=True, timeout=500
+        cmd, cwd=tmp_path, env=gated(env(), gate), capture_output=True, text=True, timeout=400
     )
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-2000:]}"
-    summary = json.loads(summary_path.read_text())
+    summary = json.loads((tmp_path / "run.json").read_text())
     assert_local_kill_and_join(summary, STEPS)
     assert "exactly-once: OK" in proc.stdout
-    # Each rank of each reshard received exactly the rows it lacked, and the joiner's world moved some.
-    resharded = log_events(sorted((tmp_path / "work").glob("node-*.log")), "resharded")
+    assert "Traceback" not in proc.stdout + proc.stderr
+    # Each rank of each reshard received exactly the rows it lacked, and the join moved some.
+    logs = sorted((tmp_path / "runs" / summary["run_id"]).glob("node-*.log"))
+    resharded = log_events(logs, "resharded")
     assert {(r["from_world"], r["to_world"]) for r in resharded} >= {(3, 2), (2, 3)}, resharded
     assert all(r["received"] == r["minimum"] and r["from_storage"] == 0 for r in resharded), resharded
     assert any(r["received"] > 0 for r in resharded if r["to_world"] == 3)
-    weights = sharded_weights(tmp_path / "ck", summary["run_id"], STEPS)
-    assert_same_weights(weights, sharded_weights(reference, "default", STEPS), torch.float64)
+    final = sharded_weights(tmp_path / "checkpoints", summary["run_id"], STEPS)
+    assert {t.dtype for t in final.values()} == {torch.float32}
 
 
-def test_plain_torchrun_kill_join_and_a_worker_dying_in_the_reshard(
-    tmp_path: Path, etcd_server: Any, reaper: Any, reference: Path
+def test_plain_torchrun_agents_kill_join_and_a_worker_dying_in_the_reshard(
+    tmp_path: Path, etcd_server: Any, reaper: Any, reference: dict[str, torch.Tensor]
 ) -> None:
-    script = [str(SLOW_SCRIPT), "0.2", *ARGS, "--replicas", "1", "--checkpoint", str(tmp_path / "ck")]
-    # Every worker of the first generation would die as rank 0 of the first reshard into a world of 3:
-    # that is the join's, after the kill.
-    variables = env(HOLD=str(tmp_path / "hold"), RESHARD_FAULT="3")
-    job = TorchrunAgents(tmp_path, etcd_server.endpoint, reaper, "fsdp-train", script, variables)
+    """Each node: the docs' ``torchrun ... examples/fsdp_train.py --replicas 1``, with ``--float64``; every
+    worker of the first generation dies when it is rank 0 of the first reshard into a world of 3 (the
+    join's, after the kill)."""
+    gate = tmp_path / "gate"
+    variables = gated(env(RESHARD_FAULT="3"), gate)
+    script = [FAULT_SCRIPT, "--float64", "--replicas", "1"]
+    job = TorchrunAgents(
+        tmp_path, etcd_server.endpoint, reaper, "fsdp-train", script, variables, rdzv_conf=None
+    )
+    gate.write_text("3 20\n2 40")  # the kill lands by step 20; world 2 waits for the joiner at 40
     for _ in range(3):
-        job.start()
+        job.start("2:3")
     job.wait_step(3, 5)
-    (tmp_path / "hold").write_text(f"2 {STEPS - 10}")
     job.kill(job.procs[2])
-    shrunk = job.wait_step(2, 1)
-    job.start()
-    job.wait_step(3, shrunk["step"] + 1)
-    (tmp_path / "hold").unlink()
+    job.wait_step(2, 1)
+    job.start("2:3")
     job.wait_all(job.procs[:2] + job.procs[3:], timeout=300)
 
     logs = sorted(tmp_path.glob("agent*.log"))
     assert any("reshard fault: rank 0 exits" in p.read_text(errors="replace") for p in logs), "no fault fired"
     assert_resumed_once_each(read_events(str(job.events)), STEPS, tmp_path / "audit")
-    weights = sharded_weights(tmp_path / "ck", "fsdp-train", STEPS)
-    assert_same_weights(weights, sharded_weights(reference, "default", STEPS), torch.float64)
+    assert_same_weights(
+        sharded_weights(tmp_path / "checkpoints", "fsdp-train", STEPS), reference, torch.float64
+    )
 
 
-def test_a_dead_node_whose_shards_had_no_copy_falls_back_to_durable(tmp_path: Path, reference: Path) -> None:
-    summary_path = tmp_path / "summary.json"
+def test_a_dead_node_whose_shards_had_no_copy_falls_back_to_durable(
+    tmp_path: Path, reference: dict[str, torch.Tensor]
+) -> None:
     cmd = [
         sys.executable, "-m", "elastic_train", "local",
-        "--nodes", "2", "--min-nodes", "1", "--max-nodes", "2",
-        "--kill-node", "1@step=13", "--workdir", str(tmp_path / "work"),
-        "--audit", str(tmp_path / "audit"), "--summary", str(summary_path), "--timeout", "300",
-        "--entry", str(SLOW_SCRIPT), "0.1", *ARGS, "--checkpoint", str(tmp_path / "ck"),
+        "--nodes", "2", "--min-nodes", "1", "--max-nodes", "2", "--kill-node", "1@step=13",
+        "--summary", "run.json", "--entry", SCRIPT, "--float64",
     ]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=400)
+    gate = tmp_path / "gate"
+    gate.write_text("2 16")  # the kill lands before step 16
+    proc = subprocess.run(
+        cmd, cwd=tmp_path, env=gated(env(), gate), capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-2000:]}"
-    summary = json.loads(summary_path.read_text())
+    summary = json.loads((tmp_path / "run.json").read_text())
     assert summary["succeeded"] and summary["exactly_once"]["ok"], summary["exactly_once"]
     (kill,) = summary["faults"]
     assert kill["source"] == "durable" and kill["resumed_world_size"] == 1, kill
-    assert kill["resumed_from"] == 10 and kill["steps_redone"] is not None, kill
-    lost = log_events(sorted((tmp_path / "work").glob("node-*.log")), "sharded_state_lost")
+    assert kill["resumed_from"] == 10, kill  # the checkpoint every 10 steps
+    logs = sorted((tmp_path / "runs" / summary["run_id"]).glob("node-*.log"))
+    lost = log_events(logs, "sharded_state_lost")
     assert len(lost) == 1 and lost[0]["restored_step"] == 10 and lost[0]["world_size"] == 2, lost
-    weights = sharded_weights(tmp_path / "ck", summary["run_id"], STEPS)
-    assert_same_weights(weights, sharded_weights(reference, "default", STEPS), torch.float64)
+    final = sharded_weights(tmp_path / "checkpoints", summary["run_id"], STEPS)
+    assert_same_weights(final, reference, torch.float64)
 
 
 def torchrun_standalone(nproc: int, *args: str, cwd: Path) -> None:
@@ -169,28 +196,33 @@ def torchrun_standalone(nproc: int, *args: str, cwd: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
 
 
-def test_dcp_both_ways_at_another_world_size(tmp_path: Path, reference: Path) -> None:
+def test_dcp_both_ways_at_another_world_size(tmp_path: Path) -> None:
     # Ours (world 1) read by plain dcp.load at world 2: model, Adam moments and step counts.
-    storage = open_storage(str(reference))
+    run_example(tmp_path, "--float64", "--epochs", "1", "--checkpoint", str(tmp_path / "ours"))
+    storage = open_storage(str(tmp_path / "ours"))
     newest = durable.newest_valid(storage, storage.join(storage.root, "default"))
-    assert newest is not None
+    assert newest is not None and newest.step == 12
     torchrun_standalone(2, str(DCP_SCRIPTS), "load", newest.path, str(tmp_path / "loaded.pt"), cwd=tmp_path)
     loaded = torch.load(tmp_path / "loaded.pt", weights_only=True)
-    ours = sharded_weights(reference, "default", STEPS)
+    ours = sharded_weights(tmp_path / "ours", "default", 12)
     for name, value in ours.items():
         assert torch.equal(loaded[f"model.{name}"], value), name
-    assert float(loaded["adam.step"]) == STEPS
+    assert float(loaded["adam.step"]) == 12
 
     # torchtitan's layout written at world 2, resumed by the script at world 1: model and Adam state.
     torchrun_standalone(
         2, str(DCP_SCRIPTS), "save", str(tmp_path / "titan"), str(tmp_path / "titan.pt"), cwd=tmp_path
     )
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--float64", "--epochs", "0", "--resume-from", str(tmp_path / "titan"),
-         "--checkpoint", str(tmp_path / "ck")],
-        cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_example(
+        tmp_path,
+        "--float64",
+        "--epochs",
+        "0",
+        "--resume-from",
+        str(tmp_path / "titan"),
+        "--checkpoint",
+        str(tmp_path / "ck"),
+    )
     theirs = torch.load(tmp_path / "titan.pt", weights_only=True)
     resumed = sharded_weights(tmp_path / "ck", "default", 0)
     for name, value in resumed.items():
