@@ -237,3 +237,25 @@ def test_dcp_both_ways_at_another_world_size(tmp_path: Path) -> None:
         reader.read(f"optim.state.pos.{key}", got)
         assert torch.equal(got, theirs[f"adam.{key}"]), key
     assert "resumed_from_foreign_dcp" in proc.stdout + proc.stderr
+
+
+def test_builtin_loop_kill_and_join(tmp_path: Path) -> None:
+    """docs/sharded.md's ``elastic-train local ... --set train.fsdp=true`` (the charlm task), as written."""
+    cmd = [
+        sys.executable, "-m", "elastic_train", "local",
+        "--nodes", "3", "--min-nodes", "2", "--max-nodes", "3", "--kill-node", "1@step=10",
+        "--add-node", "@step=20", "--steps", "30", "--set", "train.fsdp=true",
+        "--set", "checkpoint.shard_replicas=1", "--summary", "run.json",
+    ]  # fmt: skip
+    gate = tmp_path / "gate"
+    gate.write_text("3 14\n2 24")  # the kill lands before step 14; at world 2 the job waits for the joiner
+    proc = subprocess.run(
+        cmd, cwd=tmp_path, env=gated(env(), gate), capture_output=True, text=True, timeout=400
+    )
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-2000:]}"
+    summary = json.loads((tmp_path / "run.json").read_text())
+    assert_local_kill_and_join(summary, 30)
+    assert "exactly-once: OK" in proc.stdout
+    logs = sorted((tmp_path / "runs" / summary["run_id"]).glob("node-*.log"))
+    resharded = log_events(logs, "resharded")
+    assert {(r["from_world"], r["to_world"]) for r in resharded} >= {(3, 2), (2, 3)}, resharded

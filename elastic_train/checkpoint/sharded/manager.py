@@ -21,9 +21,10 @@ the restore's on another (``ctl``), and replicas travel on a third (``rep``).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,7 +59,7 @@ from elastic_train.checkpoint.sharded import dcp, move, reshard
 from elastic_train.checkpoint.sharded import manifest as smanifest
 from elastic_train.checkpoint.sharded.local import join, leaves, live_shards, split
 from elastic_train.checkpoint.sharded.shardmap import ShardMap, fsdp_ranges
-from elastic_train.checkpoint.sharded.slots import INFO, ShardedMemory, Slot, shards_of
+from elastic_train.checkpoint.sharded.slots import INFO, ShardedMemory, Slot
 from elastic_train.checkpoint.storage import open_storage
 from elastic_train.log import get_logger
 
@@ -199,6 +200,8 @@ class ShardedCheckpointManager:
         self._writer: threading.Thread | None = None
         self._fqns: tuple[Any, list[str]] | None = None
         self._lineage: tuple[threading.Thread, list[BaseException]] | None = None
+        #: The next snapshot is the first after a restore (its slots are allocated anew for this world).
+        self._relayout = False
 
     @property
     def coordinated(self) -> bool:
@@ -243,6 +246,11 @@ class ShardedCheckpointManager:
         return flatten({INFO: info, "state": local})
 
     def _save(self, step: int, state: Any, dur_due: bool, *, exchange: bool) -> None:
+        if self._relayout:  # the first snapshot at a new world size allocates its slots: seconds at 1 GB
+            self._relayout = False
+            with self._beating():
+                self._save(step, state, dur_due, exchange=exchange)
+            return
         flat = self._flat(state)
         slot = None
         if self.memory is not None:
@@ -472,6 +480,30 @@ class ShardedCheckpointManager:
         self.wait()
         if model is None:
             model = self.model.state_dict()
+        with self._beating():
+            restored = self._restore(model)
+        self._relayout = restored is not None
+        return restored
+
+    @contextlib.contextmanager
+    def _beating(self) -> Iterator[None]:
+        """Count progress for the agent while a long step of the restore (or the first snapshot after it)
+        runs: it is work, not a worker blocked on a dead peer (a collective's failure ends it)."""
+        done = threading.Event()
+
+        def beat() -> None:
+            while not done.wait(0.25):
+                self.link.beat()
+
+        thread = threading.Thread(target=beat, name="ckpt-restore-beat", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            done.set()
+            thread.join()
+
+    def _restore(self, model: Mapping[str, Any]) -> Restored | None:
         started = time.perf_counter()
         again: int | None = None
         try:
@@ -630,20 +662,6 @@ class ShardedCheckpointManager:
         new = smap.resized(world)
         holders = {r: set(o) for r, o in choice.holders.items()}
         plan = reshard.plan(smap, holders, world)
-        # What this rank holds at the step: its slots' data, read and hashed (a torn one fails the verdict).
-        mine = [s for s in slots if s.step == choice.step and (s.round, s.world_size) == choice.world]
-        needed = {p.old for p in plan.pieces if p.src == me}
-        torn = False
-        shards: dict[int, dict[str, torch.Tensor]] = {}
-        replicated_from: tuple[Slot, torch.Tensor] | None = None
-        for s in sorted(mine, key=lambda s: s.kind != "own"):
-            if s.rank not in needed and replicated_from is not None:
-                continue
-            data, ok = self.memory.read(s)  # type: ignore[union-attr]
-            torn = torn or not ok
-            shards[s.rank] = shards_of(s, data)
-            if replicated_from is None:
-                replicated_from = (s, data)
         # Where the new shards land: the model's parameters themselves, fresh tensors for the rest.
         live = live_shards(model)
         dests: dict[str, torch.Tensor] = {}
@@ -655,6 +673,27 @@ class ShardedCheckpointManager:
                 dests[path] = target
             else:
                 dests[path] = torch.empty(shape, dtype=dtype_of(t.dtype))
+        # This rank's slots of the step, each read once, in order and hashed (a torn one fails the verdict):
+        # the rows it keeps straight into its new shards, the rows it sends into buffers of their own.
+        mine = [s for s in slots if s.step == choice.step and (s.round, s.world_size) == choice.world]
+        wanted: dict[int, dict[str, list[tuple[int, int, torch.Tensor | None]]]] = {}
+        for p in plan.pieces:
+            if p.src == me:
+                into = dests[p.path][p.dst_row : p.dst_row + p.rows] if p.dst == me else None
+                wanted.setdefault(p.old, {}).setdefault(p.path, []).append((p.src_row, p.rows, into))
+        torn = False
+        staged: dict[tuple[str, int, int], torch.Tensor] = {}
+        replicated_from: tuple[Slot, dict[str, torch.Tensor]] | None = None
+        for slot in sorted(mine, key=lambda s: s.kind != "own"):
+            whole = replicated_from is None
+            if slot.rank not in wanted and not whole:
+                continue
+            assert self.memory is not None
+            runs, small, ok = self.memory.land(slot, wanted.pop(slot.rank, {}), whole=whole)
+            torn = torn or not ok
+            staged.update({(path, slot.rank, first): buf for (path, first), buf in runs.items()})
+            if whole:
+                replicated_from = (slot, small)
         reader = None
         if decision.entry is not None and (choice.lost or not choice.memory_used):
             store = open_storage(decision.storage or self.cfg.url, self.cfg.storage_options)
@@ -668,8 +707,8 @@ class ShardedCheckpointManager:
 
         t0 = time.perf_counter()
         moved = move.execute(
-            plan, me, shards=shards, dests=dests, to_global=self._global, lanes=(self._ctl, self._io),
-            durable=fill if reader is not None else None,
+            plan, me, source=lambda p: staged[(p.path, p.old, p.src_row)], dests=dests,
+            to_global=self._global, lanes=(self._ctl, self._io), durable=fill if reader is not None else None,
         )  # fmt: skip
         # The rest of the state (scheduler, data position, RNG, step counts): this rank's own slot's, else
         # the holder's (sent), else the durable checkpoint's.
@@ -683,9 +722,9 @@ class ShardedCheckpointManager:
             assert reader is not None and decision.manifest is not None
             for i, listed in enumerate(decision.manifest["tensors"]):
                 if tensors[i] is None:
-                    whole = torch.empty(tuple(listed["shape"]), dtype=dtype_of(listed["dtype"]))
-                    reader.read(listed["key"], whole)
-                    tensors[i] = whole
+                    full = torch.empty(tuple(listed["shape"]), dtype=dtype_of(listed["dtype"]))
+                    reader.read(listed["key"], full)
+                    tensors[i] = full
         moved_s = time.perf_counter() - t0
         if self._torn_anywhere(torn):
             return _RETRY
@@ -713,7 +752,7 @@ class ShardedCheckpointManager:
         self,
         decision: _Decision,
         specs: list[TensorSpec],
-        own: tuple[Slot, torch.Tensor] | None,
+        own: tuple[Slot, dict[str, torch.Tensor]] | None,
         tensors: list[torch.Tensor | None],
     ) -> None:
         """The tensors of the state that are not sharded: from this rank's slot of the step, else sent by
@@ -726,10 +765,11 @@ class ShardedCheckpointManager:
             flags = [torch.empty(1, dtype=torch.int32) for _ in range(self.world_size)]
             dist.all_gather(flags, have, group=self._ctl)
         if own is not None:
-            slot, data = own
-            by_path = {s.path: s for s in slot.held.specs}
+            _, small = own
             for i in todo:
-                tensors[i] = tensor_at(data, by_path[specs[i].path])
+                spec = specs[i]
+                raw = small.get(spec.path, torch.empty(0, dtype=torch.uint8))
+                tensors[i] = raw.view(dtype_of(spec.dtype)).view(spec.shape)
         if not self.coordinated:
             return
         holder = decision.holder

@@ -1,11 +1,12 @@
 """Carrying out a reshard plan: point-to-point range transfers, only the rows a rank lacks.
 
 Every rank walks the same :class:`~elastic_train.checkpoint.sharded.reshard.Plan` in the same order. A piece
-kept in place is a local copy; a piece a peer holds is one or more messages (at most :data:`BUCKET` bytes
-each) from the holder's shard straight into the rows of the receiver's new shard (a row range of a
-contiguous tensor is one contiguous byte range: no packing, no bounce buffer); a piece nobody alive holds is
-handed to ``durable`` (read from a checkpoint). Message ``k`` of the walk carries tag ``k`` and travels in
-lane ``k`` (the manager's gloo groups in turn: each pair of ranks streams over several connections).
+kept in place was read straight into the new shard; a piece a peer holds is one or more messages (at most
+:data:`BUCKET` bytes each) from the holder's buffer of those rows straight into the rows of the receiver's
+new shard (a row range of a contiguous tensor is one contiguous byte range: no packing, no bounce buffer);
+a piece nobody alive holds is handed to ``durable`` (read from a checkpoint). Message ``k`` of the walk
+carries tag ``k`` and travels in lane ``k`` (the manager's gloo groups in turn: each pair of ranks streams
+over several connections).
 
 gloo here; the same calls run on NCCL (point-to-point sends between GPU tensors), where a shard lives on
 the device.
@@ -52,19 +53,21 @@ def execute(
     plan: Plan,
     me: int,
     *,
-    shards: Mapping[int, Mapping[str, torch.Tensor]],
+    source: Callable[[Piece], torch.Tensor],
     dests: Mapping[str, torch.Tensor],
     to_global: Callable[[int], int],
     lanes: Any,
     durable: Callable[[Piece, torch.Tensor], None] | None = None,
 ) -> Moved:
-    """This rank's part of ``plan``: send what it holds to those who need it, receive and keep its own.
+    """This rank's part of ``plan``: send what it holds to those who need it, receive what it lacks.
+
+    The rows a rank keeps are already in place (its slots were read straight into its new shards), so only
+    counted here.
 
     Args:
         plan: the plan (the same on every rank).
         me: this rank in the new world.
-        shards: the old shards this rank holds, ``{old rank: {path: local tensor}}`` (its own slot and the
-            replica it keeps).
+        source: the rows of a piece this rank sends, as one contiguous uint8 tensor.
         dests: this rank's new local shards by path (the tensors the restored rows land in).
         to_global: a new-world rank's global rank in ``lanes``' groups.
         lanes: the process group(s) messages travel in (:func:`elastic_train.checkpoint.transfer.lane`).
@@ -86,17 +89,14 @@ def execute(
             continue
         if piece.src == piece.dst:
             if piece.dst == me:
-                src = shards[piece.old][piece.path]
-                dests[piece.path][piece.dst_row : piece.dst_row + piece.rows].copy_(
-                    src[piece.src_row : piece.src_row + piece.rows]
-                )
                 kept += piece.rows * row_bytes
             continue
+        data = source(piece) if piece.src == me else None
         for first, rows in messages(piece, row_bytes):
             group = lane(lanes, tag)
-            if piece.src == me:
-                data = _rows(shards[piece.old][piece.path], piece.src_row + first, rows)
-                works.append(dist.isend(data, dst=to_global(piece.dst), group=group, tag=tag))
+            if data is not None:
+                part = data[first * row_bytes : (first + rows) * row_bytes]
+                works.append(dist.isend(part, dst=to_global(piece.dst), group=group, tag=tag))
                 sent += rows * row_bytes
             elif piece.dst == me:
                 into = _rows(dests[piece.path], piece.dst_row + first, rows)
@@ -110,5 +110,6 @@ def execute(
             durable(piece, rows_view)
             from_storage += piece.rows * plan.old.tensors[piece.path].row_bytes
     for work in works:
-        work.wait()
+        if work is not None:
+            work.wait()
     return Moved(kept, received, sent, from_storage)

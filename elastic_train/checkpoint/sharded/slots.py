@@ -16,7 +16,7 @@ sending the rank's part of the state (the state size / W) over the network after
 from __future__ import annotations
 
 import pickle
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +24,6 @@ import torch
 import torch.distributed as dist
 
 from elastic_train.checkpoint.codec import ALIGN, Flat, TensorSpec, aligned_zeros, tensor_at
-from elastic_train.checkpoint.errors import CheckpointError
 from elastic_train.checkpoint.memory import DataCheck, Held, MemorySnapshot
 from elastic_train.checkpoint.sharded.shardmap import ShardMap
 from elastic_train.log import get_logger
@@ -145,27 +144,77 @@ class ShardedMemory:
         tensors = tuple(tensor_at(data, s) for s in specs)
         self.replica.save(step, Flat(skeleton, specs, tensors, nbytes))
 
-    def read(self, slot: Slot) -> tuple[torch.Tensor, bool]:
-        """A slot's data, read (``pread``) into a private buffer and hashed as it is read; (buffer, whether
-        its checksum matched). A slot that fails is marked torn (no reader takes it again)."""
+    def land(
+        self,
+        slot: Slot,
+        runs: Mapping[str, Sequence[tuple[int, int, torch.Tensor | None]]],
+        *,
+        whole: bool,
+    ) -> tuple[dict[tuple[str, int], torch.Tensor], dict[str, torch.Tensor], bool]:
+        """Read a slot's data once, in order, each byte hashed as it is read, straight to where it is used.
+
+        Args:
+            slot: the slot.
+            runs: per sharded tensor (map path), the row runs wanted: ``(first row, rows, into)``; ``into`` a
+                contiguous tensor of those rows (a new shard's rows: kept in place), or None (rows to send:
+                read into a buffer of their own).
+            whole: also return the slot's other (replicated) tensors.
+
+        Returns:
+            The buffers of the runs to send, by (path, first row); the replicated tensors by spec path; and
+            whether the data's checksum matched (a slot that fails is marked torn: no reader takes it again).
+        """
         snap = self.own if slot.kind == "own" else self.replica
         assert snap is not None
         held = slot.held
-        buf = aligned_zeros(max(held.nbytes, ALIGN), ALIGN)[: held.nbytes]
+        segments: list[tuple[int, int, torch.Tensor | None]] = []  # (slot offset, bytes, into)
+        staged: dict[tuple[str, int], torch.Tensor] = {}
+        small: dict[str, torch.Tensor] = {}
+        pos = 0
+        for spec in sorted(held.specs, key=lambda x: x.offset):
+            if spec.offset > pos:
+                segments.append((pos, spec.offset - pos, None))
+            path = spec.path.removeprefix("/state")
+            t = slot.smap.tensors.get(path)
+            if t is None:
+                into = torch.empty(spec.nbytes, dtype=torch.uint8) if whole and spec.nbytes else None
+                if into is not None:
+                    small[spec.path] = into
+                segments.append((spec.offset, spec.nbytes, into))
+            else:
+                row = t.row_bytes
+                at = 0
+                for first, rows, into in sorted(runs.get(path, ()), key=lambda r: r[0]):
+                    if first > at:
+                        segments.append((spec.offset + at * row, (first - at) * row, None))
+                    if into is None:
+                        into = staged[(path, first)] = torch.empty(rows * row, dtype=torch.uint8)
+                    else:
+                        into = into.reshape(-1).view(torch.uint8)
+                    segments.append((spec.offset + first * row, rows * row, into))
+                    at = first + rows
+                if spec.nbytes > at * row:
+                    segments.append((spec.offset + at * row, spec.nbytes - at * row, None))
+            pos = spec.offset + spec.nbytes
+        if held.nbytes > pos:
+            segments.append((pos, held.nbytes - pos, None))
         check = DataCheck(held.data_sum, held.nbytes) if held.data_sum is not None else None
+        bounce = torch.empty(min(READ_CHUNK, held.nbytes) or 1, dtype=torch.uint8)
         reader = snap.reader(held.slot)
         try:
-            for start in range(0, held.nbytes, READ_CHUNK):
-                part = buf[start : start + READ_CHUNK]
-                reader.read_into(start, part)
-                if check is not None:
-                    check.update(part)
+            for offset, nbytes, into in segments:
+                for start in range(0, nbytes, READ_CHUNK):
+                    n = min(READ_CHUNK, nbytes - start)
+                    part = bounce[:n] if into is None else into[start : start + n]
+                    reader.read_into(offset + start, part)
+                    if check is not None:
+                        check.update(part)
         finally:
             reader.close()
         ok = check is None or check.ok()
         if not ok:
             snap.invalidate(held.slot)
-        return buf, ok
+        return staged, small, ok
 
     def files(self) -> Iterator[MemorySnapshot]:
         yield self.own
@@ -187,15 +236,3 @@ class ShardedMemory:
     def detach(self) -> None:
         for snap in self.files():
             snap.detach()
-
-
-def shards_of(slot: Slot, data: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The local shards in a slot's data, by their map path (views into ``data``)."""
-    specs = {s.path: s for s in slot.held.specs}
-    return {path: tensor_at(data, specs[f"/state{path}"]) for path in slot.smap.tensors}
-
-
-def ensure(cond: bool, message: str) -> None:
-    """Raise a :class:`CheckpointError` with ``message`` unless ``cond``."""
-    if not cond:
-        raise CheckpointError(message)
