@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from elastic_train.checkpoint.codec import ALIGN, Flat, TensorSpec, aligned_zeros, tensor_at
+from elastic_train.checkpoint.codec import ALIGN, Flat, TensorSpec, tensor_at
 from elastic_train.checkpoint.memory import DataCheck, Held, MemorySnapshot
 from elastic_train.checkpoint.sharded.shardmap import ShardMap
 from elastic_train.log import get_logger
@@ -129,7 +129,8 @@ class ShardedMemory:
         meta_len, nbytes = (int(x) for x in theirs.tolist())
         their_meta = torch.empty(meta_len, dtype=torch.uint8)
         if self._recv is None or self._recv.numel() < nbytes:
-            self._recv = aligned_zeros(max(nbytes, ALIGN), ALIGN)
+            self._recv = None  # the old buffer goes first: at 1 GB a rank's part is hundreds of MB
+            self._recv = torch.empty(max(nbytes, ALIGN), dtype=torch.uint8)  # not zeroed: received into
         data = self._recv[:nbytes]
         sends.append(dist.isend(torch.frombuffer(bytearray(meta), dtype=torch.uint8), buddy, group, tag=1))
         sends.append(dist.isend(self.own.data(slot, flat.nbytes), dst=buddy, group=group, tag=2))
