@@ -45,6 +45,7 @@ class ManagerBase:
     _io: Any
     _rep: Any
     _mesh: Any
+    _cpu_mesh: Any
     _staging: torch.Tensor | None
     _last_durable_time: float
     _last_durable_step: int | None

@@ -90,6 +90,7 @@ class ShardedCheckpointManager(DurableWriting, Restoring):
         self.rank, self.world_size, self.local_rank, self.round = rank, world_size, local_rank, round
         self.model, self.optimizer, self.current_state = model, optimizer, current_state
         self._mesh = _mesh_at(model, rank, world_size)
+        self._cpu_mesh = None
         self.link = link if link is not None else AgentLink.from_env()
         self.stamp: int | None = self.link.round
         self.base = 0

@@ -279,6 +279,9 @@ class Restoring(ManagerBase):
         new = smap.resized(world)
         holders = {r: set(o) for r, o in choice.holders.items()}
         plan = reshard.plan(smap, holders, world)
+        # On a GPU (NCCL) the slots are read on the host and the rows move between devices over NCCL.
+        device = torch.device(self._mesh.device_type) if self._mesh is not None else torch.device("cpu")
+        on_gpu = device.type != "cpu"
         # Where the new shards land: the model's parameters themselves, fresh tensors for the rest.
         live = live_shards(model)
         dests: dict[str, torch.Tensor] = {}
@@ -289,14 +292,14 @@ class Restoring(ManagerBase):
             if target is not None and tuple(target.shape) == shape and str(target.dtype).endswith(t.dtype):
                 dests[path] = target
             else:
-                dests[path] = torch.empty(shape, dtype=dtype_of(t.dtype))
+                dests[path] = torch.empty(shape, dtype=dtype_of(t.dtype), device=device)
         # This rank's slots of the step, each read once, in order and hashed (a torn one fails the verdict):
         # the rows it keeps straight into its new shards, the rows it sends into buffers of their own.
         mine = [s for s in slots if s.step == choice.step and (s.round, s.world_size) == choice.world]
         wanted: dict[int, dict[str, list[tuple[int, int, torch.Tensor | None]]]] = {}
         for p in plan.pieces:
             if p.src == me:
-                into = dests[p.path][p.dst_row : p.dst_row + p.rows] if p.dst == me else None
+                into = dests[p.path][p.dst_row : p.dst_row + p.rows] if p.dst == me and not on_gpu else None
                 wanted.setdefault(p.old, {}).setdefault(p.path, []).append((p.src_row, p.rows, into))
         torn = False
         staged: dict[tuple[str, int, int], torch.Tensor] = {}
@@ -323,9 +326,17 @@ class Restoring(ManagerBase):
             reader.read(keys[piece.path], into, first)
 
         t0 = time.perf_counter()
+        lanes: Any = (self._ctl, self._io)
+        if on_gpu:  # the rows kept were read on the host: to the device; the rows sent go from the device
+            for p in plan.pieces:
+                if p.src == me and p.dst == me:
+                    host = staged.pop((p.path, p.old, p.src_row))
+                    dests[p.path][p.dst_row : p.dst_row + p.rows].reshape(-1).view(torch.uint8).copy_(host)
+            staged = {key: buf.to(device, non_blocking=True) for key, buf in staged.items()}
+            lanes = (dist.group.WORLD,)  # NCCL's point-to-point between devices
         moved = move.execute(
             plan, me, source=lambda p: staged[(p.path, p.old, p.src_row)], dests=dests,
-            to_global=self._global, lanes=(self._ctl, self._io), durable=fill if reader is not None else None,
+            to_global=self._global, lanes=lanes, durable=fill if reader is not None else None,
         )  # fmt: skip
         # The rest of the state (scheduler, data position, RNG, step counts): this rank's own slot's, else
         # the holder's (sent), else the durable checkpoint's.

@@ -146,7 +146,7 @@ class DurableWriting(ManagerBase):
         record: Any = None
         error = None
         try:
-            state = _dcp_state(payload["state"], smap, self._mesh, fqns)
+            state = _dcp_state(payload["state"], smap, self._host_mesh(), fqns)
             dcp.save(state, self.storage, path, group=self._io, options=self.cfg.storage_options)
             names = self.storage.listdir(path)
             mine = dcp.written_by(names, me) + ([dcp.METADATA] if me == 0 else [])
@@ -180,6 +180,17 @@ class DurableWriting(ManagerBase):
         if self.coordinated:
             dist.broadcast_object_list(outcome, src=self._global_io(0), group=self._io)
         return outcome[0]
+
+    def _host_mesh(self) -> Any:
+        """The mesh the DTensors DCP writes are placed on: the model's, or on a GPU the same ranks on the
+        host (the slot's bytes are on the host; a CUDA mesh would copy them to the device first)."""
+        if self._mesh is None or self._mesh.device_type == "cpu":
+            return self._mesh
+        if self._cpu_mesh is None:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            self._cpu_mesh = DeviceMesh("cpu", self._mesh.mesh)
+        return self._cpu_mesh
 
     def _global_io(self, rank: int) -> int:
         assert self._io is not None
