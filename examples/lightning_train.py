@@ -5,7 +5,7 @@ docs have them (``import lightning as L``; a ``pytorch_lightning`` script takes 
 docs/lightning.md explains each changed line. Without torchrun it trains a world of one, 4 epochs of 15 steps
 (``--epochs`` sets the length; ``--float64`` trains in double precision):
 
-.. doc-test: covered="tests/integration/test_lightning.py::test_a_world_of_one_as_shipped_stops_at_sigterm_and_resumes"
+.. doc-test: covered="tests/integration/test_lightning.py::test_a_world_of_one_stops_at_sigterm_and_resumes"
 
     python examples/lightning_train.py
 

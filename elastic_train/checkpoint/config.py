@@ -45,7 +45,7 @@ class CheckpointConfig:
     storage_options: dict[str, Any] = field(default_factory=dict)
     """fsspec options of the URL's filesystem, e.g. {"endpoint_url": "http://127.0.0.1:9000"} for s3."""
     memory_dir: str = "/dev/shm"
-    """Directory (a tmpfs) holding the in-memory tier's double-buffered snapshots."""
+    """Directory (a tmpfs) holding the in-memory tier's snapshots (three slots per local rank)."""
     shard_replicas: int = 0
     """Sharded (FSDP2) state: also keep each rank's shards in the memory of the rank one node further on (0 or
     1). With 1 a node that dies takes no shard with it (the survivors reshard from memory); it costs three

@@ -93,7 +93,7 @@ def torchrun_argv(
     if local_addr:
         argv.append(f"--local-addr={local_addr}")
     if entry:
-        return [*argv, "-m", "elastic_train.standin", *entry]
+        return [*argv, "-m", "elastic_train.worker.standin", *entry]
     argv += ["-m", "elastic_train.worker"]
     if config_path:
         argv += ["--config", os.path.abspath(config_path)]
@@ -360,7 +360,11 @@ def launch(argv: list[str], before_rendezvous: Callable[[], object] | None = Non
     """Run torchrun's agent in this process; turn its failures into one line and an exit code.
 
     ``before_rendezvous`` is called once torchrun is imported, just before the agent enters the rendezvous.
+    A signal that stops the node (SIGTERM from Kubernetes, Ctrl-C) ends it with one line and the shell's
+    code for the signal, after torchrun's agent stopped the workers (it does not close the run: the others
+    go on without this node).
     """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import parse_args
@@ -379,4 +383,8 @@ def launch(argv: list[str], before_rendezvous: Callable[[], object] | None = Non
     except RendezvousError as exc:
         sys.stderr.write(f"elastic-train: error: rendezvous: {exc}\n")
         return 1
+    except SignalException as exc:
+        name = signal.Signals(exc.sigval).name if exc.sigval in signal.Signals else str(exc.sigval)
+        sys.stderr.write(f"elastic-train: node stopped by {name}\n")
+        return 128 + int(exc.sigval)
     return 0

@@ -34,6 +34,7 @@ def run_worker(cfg: JobConfig, env: WorkerEnv, *, started: float) -> int:
     from elastic_train.train import hot, rng
     from elastic_train.train.api import load_task
     from elastic_train.train.events import EventWriter
+    from elastic_train.train.link import process_link
     from elastic_train.train.loop import Trainer
 
     timings["import_s"] = time.perf_counter() - t
@@ -61,6 +62,7 @@ def run_worker(cfg: JobConfig, env: WorkerEnv, *, started: float) -> int:
         if "pg_init_s" not in timings:
             timings["pg_init_s"] = time.perf_counter() - t
         run_id = world.run_id if env.run_id else cfg.rendezvous.run_id
+        link = process_link().checkpoint_link()
         sharded = None
         manager: Any
         if sharded_task is not None:
@@ -71,7 +73,7 @@ def run_worker(cfg: JobConfig, env: WorkerEnv, *, started: float) -> int:
             manager = ShardedCheckpointManager(
                 cfg.checkpoint, run_id, rank=world.rank, world_size=world.world_size,
                 local_rank=world.local_rank, local_world_size=world.local_world_size, round=world.round,
-                model=model, optimizer=task.optimizer, group=dist.group.WORLD,
+                model=model, optimizer=task.optimizer, group=dist.group.WORLD, link=link,
             )  # fmt: skip
         else:
             manager = CheckpointManager(
@@ -82,6 +84,7 @@ def run_worker(cfg: JobConfig, env: WorkerEnv, *, started: float) -> int:
                 local_rank=world.local_rank,
                 group=dist.group.WORLD,
                 device=world.device,
+                link=link,
             )
         events = EventWriter.from_env(rank=world.rank, round=world.round, world_size=world.world_size)
         trainer = Trainer(

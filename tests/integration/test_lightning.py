@@ -75,7 +75,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tenso
     return final_weights(ck / "checkpoints", "default", STEPS)
 
 
-def test_a_world_of_one_as_shipped_stops_at_sigterm_and_resumes(tmp_path: Path, reaper: Any) -> None:
+def test_a_world_of_one_stops_at_sigterm_and_resumes(tmp_path: Path, reaper: Any) -> None:
     """torchrun stops workers with SIGTERM: the worker ends by it at once, without Lightning's handler (which
     broadcasts from inside the handler and then lets the script exit 0 as if training were done); the same
     command run again trains on from the stopped run's memory snapshot to the end, in float32 as shipped."""
@@ -246,7 +246,7 @@ def test_fork_server_preloads_lightning(tmp_path: Path, reaper: Any) -> None:
     variables = env(**{ENV_SOCKET: sock, ENV_PID: str(server.pid)})
     for _ in range(2):  # every fork gets it
         proc = subprocess.run(
-            [sys.executable, "-m", "elastic_train.standin", str(script)],
+            [sys.executable, "-m", "elastic_train.worker.standin", str(script)],
             env=variables,
             capture_output=True,
             text=True,

@@ -170,7 +170,7 @@ def test_api_error_in_a_script_under_the_standin_is_one_line(
         server = reaper.popen([sys.executable, "-m", "elastic_train.worker.forkserver", "--socket", sock])
         variables.update({ENV_SOCKET: sock, ENV_PID: str(server.pid)})
     proc = subprocess.run(
-        [sys.executable, "-m", "elastic_train.standin", str(script)],
+        [sys.executable, "-m", "elastic_train.worker.standin", str(script)],
         env=variables,
         capture_output=True,
         text=True,

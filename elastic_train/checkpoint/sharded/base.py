@@ -13,12 +13,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from elastic_train.agentlink import AgentLink
+from elastic_train.checkpoint.agent import Agent
 from elastic_train.checkpoint.config import CheckpointConfig
 from elastic_train.checkpoint.errors import CheckpointError
-from elastic_train.checkpoint.manager import Committed
 from elastic_train.checkpoint.sharded.slots import ShardedMemory
 from elastic_train.checkpoint.storage import Storage
+from elastic_train.checkpoint.writer import Committed
 
 
 class ManagerBase:
@@ -32,7 +32,7 @@ class ManagerBase:
     round: int
     storage: Storage
     run_path: str
-    link: AgentLink
+    agent: Agent
     memory: ShardedMemory | None
     model: torch.nn.Module
     optimizer: Any
@@ -73,7 +73,7 @@ class ManagerBase:
         with self._cond:
             while self._busy:
                 if not self._cond.wait(timeout=0.25):
-                    self.link.beat()
+                    self.agent.beat()
 
     def _raise_pending(self) -> None:
         if self._failure is not None:

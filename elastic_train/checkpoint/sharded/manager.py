@@ -29,11 +29,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from elastic_train.agentlink import AgentLink
+from elastic_train.checkpoint.agent import Agent
 from elastic_train.checkpoint.codec import Flat, flatten
 from elastic_train.checkpoint.config import CheckpointConfig
 from elastic_train.checkpoint.errors import CheckpointError
-from elastic_train.checkpoint.manager import Committed
 from elastic_train.checkpoint.policy import durable_due
 from elastic_train.checkpoint.sharded.layout import mesh_at as _mesh_at
 from elastic_train.checkpoint.sharded.local import split
@@ -41,7 +40,9 @@ from elastic_train.checkpoint.sharded.restore import Restoring
 from elastic_train.checkpoint.sharded.slots import INFO, ShardedMemory
 from elastic_train.checkpoint.sharded.writer import DurableWriting, _Job
 from elastic_train.checkpoint.storage import open_storage
+from elastic_train.checkpoint.writer import Committed
 from elastic_train.log import get_logger
+from elastic_train.node.gate import Link
 
 log = get_logger(__name__)
 
@@ -84,15 +85,15 @@ class ShardedCheckpointManager(DurableWriting, Restoring):
         optimizer: Any = None,
         current_state: Callable[[], Mapping[str, Any]] | None = None,
         group: Any = None,
-        link: AgentLink | None = None,
+        link: Link | None = None,
     ) -> None:
         self.cfg, self.run_id = cfg, run_id
         self.rank, self.world_size, self.local_rank, self.round = rank, world_size, local_rank, round
         self.model, self.optimizer, self.current_state = model, optimizer, current_state
         self._mesh = _mesh_at(model, rank, world_size)
         self._cpu_mesh = None
-        self.link = link if link is not None else AgentLink.from_env()
-        self.stamp: int | None = self.link.round
+        self.agent = Agent(link)
+        self.stamp: int | None = self.agent.round
         self.base = 0
         self.storage = open_storage(cfg.url, cfg.storage_options, direct_io=cfg.direct_io)
         self.run_path = self.storage.join(self.storage.root, run_id)
@@ -116,7 +117,7 @@ class ShardedCheckpointManager(DurableWriting, Restoring):
         if cfg.memory:
             import os
 
-            from elastic_train.checkpoint.memory import sweep_stale
+            from elastic_train.checkpoint.shmfiles import sweep_stale
 
             if os.path.isdir(cfg.memory_dir):
                 for path in sweep_stale(cfg.memory_dir):
@@ -150,7 +151,6 @@ class ShardedCheckpointManager(DurableWriting, Restoring):
             CheckpointError: the state cannot be kept (an unsupported sharding, say).
         """
         self._check_open()
-        self.link.beat()
         self._raise_pending()
         mem_due = self.memory is not None and step % self.cfg.memory_every_steps == 0
         dur_due = self._durable_due(step)

@@ -30,7 +30,7 @@ from elastic_train.checkpoint.errors import (
     ModelMismatch,
     StorageError,
 )
-from elastic_train.checkpoint.manager import Restored
+from elastic_train.checkpoint.restore import Restored
 from elastic_train.checkpoint.sharded import dcp, move, reshard
 from elastic_train.checkpoint.sharded import manifest as smanifest
 from elastic_train.checkpoint.sharded.base import ManagerBase
@@ -110,7 +110,7 @@ class Restoring(ManagerBase):
 
         def beat() -> None:
             while not done.wait(0.25):
-                self.link.beat()
+                self.agent.beat()
 
         thread = threading.Thread(target=beat, name="ckpt-restore-beat", daemon=True)
         thread.start()
@@ -501,12 +501,12 @@ class Restoring(ManagerBase):
 
     def _record_start(self, decision: _Decision, again: int | None) -> int | None:
         """Rank 0 records where this world starts (lineage, for the stale-writer rule), in a thread."""
-        if self.link.round is None:
+        if self.agent.round is None:
             return None
-        round_ = self.link.round
+        round_ = self.agent.round
         base = decision.choice.step if decision.choice is not None else 0
         try:
-            stamp, record = durable.plan_start(self.storage, self.run_path, round_, base, again=again)
+            stamp, record = durable.lineage_start(self.storage, self.run_path, round_, base, again=again)
         except StorageError as exc:
             log.warning("lineage_not_recorded", round=round_, base=base, error=str(exc))
             return round_

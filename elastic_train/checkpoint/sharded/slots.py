@@ -24,8 +24,9 @@ import torch
 import torch.distributed as dist
 
 from elastic_train.checkpoint.codec import ALIGN, Flat, TensorSpec, tensor_at
-from elastic_train.checkpoint.memory import DataCheck, Held, MemorySnapshot
+from elastic_train.checkpoint.memory import MemorySnapshot
 from elastic_train.checkpoint.sharded.shardmap import ShardMap
+from elastic_train.checkpoint.slots import DataCheck, Held
 from elastic_train.log import get_logger
 
 log = get_logger(__name__)

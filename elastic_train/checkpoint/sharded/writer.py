@@ -18,11 +18,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from elastic_train.agentlink import CURRENT, STALE
 from elastic_train.checkpoint import durable
 from elastic_train.checkpoint.codec import ALIGN, Flat, aligned_zeros, copy_into, tensor_at, unflatten
 from elastic_train.checkpoint.errors import WriteFailed
-from elastic_train.checkpoint.manager import Committed
 from elastic_train.checkpoint.policy import step_dir
 from elastic_train.checkpoint.sharded import dcp
 from elastic_train.checkpoint.sharded import manifest as smanifest
@@ -32,6 +30,7 @@ from elastic_train.checkpoint.sharded.layout import fingerprint as _fingerprint
 from elastic_train.checkpoint.sharded.layout import manifest_tensors as _manifest_tensors
 from elastic_train.checkpoint.sharded.shardmap import ShardMap
 from elastic_train.checkpoint.sharded.slots import INFO
+from elastic_train.checkpoint.writer import Committed
 from elastic_train.log import get_logger
 
 log = get_logger(__name__)
@@ -109,7 +108,7 @@ class DurableWriting(ManagerBase):
                 if error == "unpublished":
                     if job.final:
                         self._failure = WriteFailed(
-                            f"final checkpoint of step {job.step} not published: round {self.link.round} is "
+                            f"final checkpoint of step {job.step} not published: round {self.agent.round} is "
                             "no longer the run's current round"
                         )
                     return
@@ -214,12 +213,4 @@ class DurableWriting(ManagerBase):
         return True
 
     def _may_publish(self, job: _Job) -> bool:
-        answer = self.link.may_publish()
-        if answer == CURRENT:
-            return True
-        if job.final and answer != STALE:
-            log.warning("checkpoint_final_unconfirmed", step=job.step, round=self.link.round)
-            return True
-        log.warning("checkpoint_fenced" if answer == STALE else "checkpoint_unconfirmed", step=job.step,
-                    round=self.link.round)  # fmt: skip
-        return False
+        return self.agent.may_publish(job.step, final=job.final)
