@@ -361,9 +361,7 @@ def _forget_meshes() -> None:
     would hold overlapping chunks. Only when DTensor was imported (a DDP job never is).
     """
     if "torch.distributed.tensor" in sys.modules:
-        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
-
-        _clear_sharding_prop_cache()
+        torchcompat.clear_sharding_caches()
 
 
 def _install_excepthook() -> None:

@@ -9,11 +9,8 @@ of DCP's metadata classes (anything else is refused), and :class:`DcpReader` rea
 rank needs — the stored chunks that intersect the rows it owns — each with ``torch.load(weights_only=True)``.
 Bytes entries (pickled objects: param groups, a dataloader's state) are never read.
 
-torch names reached here that are not public API (a torch upgrade breaks here, nowhere else):
-
-- ``torch.distributed.checkpoint._fsspec_filesystem.FsspecWriter`` (DCP's fsspec writer),
-- the classes a ``.metadata`` pickle names: ``torch.distributed.checkpoint.filesystem._StorageInfo``,
-  ``torch.distributed.checkpoint.metadata._MEM_FORMAT_ENCODING``, ``torch.serialization._get_layout``.
+DCP's fsspec writer and the private classes a ``.metadata`` pickle names are torch's private names, reached
+through :mod:`elastic_train.torchcompat`.
 """
 
 from __future__ import annotations
@@ -31,6 +28,7 @@ from typing import Any
 
 import torch
 
+from elastic_train import torchcompat
 from elastic_train.checkpoint import digest
 from elastic_train.checkpoint.errors import CheckpointCorrupt, StorageError
 from elastic_train.checkpoint.storage import LocalStorage, Storage
@@ -49,13 +47,11 @@ _ALLOWED = {
     (_META, "BytesStorageMetadata"),
     (_META, "MetadataIndex"),
     (_META, "StorageMeta"),
-    (_META, "_MEM_FORMAT_ENCODING"),
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),
     ("collections", "OrderedDict"),
     ("pathlib", "PosixPath"),
     ("pathlib", "PurePosixPath"),
+    *torchcompat.DCP_METADATA_PRIVATE,
 }
 
 
@@ -342,9 +338,7 @@ def save(
         if isinstance(storage, LocalStorage):
             writer: Any = dcp.FileSystemWriter(path)
         else:
-            from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
-
-            writer = FsspecWriter(_url(storage, path), **fsspec_options(storage, options))
+            writer = torchcompat.dcp_fsspec_writer(_url(storage, path), **fsspec_options(storage, options))
         dcp.save(dict(state), storage_writer=writer, process_group=group)
     except (Exception, CheckpointException) as exc:  # DCP's own exception is a BaseException
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
