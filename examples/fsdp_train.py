@@ -7,7 +7,7 @@ shard the model over the new world and take the rows they now own from each othe
 torchrun script. Without torchrun it trains a world of one, 4 epochs of 12 steps (``--epochs`` sets the
 length; ``--float64`` trains in double precision):
 
-.. doc-test: covered="tests/integration/test_fsdp_train.py::test_a_world_of_one_as_shipped"
+.. doc-test: shrink="--epochs 1"
 
     python examples/fsdp_train.py
 

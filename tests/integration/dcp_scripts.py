@@ -4,6 +4,8 @@
     torchrun --standalone --nproc-per-node=N tests/integration/dcp_scripts.py load CKPT_DIR OUT.pt
     torchrun --standalone --nproc-per-node=N tests/integration/dcp_scripts.py save CKPT_DIR OUT.pt
 
+(or both in one job: ``load CKPT_DIR OUT.pt save CKPT_DIR2 OUT2.pt``, run in that order).
+
 ``load``: ``get_state_dict`` + ``dcp.load`` + ``set_state_dict`` of examples/fsdp_train.py's model and AdamW
 (float64) from a checkpoint elastic_train wrote at another world size; rank 0 saves the full weights and one
 parameter's Adam state to OUT.pt. ``save``: trains that model 3 steps and writes a DCP checkpoint in
@@ -90,5 +92,7 @@ def save(path: str, out: str) -> None:
 
 if __name__ == "__main__":
     dist.init_process_group("gloo")
-    {"load": load, "save": save}[sys.argv[1]](sys.argv[2], sys.argv[3])
+    args = sys.argv[1:]
+    for i in range(0, len(args), 3):
+        {"load": load, "save": save}[args[i]](args[i + 1], args[i + 2])
     dist.destroy_process_group()
