@@ -29,6 +29,15 @@ module ``torch._dynamo``                            preloaded by the fork server
                                                     imports it, over a second on its own (:data:`PRELOAD`)
 ``torch._foreach_copy_``                            the memory snapshot's batched copy of many tensors in one
                                                     call (:func:`foreach_copy`, :func:`foreach_copy_op`)
+``distributed.checkpoint._fsspec_filesystem.``     DCP's writer to an fsspec URL, which the sharded tier's
+``FsspecWriter``                                    durable checkpoint of a remote root writes through
+                                                    (:func:`dcp_fsspec_writer`)
+``filesystem._StorageInfo``,                        classes a DCP ``.metadata`` pickle names, which the
+``metadata._MEM_FORMAT_ENCODING`` (both under       sharded tier's restricted unpickler admits
+``torch.distributed.checkpoint``),                  (:data:`DCP_METADATA_PRIVATE`)
+``serialization._get_layout``
+``distributed.tensor.debug.``                       DTensor's sharding-propagation caches, dropped when the
+``_clear_sharding_prop_cache``                      group re-forms in-process (:func:`clear_sharding_caches`)
 ==================================================  ==========================================================
 
 Checked against torch 2.13.0 and 2.14.1 (``make compat`` runs the rendezvous, hot-path and checkpoint tests
@@ -50,6 +59,16 @@ PRELOAD = ("torch._dynamo",)
 
 #: torch's key prefix of an agent's role information in the round's store (``_assign_worker_ranks``).
 ROLE_INFO_PREFIX = "torchelastic/role_info/"
+
+#: The private (module, name) pairs a DCP ``.metadata`` pickle names besides public classes (see the module
+#: docstring): a restricted unpickler of DCP metadata admits them.
+DCP_METADATA_PRIVATE = frozenset(
+    {
+        ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch.serialization", "_get_layout"),
+    }
+)
 
 
 def _frames(start: int = 2) -> Any:
@@ -223,6 +242,9 @@ def missing() -> list[str]:
         ("torch.distributed.distributed_c10d", "_abort_process_group"),
         ("torch._dynamo.eval_frame", "OptimizedModule"),
         ("torch", "_foreach_copy_"),
+        ("torch.distributed.checkpoint._fsspec_filesystem", "FsspecWriter"),
+        ("torch.distributed.tensor.debug", "_clear_sharding_prop_cache"),
+        *sorted(DCP_METADATA_PRIVATE),
     ]
     locals_ = [
         ("torch.distributed.elastic.agent.server.api", "SimpleElasticAgent._rendezvous", "worker_group"),
@@ -268,6 +290,20 @@ def foreach_copy(dests: Sequence[Any], srcs: Sequence[Any]) -> None:
     torch._foreach_copy_(list(dests), list(srcs))
 
 
+def dcp_fsspec_writer(url: str, **options: Any) -> Any:
+    """DCP's storage writer to the fsspec ``url`` (``options``: the filesystem's), for ``dcp.save``."""
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+    return FsspecWriter(url, **options)
+
+
+def clear_sharding_caches() -> None:
+    """Drop DTensor's sharding-propagation caches (its Python and C++ ones)."""
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
+
+
 def uncompiled(model: Any) -> Any | None:
     """The module a ``torch.compile`` wrapper holds, or None when ``model`` is not such a wrapper."""
     import torch
@@ -277,12 +313,15 @@ def uncompiled(model: Any) -> Any | None:
 
 
 __all__: Sequence[str] = (
+    "DCP_METADATA_PRIVATE",
     "PRELOAD",
     "ROLE_INFO_PREFIX",
     "TorchrunAgent",
     "WorkerExit",
     "WorkerSlot",
     "abort_groups",
+    "clear_sharding_caches",
+    "dcp_fsspec_writer",
     "foreach_copy",
     "role_info_key",
     "torchrun_failures",

@@ -17,7 +17,7 @@ import contextlib
 import operator
 import os
 import time
-from collections.abc import Container
+from collections.abc import Container, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -150,9 +150,20 @@ class MemorySnapshot:
                 each bucket as it sends or lands it, :class:`~.slots.DataCheck`, and on a mismatch
                 :meth:`invalidate`-s the slot and looks again).
         """
+        for held in self._valid(verify_data=verify_data):
+            return held
+        return None
+
+    def valid_slots(self) -> list[Held]:
+        """Every slot whose header and metadata verify, newest first (data checksums are left to the reader,
+        as :meth:`newest_valid` with ``verify_data=False``). A sharded restore may need an older step than a
+        rank's newest: the step that every shard of the state was sealed at."""
+        return list(self._valid(verify_data=False))
+
+    def _valid(self, *, verify_data: bool) -> Iterator[Held]:
         file = self._file
         if file.mm is None and not file.open_existing():
-            return None
+            return
         self.wait_idle()
         headers = []
         for slot in range(SLOTS):
@@ -162,6 +173,7 @@ class MemorySnapshot:
                 self._seq = max(self._seq, fields[2])
                 self._slot_seq[slot] = fields[2]
         # Newest first, and only until one verifies: hashing every slot would triple a large restore's reads.
+        first = True
         for slot, fields in sorted(headers, key=lambda h: h[1][1], reverse=True):
             _, step, _, sum_data, sum_meta, meta_len, data_len = fields
             if meta_len > file.meta_cap or data_len > file.data_cap:
@@ -179,9 +191,9 @@ class MemorySnapshot:
             except ValueError as exc:
                 log.warning("memory_snapshot_invalid", path=self.path, slot=slot, step=step, reason=str(exc))
                 continue
-            self._newest = slot
-            return Held(slot, step, skeleton, specs, data_len, None if verify_data else sum_data)
-        return None
+            if first:  # the slot the next save must not overwrite
+                self._newest, first = slot, False
+            yield Held(slot, step, skeleton, specs, data_len, None if verify_data else sum_data)
 
     def invalidate(self, slot: int) -> None:
         """Mark ``slot`` torn (its data failed :class:`~.slots.DataCheck`): no reader takes it again, and it

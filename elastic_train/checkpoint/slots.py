@@ -167,12 +167,15 @@ class SlotFile:
         meta_cap = max(64 << 10, (2 * meta_len + PAGE - 1) // PAGE * PAGE)
         slot_bytes = PAGE + meta_cap + data_cap
         total = PAGE + SLOTS * slot_bytes
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
         directory = os.path.dirname(self.path)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        # A file of an earlier layout keeps its pages: a larger layout allocates only the difference. (A
+        # sharded state's part changes size with the world size; allocating its file anew zeroed every page
+        # of it on the training thread at the first step after each reshard.)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             try:
+                if os.fstat(fd).st_size > total:
+                    os.ftruncate(fd, total)
                 os.posix_fallocate(fd, 0, total)
             except OSError as exc:
                 os.unlink(self.path)
@@ -189,6 +192,9 @@ class SlotFile:
         self.meta_cap, self.data_cap, self.slot_bytes = meta_cap, data_cap, slot_bytes
         self.layout = layout
         self.mm[:PAGE] = bytes(PAGE)
+        for slot in range(SLOTS):  # a re-used file holds an earlier layout's bytes where these headers are
+            base = PAGE + slot * slot_bytes
+            self.mm[base : base + _INVALID_LEN] = _INVALID
         _HDR.pack_into(self.mm, 0, MAGIC, slot_bytes, meta_cap, data_cap, layout.encode())
         log.info("memory_snapshot_allocated", path=self.path, bytes=total)
 

@@ -23,6 +23,7 @@ from elastic_train.train.state import TrainState
 
 if TYPE_CHECKING:
     from elastic_train.checkpoint.writer import Committed
+    from elastic_train.node.gate import Link
 
 log = get_logger(__name__)
 
@@ -86,6 +87,28 @@ class Fenced(Protocol):
         ...
 
 
+def _manager(cfg: CheckpointConfig, run_id: str, state: TrainState, world: World, link: Link) -> Manager:
+    """The checkpoint manager of ``state``: the sharded one when the model's parameters are DTensors
+    (FSDP2's ``fully_shard``), the replicated one otherwise."""
+    group = dist.group.WORLD if world.world_size > 1 else None
+    from elastic_train.checkpoint.sharded.local import is_sharded
+
+    if is_sharded(state.model):
+        from elastic_train.checkpoint.sharded.manager import ShardedCheckpointManager
+
+        return ShardedCheckpointManager(
+            cfg, run_id, rank=world.rank, world_size=world.world_size, local_rank=world.local_rank,
+            local_world_size=world.local_world_size, round=world.round, model=state.model,
+            optimizer=state.optimizer, current_state=state.state_dict, group=group, link=link,
+        )  # fmt: skip
+    from elastic_train.checkpoint import CheckpointManager
+
+    return CheckpointManager(
+        cfg, run_id, rank=world.rank, world_size=world.world_size, local_rank=world.local_rank, group=group,
+        device=world.device, link=link,
+    )  # fmt: skip
+
+
 class Checkpointer:
     """Restore, per-step commit and finalize of a :class:`TrainState` through both state tiers.
 
@@ -146,17 +169,8 @@ class Checkpointer:
             cfg = config or CheckpointConfig()
             changes: dict[str, Any] = {"url": url, "every_steps": every_steps, "resume_from": resume_from}
             cfg = dataclasses.replace(cfg, **{k: v for k, v in changes.items() if v is not None})
-            from elastic_train.checkpoint import CheckpointManager
-
-            manager = CheckpointManager(
-                cfg,
-                run_id or self.world.run_id,
-                rank=self.world.rank,
-                world_size=self.world.world_size,
-                local_rank=self.world.local_rank,
-                group=dist.group.WORLD if self.world.world_size > 1 else None,
-                device=self.world.device,
-                link=self.link.checkpoint_link(),
+            manager = _manager(
+                cfg, run_id or self.world.run_id, state, self.world, self.link.checkpoint_link()
             )
         elif url is not None or every_steps is not None or resume_from is not None or config is not None:
             raise ValueError("Checkpointer: give either a manager or checkpoint settings, not both")

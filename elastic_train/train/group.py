@@ -272,6 +272,7 @@ def shutdown(*, broken: bool = False) -> None:
             _abort_nccl()
         if dist.is_initialized():
             dist.destroy_process_group()
+    _forget_meshes()
     _WORLD = None
     with _LINKS_LOCK:
         _LINKS.clear()
@@ -348,6 +349,19 @@ def _abort_nccl() -> None:
     """Abort every NCCL communicator of this process (all groups, within one NCCL group call so that no
     abort waits on another); it also unregisters the groups."""
     torchcompat.abort_groups()
+
+
+def _forget_meshes() -> None:
+    """Drop DTensor's sharding-propagation caches (torch's Python and C++ ones) with the group.
+
+    They key a device mesh by equality, which ignores this process's rank in it: after a group re-forms
+    in-process with this process at another rank (a world of a size it trained at before), DTensors made
+    by an operator — FSDP2's sharded parameters included (``nn.Parameter`` of a DTensor detaches it) —
+    would carry the old group's mesh and so the old coordinate, and a DCP checkpoint written from them
+    would hold overlapping chunks. Only when DTensor was imported (a DDP job never is).
+    """
+    if "torch.distributed.tensor" in sys.modules:
+        torchcompat.clear_sharding_caches()
 
 
 def _install_excepthook() -> None:

@@ -225,3 +225,23 @@ def test_the_module_inside_a_compiled_wrapper_is_found() -> None:
     assert torchcompat.uncompiled(torch.compile(model)) is model
     assert torchcompat.uncompiled(model) is None
     assert torchcompat.uncompiled(SimpleNamespace(_orig_mod="not a module")) is None
+
+
+def test_dcps_fsspec_writer_writes_a_checkpoint_dcp_reads(tmp_path: Path) -> None:
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+
+    url = f"file://{tmp_path}/ckpt"
+    dcp.save({"w": torch.arange(4.0)}, storage_writer=torchcompat.dcp_fsspec_writer(url), no_dist=True)
+    into = {"w": torch.zeros(4)}
+    dcp.load(into, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
+    assert torch.equal(into["w"], torch.arange(4.0))
+
+    class Names(pickle.Unpickler):  # every private class the metadata names is one the door lists
+        def find_class(self, module: str, name: str) -> Any:
+            if name.startswith("_"):
+                assert (module, name) in torchcompat.DCP_METADATA_PRIVATE
+            return super().find_class(module, name)
+
+    Names((tmp_path / "ckpt" / ".metadata").open("rb")).load()
