@@ -67,6 +67,23 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def budget_line(st: JobStatus) -> str:
+    """``failures: 2 in the last 1h of a budget of 10 (8 left), 5 in all; clean leaves: 3 (not counted)``."""
+    from elastic_train.rendezvous.budget import window_text
+
+    budget = "?" if st.failure_budget is None else str(st.failure_budget)
+    left = "?" if st.failures_left is None else str(st.failures_left)
+    if st.failure_window:
+        counted = f"{st.failures_in_window} in the last {window_text(st.failure_window)}"
+        total = f", {st.failures_used} in all"
+    else:
+        counted, total = f"{st.failures_used} over the run's life", ""
+    return (
+        f"failures: {counted} of a budget of {budget} ({left} left){total}; "
+        f"clean leaves: {st.leaves} (not counted)"
+    )
+
+
 def render(st: JobStatus) -> list[str]:
     """The text form of a run's status."""
     when = time.strftime(" on %Y-%m-%d %H:%M:%S UTC", time.gmtime(st.closed_at)) if st.closed_at else ""
@@ -77,9 +94,7 @@ def render(st: JobStatus) -> list[str]:
         head = f"run {st.run_id}: failed{when}: {st.message or 'no reason recorded'}"
     else:
         head = f"run {st.run_id}: {st.state}, round {st.round}, world size {st.world_size}"
-    budget = "?" if st.failure_budget is None else str(st.failure_budget)
-    left = "?" if st.failure_budget is None else str(max(0, st.failure_budget - st.failures_used))
-    lines = [head, f"failures: {st.failures_used} used of {budget} ({left} left)"]
+    lines = [head, budget_line(st)]
     # Once a run ended (or all its nodes left) no member holds a lease any more: that is not a loss, and
     # nothing can wait for a round; the members shown are the last round's.
     ended = st.state in ENDED

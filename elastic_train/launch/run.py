@@ -361,6 +361,7 @@ def launch(argv: list[str], before_rendezvous: Callable[[], object] | None = Non
 
     ``before_rendezvous`` is called once torchrun is imported, just before the agent enters the rendezvous.
     """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import parse_args
@@ -379,4 +380,10 @@ def launch(argv: list[str], before_rendezvous: Callable[[], object] | None = Non
     except RendezvousError as exc:
         sys.stderr.write(f"elastic-train: error: rendezvous: {exc}\n")
         return 1
+    except SignalException as exc:
+        # SIGTERM (a preemption, a drain, a deleted pod): the etcd3 handler marked a clean leave before
+        # torchrun stopped the workers. Exit by the signal's status (not 0: on Kubernetes a pod that exits
+        # 0 counts its index as succeeded).
+        sys.stderr.write(f"elastic-train: stopped by {exc.sigval.name}; this node left the run\n")
+        return 128 + int(exc.sigval)
     return 0

@@ -14,6 +14,8 @@ What torchrun's agent does with it (torch 2.13, ``agent/server/api.py``):
   blocked, so it answers 1 and torchrun stops the workers and re-joins.
 - ``shutdown()`` when the agent leaves other than by a signal: the run is closed (late agents leave cleanly)
   and the lease revoked so peers see the departure at once.
+- SIGTERM (a preemption, a drain, a deleted pod): before torchrun's own handler stops the workers, the node
+  says in etcd that it leaves (:mod:`elastic_train.rendezvous.leave`): a clean leave, not a failure.
 
 Before its first round a node checks the run's identity (:mod:`elastic_train.rendezvous.identity`): the
 settings the launcher left in ``ELASTIC_TRAIN_JOB_IDENTITY``, or for plain torchrun the node range and
@@ -54,6 +56,7 @@ from elastic_train.rendezvous.errors import JobFailed, RendezvousClosed, RunFini
 from elastic_train.rendezvous.fence import Fence
 from elastic_train.rendezvous.hot import HotPath
 from elastic_train.rendezvous.identity import JobIdentity, identity_from_environ, torchrun_settings
+from elastic_train.rendezvous.leave import LeaveOnSignal, announce
 from elastic_train.rendezvous.outcome import (
     clear_outcomes,
     exit_ran_s,
@@ -104,6 +107,7 @@ class Etcd3RendezvousHandler(RendezvousHandler):
         self._outcomes = scratch_dir("outcome")
         os.environ[ENV_OUTCOME_DIR] = self._outcomes
         self._join_lock = threading.Lock()
+        self._leave_on_signal = LeaveOnSignal(self._leave)
         self._hot: HotPath | None = None
         self._standby: Standby | None = None
         if settings.hot:
@@ -271,6 +275,7 @@ class Etcd3RendezvousHandler(RendezvousHandler):
     def num_nodes_waiting(self) -> int:
         if self._participant is None:
             return 0
+        self._leave_on_signal.arm()  # torchrun (re-)installs its SIGTERM handler when it starts workers
         hot = self._hot is not None and self._hot.engaged()
         if self._standby is not None and self._standby.monitor(hot):
             return 0  # standby workers build, then the node joins at the running job's step boundary
@@ -283,6 +288,12 @@ class Etcd3RendezvousHandler(RendezvousHandler):
         if hot:
             return 0  # the workers re-form in-process; the hot path's thread runs the round
         return self._participant.num_waiting()
+
+    def _leave(self, reason: str) -> None:
+        """SIGTERM: leave the run cleanly (:mod:`elastic_train.rendezvous.leave`); torchrun then stops the
+        workers and the agent exits by the signal."""
+        if self._participant is not None and not self._participant.refused:
+            announce(self._participant, reason)
 
     def shutdown(self) -> bool:
         if self._hot is not None:

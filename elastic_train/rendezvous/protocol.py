@@ -9,8 +9,13 @@ Keys of a run, all under ``/elastic_train/<run_id>/``:
 - ``round``         ``{"round", "members": [rank order], "nodes": {id: {"addr", "store_port"}}, "failure"}``:
   the last closed round, written only by a compare-and-set on its own mod revision.
 - ``failures``      failures spent so far (written in the same transaction as the round it caused).
+- ``budget``        ``{"times", "leaves"}``: the recent failures' times and the clean leaves
+  (:mod:`elastic_train.rendezvous.budget`), written with ``failures`` or with a round a leave caused.
+- ``left/<node>``   (own lease) ``{"time", "round", "reason"}``: the node left on purpose (SIGTERM,
+  :mod:`elastic_train.rendezvous.leave`); the close of the next round uses and deletes it.
 - ``closed``        ``{"reason": "finished"|"budget"|"failed", "message", "step", "time"}``: no more rounds.
-- ``config``        ``{"failure_budget", "min_nodes", "max_nodes"}``: written once, by the first node.
+- ``config``        ``{"failure_budget", "failure_window", "min_nodes", "max_nodes"}``: written once, by the
+  first node.
 - ``identity``      ``{"fingerprint", "settings", "time", "node"}``: the settings every node must share
   (:mod:`elastic_train.rendezvous.identity`), written once by the first node; a node with other settings is
   refused before it writes any key.
@@ -35,9 +40,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from elastic_train.etcd.client import Etcd, cmp_mod, cmp_version, op_put
+from elastic_train.etcd.client import Etcd, cmp_mod, cmp_version, op_delete, op_put
 from elastic_train.etcd.errors import EtcdError
 from elastic_train.log import get_logger
+from elastic_train.rendezvous import budget
 from elastic_train.rendezvous.config import RendezvousConfig, run_prefix
 from elastic_train.rendezvous.decide import (
     FAILURE_REASONS,
@@ -47,12 +53,12 @@ from elastic_train.rendezvous.decide import (
     decide_close,
     hold_for_startup_reports,
     identical_startup_failure,
-    is_failure_transition,
     is_startup_report,
 )
 from elastic_train.rendezvous.errors import (
     FailureBudgetExhausted,
     JobFailed,
+    NodeLeft,
     RendezvousClosed,
     RendezvousJoinTimeout,
     RunRefused,
@@ -86,7 +92,7 @@ CLOSE_PATIENCE = 30.0
 #: Seconds a closed run's record (closed mark, identity, last round, failures) stays in etcd.
 RUN_RECORD_TTL = 7 * 24 * 3600
 #: Keys of a run that are not on a node's lease (they outlive the nodes until the run is closed).
-RUN_RECORD_KEYS = ("closed", "identity", "round", "failures", "config")
+RUN_RECORD_KEYS = ("closed", "identity", "round", "failures", "budget", "config")
 #: Seconds an identity written by a node binds the run even before that node's lease shows up (unless a round
 #: closed since: its nodes were past their start).
 IDENTITY_FRESH = 10.0
@@ -111,18 +117,22 @@ class RoundRecord:
     members: list[str]
     nodes: dict[str, dict[str, Any]] = field(default_factory=dict)
     failure: bool = False
+    kind: str = budget.SCALE
+    """What brought the run here from the round before (:func:`budget.transition_kind`; the first round:
+    scale)."""
 
     def encode(self) -> bytes:
         return json.dumps(
             {"round": self.round, "members": self.members, "nodes": self.nodes, "failure": self.failure,
-             "time": time.time()}
+             "kind": self.kind, "time": time.time()}
         ).encode()  # fmt: skip
 
     @staticmethod
     def decode(raw: bytes) -> RoundRecord:
         d = json.loads(raw)
+        kind = d.get("kind") if d.get("kind") in (budget.FAILURE, budget.LEAVE) else budget.SCALE
         return RoundRecord(
-            int(d["round"]), list(d["members"]), dict(d.get("nodes", {})), bool(d.get("failure"))
+            int(d["round"]), list(d["members"]), dict(d.get("nodes", {})), bool(d.get("failure")), str(kind)
         )
 
 
@@ -149,6 +159,8 @@ class ProtocolSettings:
     that have not asked (``None``: ``settle``)."""
     join_timeout: float = 600.0
     failure_budget: int = 10
+    failure_window: float = 3600.0
+    """Seconds over which ``failure_budget`` failures are counted (0: the run's whole life)."""
     keepalive_interval: float | None = None
     identity: JobIdentity | None = None
     """The settings every node of the run must share (``None``: not checked)."""
@@ -169,6 +181,7 @@ class ProtocolSettings:
             join_window=cfg.join_window,
             join_timeout=cfg.join_timeout,
             failure_budget=cfg.failure_budget,
+            failure_window=cfg.failure_window,
             keepalive_interval=cfg.keepalive_interval,
             identity_wait=cfg.identity_wait,
             hot=cfg.hot,
@@ -283,6 +296,9 @@ class Participant:
         #: Whether ``inproc/<node>`` says this node's workers re-form in-process (:meth:`advertise_inproc`).
         self.inproc = False
         self._inproc_lock = threading.Lock()
+        #: Set once this node announced that it leaves (:func:`elastic_train.rendezvous.leave.announce`): it
+        #: writes nothing more.
+        self.leaving = False
 
     # -- lifecycle -------------------------------------------------------------------------------------
 
@@ -303,6 +319,7 @@ class Participant:
             cfg = json.dumps(
                 {
                     "failure_budget": self.s.failure_budget,
+                    "failure_window": self.s.failure_window,
                     "min_nodes": self.s.min_nodes,
                     "max_nodes": self.s.max_nodes,
                 }
@@ -413,6 +430,7 @@ class Participant:
         cfg = json.dumps(
             {
                 "failure_budget": self.s.failure_budget,
+                "failure_window": self.s.failure_window,
                 "min_nodes": self.s.min_nodes,
                 "max_nodes": self.s.max_nodes,
             }
@@ -464,6 +482,8 @@ class Participant:
         )
 
     def _write_leased_keys(self, lease_id: int) -> None:
+        if self.leaving:
+            return
         node = {
             "addr": self.addr,
             "store_port": self.store_port,
@@ -671,6 +691,8 @@ class Participant:
             RendezvousJoinTimeout: no round formed within ``join_timeout``.
             EtcdError: etcd failed for longer than the join allows.
         """
+        if self.leaving:
+            raise NodeLeft(f"node {self.node_id} left run {self.s.run_id}")
         self.start()
         state = self._begin_join()
         while True:
@@ -866,10 +888,23 @@ class Participant:
         (and by the run not being closed); False when another node's transaction won."""
         previous = attempt.previous.members if attempt.previous else []
         members = assign_ranks(previous, attempt.joins.values(), self.s.max_nodes)
-        failure = is_failure_transition(previous, members, attempt.joins.values(), attempt.live)
         with self.view.cond:
             used = self._failures()
             nodes_kv = self.view.under("nodes/")
+            # -- failure budget and clean leaves (rendezvous/budget.py, rendezvous/leave.py) --
+            left = set(self.view.under("left/"))
+            kv = self.view.get("budget")
+            record = budget.BudgetRecord.decode(kv.value if kv is not None else None)
+        kind = budget.transition_kind(previous, members, attempt.joins.values(), attempt.live, left)
+        failure = kind == budget.FAILURE
+        spent = budget.spend(
+            record, now=time.time(), budget=self.s.failure_budget, window=self.s.failure_window, total=used
+        )
+        used_marks = [n for n in previous if n in left and n not in members]
+        record = budget.BudgetRecord(
+            spent.record.times if failure else record.times, record.leaves + len(used_marks)
+        )
+        # -- end of failure budget --
         nodes = {}
         for m in members:
             try:
@@ -889,26 +924,32 @@ class Participant:
                 log.error("identical_startup_failure", run_id=self.s.run_id, error=startup)
                 self._expire_record()
             return ok
-        if failure and used + 1 > self.s.failure_budget:
+        if failure and spent.exhausted:
+            window = f" in {budget.window_text(self.s.failure_window)}" if self.s.failure_window > 0 else ""
             msg = (
-                f"failure budget exhausted for run {self.s.run_id!r}: {used + 1} failures, budget "
-                f"{self.s.failure_budget} (raise failure_budget in --rdzv-conf or job.yaml to allow more)"
+                f"failure budget exhausted for run {self.s.run_id!r}: {spent.in_window} failures{window}, "
+                f"budget {self.s.failure_budget} (raise failure_budget in --rdzv-conf or job.yaml to allow "
+                "more)"
             )
             ok, _ = self.etcd.txn(
                 compare,
                 [
                     op_put(self.prefix + "closed", json.dumps({"reason": "budget", "message": msg}).encode()),
                     op_put(self.prefix + "failures", str(used + 1).encode()),
+                    op_put(self.prefix + "budget", record.encode()),
                 ],
             )
             if ok:
-                log.error("failure_budget_exhausted", run_id=self.s.run_id, failures=used + 1)
+                log.error("failure_budget_exhausted", run_id=self.s.run_id, failures=spent.in_window)
                 self._expire_record()
             return ok
-        record = RoundRecord(attempt.target, members, nodes, failure)
-        ops = [op_put(self.prefix + "round", record.encode())]
+        round_record = RoundRecord(attempt.target, members, nodes, failure, kind)
+        ops = [op_put(self.prefix + "round", round_record.encode())]
         if failure:
             ops.append(op_put(self.prefix + "failures", str(used + 1).encode()))
+        if failure or used_marks:
+            ops.append(op_put(self.prefix + "budget", record.encode()))
+            ops += [op_delete(self.prefix + "left/" + n) for n in used_marks]
         ok, _ = self.etcd.txn(compare, ops)
         if ok:
             log.info(
@@ -916,6 +957,8 @@ class Participant:
                 round=attempt.target,
                 world_size=len(members),
                 failure=failure,
+                kind=kind,
+                left=used_marks or None,
                 by=self.node_id,
             )
         return ok

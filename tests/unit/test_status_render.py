@@ -34,3 +34,15 @@ def test_failed_and_stopped_runs_call_no_member_lost() -> None:
         lines = render(status(state, (False,), closed=state == "failed", message="bad task args"))
         assert "  rank 0: n0 10.0.0.1" in lines
         assert not any("(lost)" in ln for ln in lines), lines
+
+
+def test_the_budget_line_counts_the_window_and_the_leaves_apart() -> None:
+    st = status("running", (True,), failures_used=7, failure_window=3600.0, failures_in_window=2, leaves=5)
+    assert render(st)[1] == (
+        "failures: 2 in the last 1h of a budget of 10 (8 left), 7 in all; clean leaves: 5 (not counted)"
+    )
+    assert st.to_json()["failures_left"] == 8
+    whole_life = status("running", (True,), failures_used=3, failure_window=0.0, failures_in_window=3)
+    assert render(whole_life)[1] == (
+        "failures: 3 over the run's life of a budget of 10 (7 left); clean leaves: 0 (not counted)"
+    )
