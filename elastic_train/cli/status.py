@@ -6,7 +6,8 @@ import argparse
 import json
 import sys
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TextIO
 
 from elastic_train.cli.etcd import add_tls_options, tls_from_args
 from elastic_train.errors import ConfigError
@@ -16,6 +17,11 @@ from elastic_train.rendezvous.config import RendezvousConfig
 if TYPE_CHECKING:
     from elastic_train.rendezvous.status import JobStatus
 
+
+#: Seconds between two refreshes of ``status --watch``.
+WATCH_INTERVAL = 2.0
+#: What a terminal is sent before each refresh: cursor home, clear the screen.
+CLEAR = "\x1b[H\x1b[2J"
 
 #: States in which no node holds the run: its members are the last round's, none of them "lost".
 ENDED = ("finished", "failed", "stopped")
@@ -33,6 +39,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--password-file", default=None, help="file holding the password")
     add_tls_options(p)
     p.add_argument("--timeout", type=float, default=5.0, help="seconds per etcd request")
+    p.add_argument(
+        "--watch",
+        nargs="?",
+        type=float,
+        const=WATCH_INTERVAL,
+        metavar="SECONDS",
+        help=f"refresh the view every SECONDS (default {WATCH_INTERVAL:g}) until Ctrl-C",
+    )
     p.set_defaults(func=run)
 
 
@@ -52,7 +66,11 @@ def run(args: argparse.Namespace) -> int:
         )
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
+    if args.watch is not None and args.watch <= 0:
+        raise ConfigError(f"--watch {args.watch:g}: the refresh interval must be > 0 seconds")
     with open_etcd(cfg, timeout=args.timeout, connect_timeout=args.timeout) as etcd:
+        if args.watch is not None:
+            return watch(lambda: read_status(etcd, args.run_id), args.watch, as_json=args.json)
         st = read_status(etcd, args.run_id)
     if not st.exists:
         if args.json:
@@ -64,6 +82,49 @@ def run(args: argparse.Namespace) -> int:
         return 0
     for line in render(st):
         print(line)
+    return 0
+
+
+def watch(
+    read: Callable[[], JobStatus],
+    interval: float,
+    *,
+    as_json: bool = False,
+    out: TextIO | None = None,
+    times: int | None = None,
+) -> int:
+    """Print the run's view every ``interval`` seconds until Ctrl-C (or ``times`` views); status 0.
+
+    On a terminal each view replaces the last; otherwise (a pipe, a log) views follow each other, each
+    under a line with the time. ``--json`` prints one JSON object per line. An etcd error is shown in place
+    of a view, and the next refresh tries again.
+    """
+    from elastic_train.etcd.errors import EtcdError
+
+    stream = out or sys.stdout
+    tty = stream.isatty()
+    shown = 0
+    try:
+        while times is None or shown < times:
+            if shown:
+                time.sleep(interval)
+            shown += 1
+            try:
+                st = read()
+            except EtcdError as exc:
+                lines = [f"elastic-train: error: {exc} (retrying every {interval:g} s)"]
+            else:
+                if as_json:
+                    stream.write(json.dumps(st.to_json()) + "\n")
+                    stream.flush()
+                    continue
+                lines = render(st) if st.exists else [f"no such run: {st.run_id} (yet)"]
+            stamp = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+            head = f"{CLEAR}every {interval:g}s, at {stamp} (Ctrl-C stops)" if tty else f"--- {stamp}"
+            stream.write("\n".join([head, *lines]) + "\n")
+            stream.flush()
+    except KeyboardInterrupt:
+        pass
     return 0
 
 

@@ -51,12 +51,14 @@ from elastic_train.envvars import ENV_OUTCOME_DIR, ENV_ROUND
 from elastic_train.errors import ConfigError
 from elastic_train.etcd.client import Etcd
 from elastic_train.log import bind_context, get_logger
+from elastic_train.metrics.agent import count_fence
 from elastic_train.procs import scratch_dir
 from elastic_train.rendezvous.errors import JobFailed, RendezvousClosed, RunFinished, RunRefused
 from elastic_train.rendezvous.fence import Fence
 from elastic_train.rendezvous.hot import HotPath
 from elastic_train.rendezvous.identity import JobIdentity, identity_from_environ, torchrun_settings
 from elastic_train.rendezvous.leave import LeaveOnSignal, announce
+from elastic_train.rendezvous.observe import RunObserver
 from elastic_train.rendezvous.outcome import (
     clear_outcomes,
     exit_ran_s,
@@ -84,6 +86,10 @@ class Etcd3RendezvousHandler(RendezvousHandler):
         settings: run id, node range, lease TTL, settle window, join timeout, failure budget.
         local_addr: address peers and workers reach this node at (``--local-addr``; else the FQDN).
         store_timeout: the store timeout in seconds (rdzv-conf ``read_timeout``).
+        metrics_port: serve Prometheus metrics on this port (:mod:`.observe`; 0: a free one; None: none).
+
+    Raises:
+        ConfigError: the metrics port cannot be served.
     """
 
     def __init__(
@@ -92,6 +98,7 @@ class Etcd3RendezvousHandler(RendezvousHandler):
         settings: ProtocolSettings,
         local_addr: str | None = None,
         store_timeout: float = STORE_TIMEOUT,
+        metrics_port: int | None = None,
     ) -> None:
         self._etcd = etcd
         self._store_timeout = timedelta(seconds=store_timeout)
@@ -106,6 +113,16 @@ class Etcd3RendezvousHandler(RendezvousHandler):
             settings.identity = local_identity(settings)
         self._outcomes = scratch_dir("outcome")
         os.environ[ENV_OUTCOME_DIR] = self._outcomes
+        self._observer: RunObserver | None = None
+        if metrics_port is not None:
+            self._observer = RunObserver(lambda: self._participant, self._outcomes, settings)
+            try:
+                self._observer.start(metrics_port, local_addr)
+            except OSError as exc:
+                raise ConfigError(
+                    f"metrics_port {metrics_port} cannot be served: {exc.strerror or exc} (another agent on "
+                    "this machine? give each its own port, or 0 for a free one)"
+                ) from exc
         self._join_lock = threading.Lock()
         self._leave_on_signal = LeaveOnSignal(self._leave)
         self._hot: HotPath | None = None
@@ -282,6 +299,7 @@ class Etcd3RendezvousHandler(RendezvousHandler):
         if self._fence is not None:
             reason = self._fence.check(lease_loss_handled=hot)
             if reason is not None:
+                count_fence(reason)
                 if self._hot is not None:  # one path stops the workers: torchrun's
                     self._hot.give_up(f"this node was fenced ({reason})")
                 return 1  # torchrun stops the workers and re-joins (see elastic_train.rendezvous.fence)
@@ -296,6 +314,8 @@ class Etcd3RendezvousHandler(RendezvousHandler):
             announce(self._participant, reason)
 
     def shutdown(self) -> bool:
+        if self._observer is not None:
+            self._observer.close()
         if self._hot is not None:
             self._hot.close()
         try:

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from elastic_train.checkpoint.config import CheckpointConfig
 from elastic_train.log import get_logger
+from elastic_train.metrics import stats
 from elastic_train.train import hot
 from elastic_train.train.env import mark_trained
 from elastic_train.train.errors import NotStateful, TrainingError
@@ -197,6 +198,8 @@ class Checkpointer:
         self._trained_marked = False
         self._reported: Any = None
         self._last_commit = time.perf_counter()
+        #: This process's figures for its agent's metrics (a no-op outside an etcd3 agent).
+        self._stats = stats.writer()
         # With a manager that can copy the optimizer's tensors while the next step computes (its step
         # pre-hook fences the copy), let it: the snapshot then costs the loop less.
         if isinstance(manager, Fenced) and isinstance(state.optimizer, torch.optim.Optimizer):
@@ -332,9 +335,15 @@ class Checkpointer:
         except hot.GroupChanged:
             self._leave(step, snapshot)
             raise
+        started = time.perf_counter()
         self.manager.save(step, snapshot)
+        saved_s = time.perf_counter() - started
         LIVE.set(self.state, step)
         self._report_commit()
+        if self._stats.enabled:
+            c = self.manager.last_committed
+            durable = (c.step, c.seconds, c.bytes) if c is not None else None
+            self._stats.record_step(round=self.world.round, step=step, snapshot_s=saved_s, durable=durable)
         if self.events.enabled:
             now = time.perf_counter()
             rate = samples / max(now - self._last_commit, 1e-9)

@@ -34,6 +34,7 @@ LAYER_OF = {
     "hf": "integration",
     "integrations": "integration",
     "node": "foundation",
+    "metrics": "foundation",
     "config": "config",
     "worker": "worker",
     "standin": "worker",
