@@ -67,6 +67,7 @@ from elastic_train.checkpoint.policy import (
     step_dir,
 )
 from elastic_train.checkpoint.preflight import check_resume_source
+from elastic_train.checkpoint.probe import SharedStorageCheck
 from elastic_train.checkpoint.storage import open_storage
 from elastic_train.log import get_logger
 
@@ -211,10 +212,20 @@ class CheckpointManager:
         self.run_path = self.storage.join(self.storage.root, run_id)
         self._ctl: Any = None
         self._io: Any = None
+        #: Whether every node reads what the others write under the URL (checked by the first restore).
+        self._shared_check: SharedStorageCheck | None = None
         if group is not None and world_size > 1:
             ranks = dist.get_process_group_ranks(group)
             self._ctl = dist.new_group(ranks=ranks, backend="gloo")
             self._io = dist.new_group(ranks=ranks, backend="gloo")
+            self._shared_check = SharedStorageCheck(
+                self.storage,
+                self.run_path,
+                cfg.url,
+                rank=dist.get_rank(self._ctl),
+                local_rank=local_rank,
+                gather=self._all_gather,
+            )
         self.memory: MemorySnapshot | None = None
         if cfg.memory:
             import os
@@ -294,6 +305,8 @@ class CheckpointManager:
         self._live = live
         # The restored bytes stream over both groups of the manager (transfer.lane): its writer must be idle.
         self.wait()
+        if self._shared_check is not None:  # a node new to the run: is the URL the same storage for all?
+            self._shared_check.run()
         # Each failed attempt marks one torn slot at least, or stops one rank from trusting its live tensors:
         # a bounded number of them, the same on every rank.
         for _ in range(self.world_size * (SLOTS + 1) + 1):

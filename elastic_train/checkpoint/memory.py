@@ -95,6 +95,36 @@ def free_bytes(directory: str) -> int:
     return st.f_bavail * st.f_frsize
 
 
+def memory_tier_refusal_check(directory: str, path: str, file_bytes: int, state_bytes: int) -> None:
+    """Refuse a memory tier the node's tmpfs cannot hold for all its local ranks (:mod:`.capacity`).
+
+    The room is the free space plus the snapshot files of this run and owner already there (this rank's old
+    one, which is replaced, and its siblings', which count in the need).
+
+    Raises:
+        CheckpointSetupError: the node's snapshots do not fit.
+    """
+    from elastic_train.checkpoint.capacity import check_memory_tier
+
+    raw = os.environ.get("LOCAL_WORLD_SIZE", "")
+    local_ranks = int(raw) if raw.isdigit() and int(raw) > 0 else 1
+    mine = os.path.basename(path).rpartition(".")[0] + "."
+    held = 0
+    with contextlib.suppress(OSError):
+        for name in os.listdir(directory):
+            if name.startswith(mine):
+                with contextlib.suppress(OSError):
+                    held += os.stat(os.path.join(directory, name)).st_blocks * 512
+    check_memory_tier(
+        directory=directory,
+        local_ranks=local_ranks,
+        slots=SLOTS,
+        file_bytes=file_bytes,
+        state_bytes=state_bytes,
+        room=free_bytes(directory) + held,
+    )
+
+
 def _mib(n: int) -> str:
     return f"{n / (1 << 20):.1f}"
 
@@ -368,9 +398,10 @@ class MemorySnapshot:
         meta_cap = max(64 << 10, (2 * meta_len + PAGE - 1) // PAGE * PAGE)
         slot_bytes = PAGE + meta_cap + data_cap
         total = PAGE + SLOTS * slot_bytes
+        directory = os.path.dirname(self.path)
+        memory_tier_refusal_check(directory, self.path, total, flat.nbytes)  # the node's whole need
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
-        directory = os.path.dirname(self.path)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             try:
