@@ -8,7 +8,10 @@ PYTEST_ARGS ?=
 # their time waiting on leases, steps and start-up, not on the CPU, so three share two cores well.
 TEST_WORKERS ?= 3
 
-.PHONY: setup test demo lint bench chaos clean
+# The demo: 3 nodes of the example job, node 1 killed with SIGKILL after step 30, a 4th node added after step 60.
+DEMO_ARGS := --config examples/job.yaml --nodes 3 --kill-node 1@step=30 --add-node @step=60
+
+.PHONY: setup test demo readme-demo lint bench chaos clean
 
 # The CPU torch wheel is installed first, pinned, so that resolving the project's torch range never pulls
 # a multi-GB CUDA build; the project is then installed with the torch already there pinned, since pip's
@@ -26,12 +29,17 @@ test: setup
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal $(PYTEST_ARGS)
 
 demo: setup
-	$(VENV)/bin/elastic-train local --config examples/job.yaml --nodes 3 --kill-node 1@step=100 --add-node @step=200 \
-		--summary demo-summary.json
+	$(VENV)/bin/elastic-train local $(DEMO_ARGS) --summary demo-summary.json
+
+# Runs the demo and writes its output (fault lines and summary) into README.md, between the readme-demo markers.
+readme-demo: setup
+	mkdir -p runs
+	$(VENV)/bin/elastic-train local $(DEMO_ARGS) --summary demo-summary.json | tee runs/readme-demo.txt
+	$(PY) tests/docs/readme_demo.py runs/readme-demo.txt README.md
 
 lint: setup
-	$(VENV)/bin/ruff check elastic_train tests benchmarks
-	$(VENV)/bin/ruff format --check elastic_train tests benchmarks
+	$(VENV)/bin/ruff check elastic_train tests benchmarks examples
+	$(VENV)/bin/ruff format --check elastic_train tests benchmarks examples
 	$(VENV)/bin/mypy
 
 bench: setup

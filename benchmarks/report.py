@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -65,6 +66,30 @@ class RunRecord:
     detail: str = ""
 
 
+#: Before each command block of the report: tests/docs runs every documented command unless told why not.
+SKIP_MARKER = (
+    '<!-- doc-test: skip="a benchmark run: minutes to half an hour of a quiet machine (make bench)" -->'
+)
+#: Before the command that wrote the report (with --from-json it runs nothing, but rewrites the page).
+REPORT_MARKER = '<!-- doc-test: skip="the command that wrote this page: it rewrites docs/benchmarks.md" -->'
+_VENV_DIR = re.compile(r"(?<![\w.])/(?:[\w.-]+/)*(?=\.venv/)")
+
+
+def without_dirs(text: str) -> str:
+    """A recorded log line without the directories above the machine's virtual environment."""
+    return _VENV_DIR.sub("", text)
+
+
+def shown_command(argv: list[str]) -> str:
+    """A command line as the report shows it: the interpreter as ``python``, paths of this checkout relative,
+    so that the page names no directory of the machine it was made on."""
+    root = str(HERE.parent) + os.sep
+    words = [
+        "python" if n == 0 and os.path.basename(a).startswith("python") else a for n, a in enumerate(argv)
+    ]
+    return " ".join(shlex.quote(w.replace(root, "")) for w in words)
+
+
 def run_benchmark(name: str, json_path: Path, *, quick: bool, timeout: float, extra: list[str]) -> RunRecord:
     """Run ``benchmarks/NAME.py --json FILE``; its output goes to ``NAME.log`` next to the JSON and is echoed.
 
@@ -74,7 +99,7 @@ def run_benchmark(name: str, json_path: Path, *, quick: bool, timeout: float, ex
     if not script.exists():
         return RunRecord(name, "absent", detail=f"benchmarks/{name}.py does not exist")
     cmd = [sys.executable, str(script), "--json", str(json_path), *(["--quick"] if quick else []), *extra]
-    shown = " ".join(shlex.quote(a) for a in cmd)
+    shown = shown_command(cmd)
     log_path = json_path.with_suffix(".log")
     print(f"== {name}: {shown}  (output: {log_path})", flush=True)
     started = time.time()
@@ -276,16 +301,17 @@ def render(
         + "; each benchmark measures its baselines "
         "(torchrun's own `c10d` and `etcd-v2` rendezvous, defaults and tuned; raw I/O) in the same run.",
         "",
-        "```",
+        REPORT_MARKER,
+        "```bash",
         command,
         "```",
         "",
         "One benchmark alone, the others kept from their JSON (e.g. to re-measure on a quiet machine):",
         "",
-        "```",
+        SKIP_MARKER,
+        "```bash",
         *(
-            f"PYTHONPATH=. .venv/bin/python benchmarks/report.py --out docs/benchmarks.md --only {name} "
-            "--keep-others"
+            f"python benchmarks/report.py --out docs/benchmarks.md --only {name} --keep-others"
             for name in ("overhead", "recovery", "lightning", "hot")
         ),
         "```",
@@ -327,7 +353,9 @@ def render(
             status = f"not run ({r.status})"
         seconds = f"{r.seconds:.0f}" if r.command else "-"
         lines.append(f"| {r.name} | {status} | {seconds} | {what} |")
-    lines.append(f"\nRaw JSON: `{os.path.relpath(json_dir, out.parent)}/`.\n")
+    lines.append(
+        f"\nRaw JSON and logs: [`{os.path.relpath(json_dir)}/`]({os.path.relpath(json_dir, out.parent)}/).\n"
+    )
 
     for name in BENCHMARKS:
         doc = docs.get(name)
@@ -430,7 +458,7 @@ def render_rendezvous(rdzv: RendezvousDoc, images: list[Path], out: Path) -> lis
         for n, res in block.results.items():
             for s in res.samples:
                 if s.status not in ("ok", "not_run"):
-                    failures.append(f"- {scen} `{n}`: {s.status} - {_cell(s.detail)[:500]}")
+                    failures.append(f"- {scen} `{n}`: {s.status} - {_cell(without_dirs(s.detail))[:500]}")
     if failures:
         lines += ["", "Runs that did not get there (agent states and last log lines):", "", *failures]
     for img in images:
@@ -514,7 +542,7 @@ def render_latency(doc: LatencyDoc, images: list[Path], out: Path) -> list[str]:
         "",
     ]
     if doc.command:
-        lines += ["```", doc.command, "```", ""]
+        lines += [SKIP_MARKER, "```bash", shown_command(shlex.split(doc.command)), "```", ""]
     series = doc.series()
     delays = sorted({d for pts in series.values() for d, _ in pts})
     lines += [
@@ -692,7 +720,7 @@ def main(argv: list[str] | None = None) -> int:
     img_dir.mkdir(parents=True, exist_ok=True)
     timeout = args.timeout or (600.0 if args.quick else 10800.0)
     selected = args.only.split(",") if args.only else list(BENCHMARKS)
-    command = " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv])
+    command = shown_command([sys.executable, *sys.argv])
 
     docs: dict[str, Document | None] = {}
     runs: list[RunRecord] = []
