@@ -11,7 +11,11 @@ TEST_WORKERS ?= 3
 # The demo: 3 nodes of the example job, node 1 killed with SIGKILL after step 30, a 4th node added after step 60.
 DEMO_ARGS := --config examples/job.yaml --nodes 3 --kill-node 1@step=30 --add-node @step=60
 
-.PHONY: setup test demo readme-demo lint bench chaos clean
+# `make compat`: the tests that reach torch's internals, the rendezvous, the hot path and the checkpoints, on
+# the oldest and the newest torch pyproject claims, each in a venv of its own (.ci/compat).
+COMPAT_TORCH ?= 2.13.0 2.14.1
+
+.PHONY: setup test demo readme-demo lint bench chaos compat clean
 
 # The CPU torch wheel is installed first, pinned, so that resolving the project's torch range never pulls
 # a multi-GB CUDA build; the project is then installed with the torch already there pinned, since pip's
@@ -49,5 +53,8 @@ chaos: setup
 	$(PY) -m pytest tests/chaos/test_chaos.py tests/chaos/test_partition_full.py --chaos-seeds=$(SEEDS) \
 		--chaos-md docs/chaos.md --chaos-json docs/chaos.json
 
+compat: setup
+	VENV=$(VENV) COMPAT_TORCH="$(COMPAT_TORCH)" TEST_WORKERS=$(TEST_WORKERS) .ci/compat $(PYTEST_ARGS)
+
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build *.egg-info
+	rm -rf $(VENV) .venv-compat-* .pytest_cache .mypy_cache .ruff_cache build *.egg-info

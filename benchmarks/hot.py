@@ -476,6 +476,7 @@ def build_doc(
     table = summary_table(runs)
     doc: dict[str, Any] = {
         "benchmark": "hot",
+        "title": "Hot recovery",
         "description": (
             "3 nodes x 1 worker on loopback, `elastic-train local`, `rendezvous.hot` on and off paired in "
             "one run (alternating order); loops: the built-in worker, `examples/own_loop.py` (--entry), "
@@ -500,6 +501,7 @@ def build_doc(
         "figures": figure_rows(table),
         "targets": evaluate_targets(table, load, load_end),
     }
+    doc["tables"] = [{"caption": torchft_line(torchft)}]
     if torchft is not None:
         doc["torchft"] = torchft
         if torchft.get("kill_s") is not None:
@@ -521,6 +523,22 @@ def build_doc(
                 }
             )
     return doc
+
+
+def torchft_line(torchft: dict[str, Any] | None) -> str:
+    """One line on torchft beside hot recovery: its version and settings, or why it did not run."""
+    if torchft is None:
+        return "torchft: not run (`hot.py --torchft-python PATH` runs `benchmarks/torchft_probe.py`)."
+    if torchft.get("skipped"):
+        return f"torchft: not measured: {torchft['skipped']}"
+    kill, join = (
+        f"{v:.4g}" if isinstance(v, float) else v for v in (torchft.get("kill_s"), torchft.get("join_s"))
+    )
+    return (
+        f"torchft {torchft.get('torchft')} (`benchmarks/torchft_probe.py`: 3 replica groups of 1 process on "
+        f"gloo, lighthouse join timeout {torchft.get('join_timeout_ms')} ms): kill -> next committed step "
+        f"{kill} s, joiner's model built -> committed step with it {join} s."
+    )
 
 
 # ------------------------------------------------------------------------------------------- main

@@ -1,6 +1,6 @@
 """Does the memory tier fit this node's shared memory? Decided before a snapshot file is allocated.
 
-Every local rank of a node keeps a snapshot file of :data:`~elastic_train.checkpoint.memory.SLOTS` copies of
+Every local rank of a node keeps a snapshot file of :data:`~elastic_train.checkpoint.slots.SLOTS` copies of
 its state in the same tmpfs (``/dev/shm``: in a container, as large as its memory-backed volume). One rank
 finding the space full after the others took theirs fails later and alone; so each allocation checks the
 node's whole need (local ranks times the file) against what the tmpfs holds for this run, and refuses with one
@@ -10,7 +10,12 @@ line naming the figures: a :class:`CheckpointSetupError`, no restart can fix it.
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
+
 from elastic_train.checkpoint.errors import CheckpointSetupError
+from elastic_train.checkpoint.shmfiles import held_bytes
+from elastic_train.checkpoint.slots import SLOTS, free_bytes
 
 GIB = 1 << 30
 
@@ -66,3 +71,27 @@ def check_memory_tier(
     )
     if line is not None:
         raise CheckpointSetupError(line)
+
+
+def check_node_room(
+    path: str, file_bytes: int, state_bytes: int, environ: Mapping[str, str] | None = None
+) -> None:
+    """Before ``path``, one rank's snapshot file of ``file_bytes``, is allocated: refuse a memory tier the
+    node's tmpfs cannot hold for all its local ranks (``LOCAL_WORLD_SIZE``, torchrun's).
+
+    The room is the free space plus the snapshot files of this run and owner already there (this rank's old
+    one, which is replaced, and its siblings', which count in the need).
+
+    Raises:
+        CheckpointSetupError: the node's snapshots do not fit.
+    """
+    raw = (os.environ if environ is None else environ).get("LOCAL_WORLD_SIZE", "")
+    directory = os.path.dirname(path)
+    check_memory_tier(
+        directory=directory,
+        local_ranks=int(raw) if raw.isdigit() and int(raw) > 0 else 1,
+        slots=SLOTS,
+        file_bytes=file_bytes,
+        state_bytes=state_bytes,
+        room=free_bytes(directory) + held_bytes(path),
+    )

@@ -45,7 +45,7 @@ class CheckpointConfig:
     storage_options: dict[str, Any] = field(default_factory=dict)
     """fsspec options of the URL's filesystem, e.g. {"endpoint_url": "http://127.0.0.1:9000"} for s3."""
     memory_dir: str = "/dev/shm"
-    """Directory (a tmpfs) holding the in-memory tier's double-buffered snapshots."""
+    """Directory (a tmpfs) holding the in-memory tier's snapshots (three slots per local rank)."""
 
     def __post_init__(self) -> None:
         if not self.url:

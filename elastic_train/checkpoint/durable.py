@@ -337,7 +337,7 @@ def read_lineage(storage: Storage, run_path: str) -> list[tuple[int, int]]:
     ]
 
 
-def plan_start(
+def lineage_start(
     storage: Storage, run_path: str, round: int, base: int, *, again: int | None = None
 ) -> tuple[int, bytes]:
     """The record that the world of rendezvous round ``round`` starts from step ``base`` (before it trains a

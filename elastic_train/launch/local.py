@@ -598,7 +598,7 @@ class LocalJob:
         if self.etcd is not None:
             self.etcd.stop()
             self.etcd = None
-        from elastic_train.checkpoint.memory import snapshot_files
+        from elastic_train.checkpoint.shmfiles import snapshot_files
 
         # Snapshots of nodes that were killed are never released by their workers.
         for path in snapshot_files(self.cfg.checkpoint.memory_dir, self.run_id):
@@ -624,11 +624,11 @@ def _signalled(record: FaultRecord) -> None:
 
 
 def _is_worker(p: psutil.Process) -> bool:
-    """A process torchrun started as a worker (``python -m elastic_train.worker`` or ``elastic_train.standin``
-    for a user's script; not the fork server)."""
+    """A process torchrun started as a worker (``python -m elastic_train.worker`` or
+    ``elastic_train.worker.standin`` for a user's script; not the fork server)."""
     try:
         cmdline = p.cmdline()
-        return "elastic_train.worker" in cmdline or "elastic_train.standin" in cmdline
+        return "elastic_train.worker" in cmdline or "elastic_train.worker.standin" in cmdline
     except (psutil.NoSuchProcess, psutil.AccessDenied):
         return False
 

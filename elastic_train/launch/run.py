@@ -103,7 +103,7 @@ def torchrun_argv(
     if local_addr:
         argv.append(f"--local-addr={local_addr}")
     if entry:
-        return [*argv, "-m", "elastic_train.standin", *entry]
+        return [*argv, "-m", "elastic_train.worker.standin", *entry]
     argv += ["-m", "elastic_train.worker"]
     if config_path:
         argv += ["--config", os.path.abspath(config_path)]
@@ -376,6 +376,9 @@ def launch(argv: list[str], before_rendezvous: Callable[[], object] | None = Non
     """Run torchrun's agent in this process; turn its failures into one line and an exit code.
 
     ``before_rendezvous`` is called once torchrun is imported, just before the agent enters the rendezvous.
+    A signal that stops the node (SIGTERM from Kubernetes, Ctrl-C) ends it with one line and the shell's
+    code for the signal, after torchrun's agent stopped the workers (it does not close the run: the others
+    go on without this node).
     """
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -398,8 +401,12 @@ def launch(argv: list[str], before_rendezvous: Callable[[], object] | None = Non
         return 1
     except SignalException as exc:
         # SIGTERM (a preemption, a drain, a deleted pod): the etcd3 handler marked a clean leave before
-        # torchrun stopped the workers. Exit by the signal's status (not 0: on Kubernetes a pod that exits
-        # 0 counts its index as succeeded).
-        sys.stderr.write(f"elastic-train: stopped by {exc.sigval.name}; this node left the run\n")
+        # torchrun stopped the workers (rendezvous/leave.py). Exit by the signal's status (not 0: on
+        # Kubernetes a pod that exits 0 counts its index as succeeded).
+        from elastic_train.rendezvous import leave
+
+        name = signal.Signals(exc.sigval).name if exc.sigval in signal.Signals else str(exc.sigval)
+        left = "; this node left the run cleanly" if leave.announced() else ""
+        sys.stderr.write(f"elastic-train: node stopped by {name}{left}\n")
         return 128 + int(exc.sigval)
     return 0

@@ -27,6 +27,7 @@ from elastic_train.rendezvous.decide import FAILURE_REASONS, Joiner
 
 #: What a transition between two rounds was (see :func:`transition_kind`).
 FAILURE, LEAVE, SCALE = "failure", "leave", "scale"
+KINDS = (FAILURE, LEAVE, SCALE)
 #: Failure times kept in the record, whatever the budget (bounds the record at a few hundred KiB).
 MAX_TIMES = 10_000
 
@@ -100,6 +101,69 @@ def spend(record: BudgetRecord, *, now: float, budget: int, window: float, total
     kept = sorted(kept)[-min(MAX_TIMES, budget + 1) :]
     counted = total + 1 if window <= 0 else len(kept)
     return Spent(BudgetRecord(tuple(kept), record.leaves), counted, counted > budget)
+
+
+@dataclass(frozen=True, slots=True)
+class Transition:
+    """What closing a round does to the run's budget (:func:`account`)."""
+
+    kind: str
+    """:data:`FAILURE`, :data:`LEAVE` or :data:`SCALE` (:func:`transition_kind`)."""
+    record: BudgetRecord
+    """The ``budget`` record after the transition."""
+    marks_used: tuple[str, ...]
+    """Leave marks (``left/<node>``) of members that left with this transition: counted, then deleted."""
+    in_window: int = 0
+    """For a failure: failures in the window, this one included."""
+    exhausted: bool = False
+    """A failure beyond the budget: the run stops instead of closing the round."""
+
+    @property
+    def failure(self) -> bool:
+        return self.kind == FAILURE
+
+    @property
+    def writes(self) -> bool:
+        """Whether the ``budget`` record changes (written in the round's transaction)."""
+        return self.failure or bool(self.marks_used)
+
+
+def account(
+    *,
+    previous: Collection[str],
+    members: Collection[str],
+    joiners: Iterable[Joiner],
+    live: Collection[str],
+    left_nodes: Collection[str],
+    record: BudgetRecord,
+    now: float,
+    budget: int,
+    window: float,
+    total: int,
+) -> Transition:
+    """The budget's side of closing a round (pure: the closing node feeds it what its view holds).
+
+    Args:
+        previous: members of the last round.
+        members: members of the round being closed.
+        joiners: the join requests it closes on.
+        live: nodes with a lease.
+        left_nodes: nodes with a leave mark.
+        record: the run's ``budget`` record.
+        now: the closing node's ``time.time()``.
+        budget: failures the run may survive in any ``window`` seconds.
+        window: the sliding window (0: the run's whole life).
+        total: failures the run spent over its life (the ``failures`` key).
+    """
+    joiners = list(joiners)
+    kind = transition_kind(previous, members, joiners, live, left_nodes)
+    member_set, gone_cleanly = set(members), set(left_nodes)
+    used = tuple(n for n in previous if n in gone_cleanly and n not in member_set)
+    if kind != FAILURE:
+        return Transition(kind, BudgetRecord(record.times, record.leaves + len(used)), used)
+    spent = spend(record, now=now, budget=budget, window=window, total=total)
+    after = BudgetRecord(spent.record.times, record.leaves + len(used))
+    return Transition(kind, after, used, spent.in_window, spent.exhausted)
 
 
 def left(record: BudgetRecord, *, now: float, budget: int, window: float, total: int) -> int:

@@ -1,4 +1,5 @@
-"""Rendezvous settings of a job (the ``rendezvous:`` section of job.yaml) and where a run's keys live."""
+"""Rendezvous settings of a job (the ``rendezvous:`` section of job.yaml), the settings a participant runs
+with, and where a run's keys live."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import re
 from dataclasses import dataclass
 
 from elastic_train.etcd.config import EtcdConfig
+from elastic_train.rendezvous.identity import JobIdentity
 
 #: Every run's keys live under this etcd prefix.
 ROOT = "/elastic_train/"
@@ -120,3 +122,46 @@ class RendezvousConfig(EtcdConfig):
     def keepalive_every(self) -> float:
         """The effective keep-alive interval: ``keepalive_interval``, else a third of the lease TTL."""
         return self.keepalive_interval if self.keepalive_interval is not None else self.lease_ttl / 3.0
+
+
+@dataclass(kw_only=True, slots=True)
+class ProtocolSettings:
+    """What one participant of a run runs with (from :class:`RendezvousConfig`, or torchrun's parameters)."""
+
+    run_id: str
+    min_nodes: int
+    max_nodes: int
+    lease_ttl: float = 3.0
+    settle: float = 1.0
+    join_window: float | None = None
+    """Seconds after the first node asked for a follow-up round before it closes without the live nodes
+    that have not asked (``None``: ``settle``)."""
+    join_timeout: float = 600.0
+    failure_budget: int = 10
+    failure_window: float = 3600.0
+    """Seconds over which ``failure_budget`` failures are counted (0: the run's whole life)."""
+    keepalive_interval: float | None = None
+    identity: JobIdentity | None = None
+    """The settings every node of the run must share (``None``: not checked)."""
+    identity_wait: float = 120.0
+    """Seconds a node whose identity differs from a live run's waits for that run's nodes to go away."""
+    hot: bool = True
+    """Membership changes are handled by the workers in-process where they can (:mod:`.hot`)."""
+
+    @classmethod
+    def from_config(cls, cfg: RendezvousConfig) -> ProtocolSettings:
+        """The protocol settings of a job's rendezvous config (the identity is left to the handler)."""
+        return cls(
+            run_id=cfg.run_id,
+            min_nodes=cfg.min_nodes,
+            max_nodes=cfg.max_nodes,
+            lease_ttl=cfg.lease_ttl,
+            settle=cfg.settle,
+            join_window=cfg.join_window,
+            join_timeout=cfg.join_timeout,
+            failure_budget=cfg.failure_budget,
+            failure_window=cfg.failure_window,
+            keepalive_interval=cfg.keepalive_interval,
+            identity_wait=cfg.identity_wait,
+            hot=cfg.hot,
+        )

@@ -29,11 +29,10 @@ from typing import Any, Protocol
 from elastic_train.etcd.client import Etcd, op_delete, op_put
 from elastic_train.etcd.errors import EtcdError
 from elastic_train.log import get_logger
+from elastic_train.rendezvous.records import LEFT
 
 log = get_logger(__name__)
 
-#: Key group of the leave marks.
-LEFT = "left/"
 #: Least seconds a leave mark lives: the next round may close much later (the survivors wait below
 #: ``min_nodes`` for a replacement, up to ``join_timeout``); the close that uses a mark deletes it.
 LEFT_TTL_MIN = 3600
@@ -93,9 +92,19 @@ def announce(participant: Leaver, reason: str) -> bool:
         log.warning("rendezvous_leave_unmarked", node=p.node_id, error=str(exc))
         p.leave()
         return False
+    global _announced
+    _announced = True
     log.info("rendezvous_node_left", node=p.node_id, round=p.round, reason=reason, run_id=p.s.run_id)
     p.leave()
     return True
+
+
+_announced = False
+
+
+def announced() -> bool:
+    """Whether this process marked its node's clean leave (the launcher's last line says so)."""
+    return _announced
 
 
 Handler = Callable[[int, Any], Any] | int | None

@@ -1,18 +1,16 @@
 """The run as this agent sees it, for its Prometheus metrics (:mod:`elastic_train.metrics.agent`).
 
 At each scrape :class:`RunObserver` reads the participant's watch of the run (round, world size, the failure
-budget: :mod:`elastic_train.rendezvous.budget`) and the workers' stats files
-(:mod:`elastic_train.metrics.stats`): nothing is asked of etcd, nothing is added to the agent's monitor
-tick. A thread of its own times recoveries: from the first node asking for a new round (the earliest join key
-for it) to this node's first step in that round (the first step a worker reports in it), labelled with what
-caused the round (its record's kind) and whether the same worker processes came back (hot) or new ones
-(restart).
+budget: :mod:`elastic_train.rendezvous.budget`) and the workers' figures from the node's channel
+(:class:`elastic_train.node.Stats`): nothing is asked of etcd, nothing is added to the agent's monitor tick.
+A thread of its own times recoveries: from the first node asking for a new round (the round record's
+``asked``) to this node's first step in that round (the first step a worker reports in it), labelled with
+what brought the round about (the record's ``kind``) and whether the same worker processes came back (hot)
+or new ones (restart).
 """
 
 from __future__ import annotations
 
-import json
-import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -23,27 +21,36 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from elastic_train.log import get_logger
 from elastic_train.metrics import agent
-from elastic_train.metrics.stats import WorkerStats, forget, read_stats
+from elastic_train.node import AgentChannel, Stats
+from elastic_train.procs import running
 from elastic_train.rendezvous import budget
-from elastic_train.rendezvous.protocol import Participant, ProtocolSettings, RoundRecord
+from elastic_train.rendezvous.config import ProtocolSettings
+from elastic_train.rendezvous.protocol import Participant
 
 log = get_logger(__name__)
 
 #: Name prefix of every metric.
 PREFIX = "elastic_train_"
-#: Seconds between two looks of the recovery clock at the participant and the workers' stats.
+#: Seconds between two looks of the recovery clock at the participant and the workers' figures.
 TICK = 0.2
 
 
 @dataclass(slots=True)
 class _Totals:
-    """Work of worker processes that have exited (their files are removed once counted here)."""
+    """Work of worker processes that have exited (their figures are removed once counted here)."""
 
-    snapshot_count: int = 0
-    snapshot_sum: float = 0.0
-    durable_count: int = 0
-    durable_sum: float = 0.0
+    snapshots: int = 0
+    snapshot_s: float = 0.0
+    durables: int = 0
+    durable_s: float = 0.0
     durable_bytes: int = 0
+
+    def add(self, st: Stats) -> None:
+        self.snapshots += st.snapshots
+        self.snapshot_s += st.snapshot_s
+        self.durables += st.durables
+        self.durable_s += st.durable_s
+        self.durable_bytes += st.durable_bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,15 +69,15 @@ class RunObserver:
 
     Args:
         participant: the handler's participant, or None before it exists.
-        directory: the agent's directory, where workers leave their stats files.
+        channel: the node's channel, where the workers' figures arrive.
         settings: the run's rendezvous settings.
     """
 
     def __init__(
-        self, participant: Callable[[], Participant | None], directory: str, settings: ProtocolSettings
+        self, participant: Callable[[], Participant | None], channel: AgentChannel, settings: ProtocolSettings
     ) -> None:
         self._participant = participant
-        self._directory = directory
+        self._channel = channel
         self._settings = settings
         self._lock = threading.Lock()
         self._exited = _Totals()
@@ -123,7 +130,7 @@ class RunObserver:
                 firsts = [
                     (st.round_first_step, st.pid)
                     for st in stats.values()
-                    if st.round is not None and st.round >= pending.round and st.round_first_step is not None
+                    if st.round is not None and st.round >= pending.round
                 ]
                 if firsts:
                     end, pid = min(firsts)
@@ -140,45 +147,32 @@ class RunObserver:
             for pid, st in stats.items():
                 self._seen[pid] = st.round
 
-    def _change(self, p: Participant, r: int) -> tuple[str, float]:
-        """What caused round ``r`` (its record's kind) and when the first node asked for it."""
+    @staticmethod
+    def _change(p: Participant, r: int) -> tuple[str, float]:
+        """What brought round ``r`` about (its record's kind) and when the first node asked for it (its
+        record's ``asked``; now when the record says nothing, or the view already shows a later round)."""
         now = time.time()
-        with p.view.cond:
-            kv = p.view.get("round")
-            joins = p.view.under("join/")
-        kind = budget.SCALE
-        if kv is not None:
-            try:
-                rec = RoundRecord.decode(kv.value)
-                kind = rec.kind
-            except (ValueError, KeyError, TypeError):
-                pass
-        times = []
-        for jkv in joins.values():
-            try:
-                d = json.loads(jkv.value)
-                if int(d["target"]) == r and isinstance(d.get("time"), int | float):
-                    times.append(float(d["time"]))
-            except (ValueError, KeyError, TypeError):
-                continue
-        start = min([t for t in times if t <= now] or [now])
-        return kind, start
+        try:
+            with p.view.cond:
+                rec, _ = p.run.round_record()
+        except ValueError:  # a malformed round record: the protocol raises it where it matters
+            rec = None
+        if rec is None or rec.round != r:
+            return budget.SCALE, now
+        asked = rec.asked_at if rec.asked_at is not None and rec.asked_at <= now else now
+        return rec.kind, asked
 
-    def _stats(self) -> dict[int, WorkerStats]:
-        """The live workers' stats; the totals of exited workers move to :attr:`_exited` (files removed)."""
-        stats = read_stats(self._directory)
+    def _stats(self) -> dict[int, Stats]:
+        """The live workers' figures; the totals of exited workers move to :attr:`_exited` (their figures
+        removed from the channel)."""
+        stats = self._channel.stats()
         for pid, st in list(stats.items()):
-            if _alive(pid):
+            if running(pid):
                 continue
             with self._lock:
-                t = self._exited
-                t.snapshot_count += st.snapshot.count
-                t.snapshot_sum += st.snapshot.sum
-                t.durable_count += st.durable.count
-                t.durable_sum += st.durable.sum
-                t.durable_bytes += st.durable_bytes
+                self._exited.add(st)
                 self._seen.pop(pid, None)
-            forget(self._directory, pid)
+            self._channel.forget_stats(pid)
             del stats[pid]
         return stats
 
@@ -195,12 +189,7 @@ class RunObserver:
         counters: list[tuple[str, str, float]] = []
         if p is not None:
             with p.view.cond:
-                kv, fkv = p.view.get("budget"), p.view.get("failures")
-            record = budget.BudgetRecord.decode(kv.value if kv is not None else None)
-            try:
-                total = int(fkv.value) if fkv is not None else 0
-            except ValueError:
-                total = 0
+                record, total = p.run.budget(), p.run.failures()
             now = time.time()
             in_window = total if s.failure_window <= 0 else record.in_window(now, s.failure_window)
             left = budget.left(record, now=now, budget=s.failure_budget, window=s.failure_window, total=total)
@@ -210,17 +199,12 @@ class RunObserver:
             ]
             counters += [
                 ("failures", "Failures over the run's life", total),
-                (
-                    "leaves",
-                    "Nodes that left the run cleanly (SIGTERM), not counted as failures",
-                    record.leaves,
-                ),
+                ("leaves", "Nodes that left the run cleanly (SIGTERM), not failures", record.leaves),
             ]
         stats = self._stats()
         with self._lock:
             t = self._exited
-            snap = (t.snapshot_count, t.snapshot_sum)
-            durable = (t.durable_count, t.durable_sum, t.durable_bytes)
+            exited = _Totals(t.snapshots, t.snapshot_s, t.durables, t.durable_s, t.durable_bytes)
         live = list(stats.values())
         gauges += [
             ("workers", "Worker processes of this node reporting steps", len(live)),
@@ -228,20 +212,22 @@ class RunObserver:
             ("steps_per_second", "Steps per second of this node's workers",
              max((w.steps_per_s for w in live), default=0.0)),
             ("snapshot_last_seconds", "The last snapshot's seconds (slowest worker)",
-             max((w.snapshot.last for w in live), default=0.0)),
+             max((w.snapshot_last_s for w in live), default=0.0)),
             ("durable_write_last_seconds", "The last durable checkpoint's seconds",
-             max((w.durable.last for w in live), default=0.0)),
+             max((w.durable_last_s for w in live), default=0.0)),
         ]  # fmt: skip
         # durable checkpoints are committed by the job's rank 0: the node holding it reports them
         counters.append(
             ("durable_write_bytes", "Bytes of the durable checkpoints committed",
-             durable[2] + sum(w.durable_bytes for w in live)),
+             exited.durable_bytes + sum(w.durable_bytes for w in live)),
         )  # fmt: skip
         summaries = [
             ("snapshot_seconds", "Seconds the training threads spent saving the state (the memory snapshot)",
-             snap[0] + sum(w.snapshot.count for w in live), snap[1] + sum(w.snapshot.sum for w in live)),
+             exited.snapshots + sum(w.snapshots for w in live),
+             exited.snapshot_s + sum(w.snapshot_s for w in live)),
             ("durable_write_seconds", "Seconds of each durable checkpoint, from its save to its commit",
-             durable[0] + sum(w.durable.count for w in live), durable[1] + sum(w.durable.sum for w in live)),
+             exited.durables + sum(w.durables for w in live),
+             exited.durable_s + sum(w.durable_s for w in live)),
         ]  # fmt: skip
         for name, doc, value in gauges:
             g = GaugeMetricFamily(PREFIX + name, doc, labels=["run_id"])
@@ -258,13 +244,3 @@ class RunObserver:
 
     def describe(self) -> list[Any]:
         return []  # collected at each scrape only: the values need the run's view
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -17,6 +17,7 @@ from typing import Any
 from elastic_train.etcd.client import Etcd
 from elastic_train.rendezvous.budget import BudgetRecord
 from elastic_train.rendezvous.config import run_prefix
+from elastic_train.rendezvous.records import RoundRecord, decode_join
 
 
 @dataclass(slots=True)
@@ -87,6 +88,16 @@ def _json(raw: bytes | None) -> dict[str, Any] | None:
     return d if isinstance(d, dict) else {}
 
 
+def _round(raw: bytes | None) -> RoundRecord | None:
+    """The run's last round; None before the first, or when its record does not decode."""
+    if raw is None:
+        return None
+    try:
+        return RoundRecord.decode(raw)
+    except ValueError:
+        return None
+
+
 def _int(value: Any, default: int = 0) -> int:
     try:
         return int(value)
@@ -110,24 +121,23 @@ def read_status(etcd: Etcd, run_id: str) -> JobStatus:
     if not keys:
         return JobStatus(run_id=run_id, round=0, state="unknown", exists=False)
     live = {k[len("nodes/") :] for k in keys if k.startswith("nodes/")}
-    rec = _json(keys.get("round"))
+    rec = _round(keys.get("round"))
     cfg = _json(keys.get("config")) or {}
     closed = _json(keys.get("closed"))
     ident = _json(keys.get("identity")) or {}
-    rnd = _int(rec.get("round")) if rec else 0
+    rnd = rec.round if rec else 0
     members = []
-    nodes: dict[str, Any] = rec["nodes"] if rec and isinstance(rec.get("nodes"), dict) else {}
-    order: list[Any] = rec["members"] if rec and isinstance(rec.get("members"), list) else []
-    for rank, node in enumerate(str(n) for n in order):
-        entry = nodes.get(node)
+    for rank, node in enumerate(rec.members if rec else []):
+        entry = rec.nodes.get(node) if rec else None
         addr = entry.get("addr") if isinstance(entry, dict) else None
         members.append(Member(node=node, addr=addr, rank=rank, alive=node in live))
     waiting = []
-    for k, v in keys.items():
-        if k.startswith("join/"):
-            j = _json(v) or {}
-            if _int(j.get("target")) > rnd and k[5:] in live:
-                waiting.append(k[5:])
+    for kv in kvs:
+        name = kv.key[len(prefix) :]
+        if name.startswith("join/"):
+            j = decode_join(name[len("join/") :], kv)
+            if j is not None and j.target > rnd and j.node_id in live:
+                waiting.append(j.node_id)
     if closed is not None:
         state = "finished" if closed.get("reason") == "finished" else "failed"
     elif rec is None:

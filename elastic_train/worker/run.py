@@ -34,6 +34,7 @@ def run_worker(cfg: JobConfig, env: WorkerEnv, *, started: float) -> int:
     from elastic_train.train import hot, rng
     from elastic_train.train.api import load_task
     from elastic_train.train.events import EventWriter
+    from elastic_train.train.link import process_link
     from elastic_train.train.loop import Trainer
 
     timings["import_s"] = time.perf_counter() - t
@@ -62,6 +63,7 @@ def run_worker(cfg: JobConfig, env: WorkerEnv, *, started: float) -> int:
             local_rank=world.local_rank,
             group=dist.group.WORLD,
             device=world.device,
+            link=process_link().checkpoint_link(),
         )
         events = EventWriter.from_env(rank=world.rank, round=world.round, world_size=world.world_size)
         trainer = Trainer(

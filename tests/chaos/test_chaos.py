@@ -36,7 +36,7 @@ import torch
 
 from elastic_train.checkpoint import durable
 from elastic_train.checkpoint.codec import tensor_at, unflatten
-from elastic_train.checkpoint.memory import snapshot_files
+from elastic_train.checkpoint.shmfiles import snapshot_files
 from elastic_train.checkpoint.storage import open_storage
 from elastic_train.config import load_job_config
 from elastic_train.launch.faults import COLLISION_KINDS, Fault, FaultRecord

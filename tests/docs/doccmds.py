@@ -15,6 +15,8 @@ Markdown, ``.. doc-test: ...`` in a docstring; readers of the rendered page see 
                        ``# on every node:`` run on each of N nodes, the lines before once
     shrink="ARGS"      appended to the command (the node part of a script): --steps N,
                        --set train.steps=N or --epochs N, the documented ways to shorten a run
+    covered="TEST"     run as written by the named test (``tests/...py::test_name``), which checks more of
+                       it (faults, the audit): the harness only checks that the test exists
     exit=N             the exit status the (last) command must end with (default 0)
     timeout=S          seconds the test may take (default :data:`DEFAULT_TIMEOUT`)
 
@@ -46,6 +48,20 @@ LANGUAGES = (*SHELL, "console", "text", "python", "json", "yaml", "diff", "docke
 #: The documented ways to shorten a run (docs/training.md: --steps, --set train.steps; examples' --epochs).
 SHRINKS = re.compile(r"^(--steps \d+|--set train\.steps=\d+|--epochs \d+)$")
 
+#: A test that runs a documented command itself: ``tests/<path>.py::<test function>``.
+COVERED = re.compile(r"^tests/[\w/]+\.py::test_\w+$")
+
+
+def covering_test_exists(covered: str, root: Path = ROOT) -> bool:
+    """Whether the test a ``covered`` marker names is defined (a module-level ``def test_...``)."""
+    path, _, name = covered.partition("::")
+    try:
+        tree = ast.parse((root / path).read_text(encoding="utf-8"))
+    except (OSError, SyntaxError):
+        return False
+    return any(isinstance(n, ast.FunctionDef) and n.name == name for n in tree.body)
+
+
 #: Programs whose name at the start of a ``text`` line means a command was put where nothing runs it.
 PROGRAMS = ("elastic-train", "torchrun", "python", "python3", "pip", "kubectl", "docker", "make", "etcdctl",
             "etcdutl", "pytest", "PYTHONPATH=")  # fmt: skip
@@ -67,6 +83,7 @@ class Marker:
     nodes: int = 1
     script: bool = False
     shrink: str | None = None
+    covered: str | None = None
     exit: int = 0
     timeout: float = DEFAULT_TIMEOUT
 
@@ -143,7 +160,7 @@ def parse_marker(body: str) -> Marker:
         key, eq, value = word.partition("=")
         if key == "script" and not eq:
             fields["script"] = True
-        elif key in ("skip", "etcd", "shrink") and eq and value:
+        elif key in ("skip", "etcd", "shrink", "covered") and eq and value:
             fields[key] = value
         elif key in ("nodes", "exit") and eq and value.isdigit():
             fields[key] = int(value)
@@ -157,6 +174,9 @@ def parse_marker(body: str) -> Marker:
             f"doc-test marker: shrink={shrink!r} is not a documented way to shorten a run "
             "(--steps N, --set train.steps=N, --epochs N)"
         )
+    covered = fields.get("covered")
+    if isinstance(covered, str) and not COVERED.match(covered):
+        raise ValueError(f"doc-test marker: covered={covered!r} is not tests/PATH.py::test_NAME")
     etcd = fields.get("etcd")
     if isinstance(etcd, str) and not re.match(r"^[A-Za-z0-9.-]+:\d+$", etcd):
         raise ValueError(f"doc-test marker: etcd={etcd!r} is not HOST:PORT")

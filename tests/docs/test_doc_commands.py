@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.docs import sandbox
-from tests.docs.doccmds import DocTest, collect, missing_lines
+from tests.docs.doccmds import DocTest, collect, covering_test_exists, missing_lines
 
 TESTS, PROBLEMS = collect()
 
@@ -27,6 +27,11 @@ def test_every_documented_command_is_collected() -> None:
 def test_documented_command(doc: DocTest, tmp_path: Path) -> None:
     if doc.marker.skip:
         pytest.skip(doc.marker.skip)
+    if doc.marker.covered:
+        assert covering_test_exists(doc.marker.covered), (
+            f"{doc.id}: the doc says {doc.marker.covered} runs this command, and there is no such test"
+        )
+        return
     why = sandbox.refused()
     if why:
         pytest.skip(why)

@@ -143,3 +143,14 @@ def test_the_checkout_has_no_problem_and_every_runnable_command_has_a_place() ->
     tests, problems = collect()
     assert not problems, "\n".join(map(str, problems))
     assert all(t.where and all(s.text.strip() for s in t.steps) for t in tests)
+
+
+def test_a_covered_marker_names_a_test_that_exists() -> None:
+    from tests.docs.doccmds import covering_test_exists, parse_marker
+
+    this = "tests/docs/test_doccmds.py::test_a_covered_marker_names_a_test_that_exists"
+    marker = parse_marker(f'covered="{this}"')
+    assert marker.covered is not None and covering_test_exists(marker.covered)
+    assert not covering_test_exists("tests/docs/test_doccmds.py::test_no_such_test")
+    with pytest.raises(ValueError, match="covered"):
+        parse_marker('covered="examples/own_loop.py"')

@@ -196,8 +196,10 @@ def served_metric_names() -> set[str]:
     import threading
 
     from elastic_train.metrics import agent
+    from elastic_train.node import AgentChannel
+    from elastic_train.rendezvous.config import ProtocolSettings
     from elastic_train.rendezvous.observe import RunObserver
-    from elastic_train.rendezvous.protocol import ProtocolSettings
+    from elastic_train.rendezvous.records import RunReader
 
     class View:
         cond = threading.Condition()
@@ -210,14 +212,16 @@ def served_metric_names() -> set[str]:
 
     class P:
         round, members, view = 1, ["a"], View()
+        run = RunReader(view)  # type: ignore[arg-type]
 
     observer = RunObserver(
-        lambda: P(), "/nonexistent", ProtocolSettings(run_id="r", min_nodes=1, max_nodes=1)
-    )  # type: ignore[arg-type,return-value]
+        lambda: P(),  # type: ignore[arg-type,return-value]
+        AgentChannel("/nonexistent"),
+        ProtocolSettings(run_id="r", min_nodes=1, max_nodes=1),
+    )
     names = {s.name for fam in observer.collect() for s in fam.samples}
     agent.observe_recovery("leave", "hot", 1.0)
     agent.count_fence("x")
-    agent.count_eviction("x")
     return names | {s.name for fam in agent.REGISTRY.collect() for s in fam.samples}
 
 

@@ -24,7 +24,8 @@ from elastic_train.checkpoint import (
 )
 from elastic_train.checkpoint import storage as storage_mod
 from elastic_train.checkpoint.codec import flatten
-from elastic_train.checkpoint.memory import MemorySnapshot, snapshot_files, sweep_stale
+from elastic_train.checkpoint.memory import MemorySnapshot
+from elastic_train.checkpoint.shmfiles import snapshot_files, sweep_stale
 from elastic_train.checkpoint.storage import open_storage
 
 
@@ -303,9 +304,9 @@ def test_manifest_is_json_with_checksums(tmp_path, memdir):
 
 
 def test_final_checkpoint_is_retried_and_never_silently_lost(tmp_path, memdir, monkeypatch):
-    from elastic_train.checkpoint import manager as manager_module
+    from elastic_train.checkpoint import writer as writer_module
 
-    monkeypatch.setattr(manager_module, "retry_delay", lambda attempt: 0.0)
+    monkeypatch.setattr(writer_module, "retry_delay", lambda attempt: 0.0)
     # on_error=log: the regular checkpoint of step 2 fails and is only logged ...
     m = manager(cfg(str(tmp_path / "c"), memdir, every_steps=2, on_error="log", retries=1))
     m.storage = FailingStorage(m.storage, 1)

@@ -13,8 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from elastic_train.checkpoint import memory as memory_mod
-from elastic_train.checkpoint import probe
+from elastic_train.checkpoint import capacity, probe
 from elastic_train.checkpoint.capacity import memory_tier_refusal
 from elastic_train.checkpoint.codec import flatten
 from elastic_train.checkpoint.errors import CheckpointSetupError
@@ -134,7 +133,7 @@ def test_a_snapshot_the_node_cannot_hold_is_refused_before_it_is_allocated(
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     state = {"w": torch.zeros(256, 1024)}  # 1 MiB
     flat = flatten(state)
-    monkeypatch.setattr(memory_mod, "free_bytes", lambda _d: 16 << 20)  # 16 MiB: room for 5 MiB per rank
+    monkeypatch.setattr(capacity, "free_bytes", lambda _d: 16 << 20)  # 16 MiB: room for 5 MiB per rank
     snap = MemorySnapshot(str(tmp_path), "run", 0)
     with pytest.raises(CheckpointSetupError, match=r"needs 8 local rank\(s\) x 3 slots"):
         snap.save(1, flat)

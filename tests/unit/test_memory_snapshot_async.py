@@ -16,8 +16,11 @@ import torch.distributed as dist
 
 from elastic_train.checkpoint import CheckpointConfig, CheckpointError, CheckpointManager
 from elastic_train.checkpoint import memory as memory_mod
+from elastic_train.checkpoint import slots as slots_mod
 from elastic_train.checkpoint.codec import flatten, tensor_at, unflatten
+from elastic_train.checkpoint.copier import Copier
 from elastic_train.checkpoint.memory import MemorySnapshot
+from elastic_train.envvars import ENV_SHM_OWNER
 from elastic_train.train import rng
 from elastic_train.train.api import load_task
 from elastic_train.train.config import TrainConfig
@@ -89,7 +92,7 @@ def gate(monkeypatch):
     """Holds the background copier before its deferred copies until ``gate.set()``."""
     event = threading.Event()
     entered = threading.Event()
-    original = MemorySnapshot._copy
+    original = Copier.copy
 
     def held(job):
         if job.later:
@@ -97,7 +100,7 @@ def gate(monkeypatch):
             assert event.wait(30), "gate never opened"
         original(job)
 
-    monkeypatch.setattr(MemorySnapshot, "_copy", staticmethod(held))
+    monkeypatch.setattr(Copier, "copy", staticmethod(held))
     event.entered = entered  # type: ignore[attr-defined]
     yield event
     event.set()
@@ -219,9 +222,9 @@ def test_state_too_large_for_shared_memory_names_both_sizes(memdir, monkeypatch)
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(os, "posix_fallocate", full)
-    monkeypatch.setattr(memory_mod, "free_bytes", lambda d: 3 << 20)
+    monkeypatch.setattr(slots_mod, "free_bytes", lambda d: 3 << 20)
     # the allocation's own failure (the space taken meanwhile), past the node-wide check before it
-    monkeypatch.setattr(memory_mod, "memory_tier_refusal_check", lambda *args: None)
+    monkeypatch.setattr(memory_mod, "check_node_room", lambda *args: None)
     snap = MemorySnapshot(memdir, "run", 0)
     with pytest.raises(CheckpointError) as err:
         snap.save(1, flatten({"w": torch.zeros(5 << 18)}))  # 5 MiB of float32
@@ -238,11 +241,11 @@ _CRASHER = textwrap.dedent(
     import torch
     from elastic_train.checkpoint import CheckpointConfig, CheckpointManager
     from elastic_train.checkpoint import memory
-    from elastic_train.checkpoint.memory import MemorySnapshot
+    from elastic_train.checkpoint.copier import Copier
 
     memdir, url = sys.argv[1], sys.argv[2]
     memory.INLINE_BYTES = 0
-    original = MemorySnapshot._copy
+    original = Copier.copy
 
     def slow(job):  # copy half of the deferred tensors, then stall: the test kills us here
         if job.step == 2:
@@ -253,7 +256,7 @@ _CRASHER = textwrap.dedent(
             time.sleep(60)
         original(job)
 
-    MemorySnapshot._copy = staticmethod(slow)
+    Copier.copy = staticmethod(slow)
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.full((1000,), float(i))) for i in range(8)]
     opt = torch.optim.SGD(params, lr=1.0)
@@ -272,11 +275,11 @@ _CRASHER = textwrap.dedent(
 
 
 def test_kill_mid_copy_leaves_the_previous_step_valid(memdir, tmp_path, reaper, monkeypatch):
-    monkeypatch.setenv(memory_mod.ENV_SHM_OWNER, str(os.getpid()))
+    monkeypatch.setenv(ENV_SHM_OWNER, str(os.getpid()))
     proc = reaper.popen(
         [sys.executable, "-c", _CRASHER, memdir, str(tmp_path / "c")],
         stdout=subprocess.PIPE,
-        env={**os.environ, memory_mod.ENV_SHM_OWNER: str(os.getpid())},
+        env={**os.environ, ENV_SHM_OWNER: str(os.getpid())},
     )
     assert proc.stdout is not None
     for line in proc.stdout:  # log lines, then the marker
@@ -339,14 +342,14 @@ def test_small_cpu_states_are_copied_inside_save_and_sealed_by_the_copier(memdir
     monkeypatch.setattr(memory_mod, "INLINE_BYTES", 4 << 20)
     monkeypatch.setattr(memory_mod, "SEAL_INLINE_BYTES", 0)
     release, entered = threading.Event(), threading.Event()
-    original = MemorySnapshot._seal
+    original = MemorySnapshot.seal
 
     def held_seal(self, job):
         entered.set()
         assert release.wait(30), "seal never released"
         original(self, job)
 
-    monkeypatch.setattr(MemorySnapshot, "_seal", held_seal)
+    monkeypatch.setattr(MemorySnapshot, "seal", held_seal)
     model, opt = trained()
     m = manager(memdir, tmp_path)
     m.attach(opt)
@@ -374,13 +377,13 @@ def test_the_smallest_cpu_states_are_sealed_inside_save(memdir, tmp_path, monkey
     monkeypatch.setattr(memory_mod, "INLINE_BYTES", 4 << 20)
     monkeypatch.setattr(memory_mod, "SEAL_INLINE_BYTES", 2 << 20)
     threads = []
-    original = MemorySnapshot._seal
+    original = MemorySnapshot.seal
 
     def seal(self, job, **kw):
         threads.append(threading.current_thread())
         original(self, job, **kw)
 
-    monkeypatch.setattr(MemorySnapshot, "_seal", seal)
+    monkeypatch.setattr(MemorySnapshot, "seal", seal)
     model, opt = trained()
     m = manager(memdir, tmp_path)
     m.attach(opt)
@@ -393,7 +396,7 @@ def test_the_smallest_cpu_states_are_sealed_inside_save(memdir, tmp_path, monkey
         assert same(got["optimizer"], expected["optimizer"])
         step(model, opt)
     assert threads == [threading.main_thread()] * 2
-    assert m.memory._worker is None  # no copier was ever started
+    assert m.memory.copier.thread is None  # no copier was ever started
     # Flip one data byte of the newest slot: it fails its checksum, the one before is restored.
     reader = MemorySnapshot(memdir, "run", 0)
     held = reader.newest_valid()
@@ -413,7 +416,7 @@ _SEAL_CRASHER = textwrap.dedent(
     from elastic_train.checkpoint.memory import MemorySnapshot
 
     memdir, url = sys.argv[1], sys.argv[2]
-    original = MemorySnapshot._seal
+    original = MemorySnapshot.seal
 
     def stalled(self, job, **kw):  # every byte of step 2 is copied; the test kills us before its seal
         if job.step == 2:
@@ -422,7 +425,7 @@ _SEAL_CRASHER = textwrap.dedent(
             time.sleep(60)
         original(self, job, **kw)
 
-    MemorySnapshot._seal = stalled
+    MemorySnapshot.seal = stalled
     params = [torch.full((1000,), float(i)) for i in range(8)]
     cfg = CheckpointConfig(url=url, every_steps=0, memory_every_steps=1, memory_dir=memdir)
     m = CheckpointManager(cfg, "run", rank=0, world_size=1, local_rank=0)
@@ -439,11 +442,11 @@ def test_kill_after_the_copy_before_the_seal_leaves_the_previous_step_valid(
     memdir, tmp_path, reaper, monkeypatch
 ):
     """A slot whose bytes are all copied but whose checksums are not yet written is never restored."""
-    monkeypatch.setenv(memory_mod.ENV_SHM_OWNER, str(os.getpid()))
+    monkeypatch.setenv(ENV_SHM_OWNER, str(os.getpid()))
     proc = reaper.popen(
         [sys.executable, "-c", _SEAL_CRASHER, memdir, str(tmp_path / "c")],
         stdout=subprocess.PIPE,
-        env={**os.environ, memory_mod.ENV_SHM_OWNER: str(os.getpid())},
+        env={**os.environ, ENV_SHM_OWNER: str(os.getpid())},
     )
     assert proc.stdout is not None
     for line in proc.stdout:

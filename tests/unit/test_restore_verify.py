@@ -11,7 +11,8 @@ import torch
 
 from elastic_train.checkpoint import CheckpointConfig, CheckpointManager, transfer
 from elastic_train.checkpoint.codec import flatten, tensor_at
-from elastic_train.checkpoint.memory import DataCheck, MemorySnapshot, checksum
+from elastic_train.checkpoint.memory import MemorySnapshot
+from elastic_train.checkpoint.slots import DataCheck, checksum
 
 
 def big_state(step: int) -> dict:
@@ -31,7 +32,7 @@ def big_state(step: int) -> dict:
 
 def test_the_plan_covers_every_byte_in_order_and_direct_chunks_lie_inside_one_tensor() -> None:
     flat = flatten(big_state(1))
-    chunks = transfer.plan(flat.specs, flat.nbytes)
+    chunks = transfer.chunks_of(flat.specs, flat.nbytes)
     assert chunks[0][0] == 0 and chunks[-1][1] == flat.nbytes
     assert all(a[1] == b[0] for a, b in itertools.pairwise(chunks))
     assert all(0 < e - s <= (transfer.DIRECT_BUCKET if d else transfer.BUCKET) for s, e, d in chunks)
@@ -122,9 +123,9 @@ def test_a_torn_only_snapshot_and_nothing_else_is_nothing_to_restore(memdir, tmp
 
 
 def test_a_restore_that_looks_again_records_its_final_base_under_the_same_round(memdir, tmp_path) -> None:
-    from elastic_train.agentlink import AgentLink
     from elastic_train.checkpoint import durable
     from elastic_train.checkpoint.storage import open_storage
+    from elastic_train.node.gate import Link as AgentLink
 
     cfg = CheckpointConfig(url=str(tmp_path / "c"), memory_dir=memdir, every_steps=0)
     saver = CheckpointManager(cfg, "run", rank=0, world_size=1, local_rank=0)
@@ -146,10 +147,10 @@ def test_the_lineage_record_is_written_by_the_time_a_restore_returns_and_a_faile
 ) -> None:
     import threading
 
-    from elastic_train.agentlink import AgentLink
     from elastic_train.checkpoint import durable
     from elastic_train.checkpoint.errors import StorageError
     from elastic_train.checkpoint.storage import LocalStorage, open_storage
+    from elastic_train.node.gate import Link as AgentLink
 
     cfg = CheckpointConfig(url=str(tmp_path / "c"), memory_dir=memdir, every_steps=0)
     saver = CheckpointManager(cfg, "run", rank=0, world_size=1, local_rank=0)
