@@ -1,8 +1,8 @@
 """The agent's Prometheus metrics (``prometheus-client``) and their HTTP endpoint, on an opt-in port.
 
 Event counters live here, in this module's :data:`REGISTRY`, so any part of the agent increments them without
-knowing where they are served: :func:`count_fence`, :func:`count_eviction`, :func:`observe_recovery`. Figures
-read at scrape time (the run's round, world size, failure budget, and the workers' stats files) come from
+knowing where they are served: :func:`count_fence`, :func:`observe_recovery`. Figures
+read at scrape time (the run's round, world size, failure budget, and the workers' figures) come from
 collectors the rendezvous adds (:func:`add_collector`; :mod:`elastic_train.rendezvous.observe`).
 
 Every sample carries the run id as the label ``run_id``, so one Prometheus (and one dashboard) tells the
@@ -47,12 +47,6 @@ FENCES = Counter(
     ["run_id", "reason"],
     registry=REGISTRY,
 )
-EVICTIONS = Counter(
-    "elastic_train_evictions",
-    "Nodes this agent evicted from the run (a slow node taken out through the hot path)",
-    ["run_id", "reason"],
-    registry=REGISTRY,
-)
 
 _lock = threading.Lock()
 _run_id = ""
@@ -70,11 +64,6 @@ def observe_recovery(kind: str, path: str, seconds: float) -> None:
 
 def count_fence(reason: str) -> None:
     FENCES.labels(_run_id, reason).inc()
-
-
-def count_eviction(reason: str) -> None:
-    """Count one eviction of a node by this agent (the straggler policy's, when it evicts)."""
-    EVICTIONS.labels(_run_id, reason).inc()
 
 
 def add_collector(collector: Collector) -> None:
