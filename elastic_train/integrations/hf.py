@@ -39,6 +39,7 @@ accelerate's ``PartialState._shared_state`` and ``AcceleratorState._shared_state
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections import deque
@@ -46,6 +47,7 @@ from collections.abc import Iterator, Mapping, MutableMapping, Sequence
 from typing import Any
 
 import torch
+import transformers.trainer as hf_trainer
 from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.state import AcceleratorState, PartialState
 from accelerate.utils import DistributedType
@@ -133,7 +135,9 @@ class ElasticTrainer(Trainer):
             _refuse(unsupported_arguments(training_args))
         super().__init__(*args, **kwargs)
         _refuse(unsupported_arguments(self.args))
-        if self.is_deepspeed_enabled or self.is_fsdp_enabled or self.is_distributed_loading_by_transformers:
+        # (load-time sharding: transformers 5.25 and later)
+        sharded_load = getattr(self, "is_distributed_loading_by_transformers", False)
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled or sharded_load:
             _refuse(
                 "a DeepSpeed, FSDP or load-time sharded model (set up through accelerate's environment or "
                 "from_pretrained) is not supported by ElasticTrainer: ElasticTrainer is DDP"
@@ -251,10 +255,12 @@ class ElasticTrainer(Trainer):
         return rebuild(loader, self.sampler)
 
     def get_resumed_dataloader(self, dataloader: DataLoader[Any], num_batches: int) -> DataLoader[Any]:
-        """The elastic sampler already starts at the saved position: nothing to skip."""
+        """The elastic sampler already starts at the saved position: nothing to skip (transformers 5.25
+        and later ask this; earlier ones call accelerate's ``skip_first_batches``, see :func:`_no_skip`)."""
         if dataloader.batch_sampler is self.sampler:
             return dataloader
-        return super().get_resumed_dataloader(dataloader, num_batches)
+        skip: Any = getattr(super(), "get_resumed_dataloader", None) or hf_trainer.skip_first_batches
+        return skip(dataloader, num_batches)
 
     def get_batch_samples(
         self, epoch_iterator: Iterator[Any], num_batches: int, device: torch.device
@@ -278,7 +284,7 @@ class ElasticTrainer(Trainer):
 
     def _loss_factors(self, counts: list[int], size: int, num_items: Any) -> list[float]:
         """Each micro-batch's factor, for the loss the Trainer computes (see ``Trainer.training_step``)."""
-        scaled = self.loss_is_scaled_for_ga
+        scaled = getattr(self, "loss_is_scaled_for_ga", None)  # transformers 5.25 and later say it
         if scaled is None:
             scaled = self.model_accepts_loss_kwargs and num_items is not None
             scaled = scaled or self.compute_loss_func is not None
@@ -406,19 +412,20 @@ class ElasticTrainer(Trainer):
         starts there: the Trainer only counts the micro-batches trained before)."""
         if self._resumed and epoch == epochs_trained:
             resume_from_checkpoint = RESUMED
-        return super()._run_epoch(
-            model=model,
-            epoch=epoch,
-            train_dataloader=train_dataloader,
-            steps_in_epoch=steps_in_epoch,
-            num_update_steps_per_epoch=num_update_steps_per_epoch,
-            trial=trial,
-            ignore_keys_for_eval=ignore_keys_for_eval,
-            start_time=start_time,
-            resume_from_checkpoint=resume_from_checkpoint,
-            epochs_trained=epochs_trained,
-            steps_trained_in_current_epoch=steps_trained_in_current_epoch,
-        )
+        with _no_skip(self):
+            return super()._run_epoch(
+                model=model,
+                epoch=epoch,
+                train_dataloader=train_dataloader,
+                steps_in_epoch=steps_in_epoch,
+                num_update_steps_per_epoch=num_update_steps_per_epoch,
+                trial=trial,
+                ignore_keys_for_eval=ignore_keys_for_eval,
+                start_time=start_time,
+                resume_from_checkpoint=resume_from_checkpoint,
+                epochs_trained=epochs_trained,
+                steps_trained_in_current_epoch=steps_trained_in_current_epoch,
+            )
 
     def _load_rng_state(self, checkpoint: str | None) -> None:
         """Nothing: the torch generators are seeded per step (:meth:`_seed_step`), the others restored with
@@ -524,3 +531,26 @@ def _import_what_train_imports() -> None:
 
 
 _import_what_train_imports()
+
+
+@contextlib.contextmanager
+def _no_skip(trainer: ElasticTrainer) -> Iterator[None]:
+    """Trainers before transformers 5.25 skip a resumed epoch's trained micro-batches with accelerate's
+    ``skip_first_batches`` called by name, not through :meth:`ElasticTrainer.get_resumed_dataloader`:
+    route that name through the method for the epoch, so the elastic sampler (already at the saved position)
+    is not skipped twice."""
+    if hasattr(Trainer, "get_resumed_dataloader") or not hasattr(hf_trainer, "skip_first_batches"):
+        yield
+        return
+    original = hf_trainer.skip_first_batches
+
+    def skip(dataloader: Any, num_batches: int = 0) -> Any:
+        if dataloader.batch_sampler is trainer.sampler:
+            return dataloader
+        return original(dataloader, num_batches)
+
+    hf_trainer.skip_first_batches = skip
+    try:
+        yield
+    finally:
+        hf_trainer.skip_first_batches = original

@@ -9,10 +9,11 @@ The job: ``SAMPLES`` samples, per-device batch ``BATCH``, ``EPOCHS`` epochs, a T
 3, a node is killed after step 5 (the group restarts at world 2 from checkpoint-4), a node joins after step 11
 (world 3 again from checkpoint-10), and it runs to its end. For each world size the Trainer's own data path
 is asked what each rank iterates: ``Trainer.get_train_dataloader()`` (``accelerator.prepare`` with that
-rank and world), ``set_epoch``, and ``get_resumed_dataloader`` (accelerate's ``skip_first_batches``) with
-the epoch and batch count ``_init_training_state`` derives from the checkpoint's global step. accelerate sees
-the world of the replayed rank (its shared state's ``num_processes`` and ``process_index``); the process
-group it broadcasts RNG states over is a real one of one process.
+rank and world), ``set_epoch``, and ``get_resumed_dataloader`` (accelerate's ``skip_first_batches``,
+called by name before transformers 5.25) with the epoch and batch count ``_init_training_state`` derives
+from the checkpoint's global step. accelerate sees the world of the replayed rank (its shared state's
+``num_processes`` and ``process_index``); the process group it broadcasts RNG states over is a real one
+of one process.
 
 Each global step is counted from the last segment that trained it (a step redone after a restart replaces
 the lost one); per epoch, samples never trained and samples trained more than once are reported for the
@@ -54,6 +55,7 @@ class Model(torch.nn.Module):
 
 def plain(trainer: Any) -> dict[int, tuple[int, list[int]]]:
     """Global step -> (epoch, samples trained in it) of the surviving trajectory of the plain Trainer."""
+    from accelerate import skip_first_batches
     from accelerate.state import AcceleratorState, PartialState
 
     def loader(world: int, rank: int) -> Any:
@@ -72,7 +74,8 @@ def plain(trainer: Any) -> dict[int, tuple[int, list[int]]]:
             for rank in range(world):
                 dl = loader(world, rank)
                 if epoch == first_epoch and skip:
-                    dl = trainer.get_resumed_dataloader(dl, skip)
+                    resumed = getattr(trainer, "get_resumed_dataloader", None)  # transformers >= 5.25
+                    dl = resumed(dl, skip) if resumed else skip_first_batches(dl, skip)
                 dl.set_epoch(epoch)
                 ranks.append([b["input_ids"].flatten().tolist() for b in dl])
             for batches in zip(*ranks, strict=True):
