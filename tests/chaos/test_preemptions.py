@@ -80,7 +80,7 @@ def test_preemptions_beyond_any_budget_are_leaves_not_failures(tmp_path: Path, m
         node = job.nodes[n]
         assert node.proc.returncode == 143, (n, node.proc.returncode)
         log = Path(node.log_path).read_text(errors="replace")
-        assert "elastic-train: stopped by SIGTERM; this node left the run" in log
+        assert "elastic-train: node stopped by SIGTERM; this node left the run cleanly" in log
         assert '"rendezvous_node_left"' in log
     sizes = [p["world_size"] for p in summary.world_size_timeline]
     assert sizes[0] == 4 and sizes[-1] == 1, summary.world_size_timeline
