@@ -4,7 +4,7 @@
 checkpoint) and hands a :class:`~elastic_train.node.messages.Stats` message to the node's channel at most
 once every :data:`REPORT_EVERY` seconds, and at once on the first step of a new round: the agent ends its
 recovery clock there. Between reports a step costs a few additions and one monotonic clock read, not a file
-write (benchmarks/overhead.py measures the step loop with it).
+write.
 """
 
 from __future__ import annotations
