@@ -50,6 +50,12 @@ class Groups:
     def global_rank(self, group_rank: int) -> int:
         return dist.get_global_rank(self.ctl, group_rank)
 
+    def gather_object(self, obj: Any) -> list[Any]:
+        """Collective on ``ctl``: every rank's small picklable ``obj``, in rank order."""
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.ctl)
+        return out
+
     def any_rank(self, flag: bool) -> bool:
         """Collective on ``ctl``: whether ``flag`` is set on any rank."""
         value = torch.tensor([int(flag)], dtype=torch.int32)

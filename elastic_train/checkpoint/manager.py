@@ -120,7 +120,14 @@ class CheckpointManager:
             cfg, storage, self.run_path, run_id, groups=groups, memory=memory, agent=agent, origin=origin
         )
         self._restorer = Restorer(
-            cfg, storage, self.run_path, groups=groups, memory=memory, agent=agent, origin=origin
+            cfg,
+            storage,
+            self.run_path,
+            groups=groups,
+            memory=memory,
+            agent=agent,
+            origin=origin,
+            local_rank=local_rank,
         )
         self._closed = False
         self._attached: list[_Attachment] = []

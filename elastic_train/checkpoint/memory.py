@@ -1,14 +1,15 @@
 """The in-memory tier: a three-slot snapshot of one worker's state in node shared memory.
 
-One file per (run, owner, local rank) in a tmpfs (``/dev/shm``; names and owners: :mod:`.shmfiles`),
-allocated whole when the first state is saved, with three slots (layout: :mod:`.slots`). A save invalidates
-the header of the oldest slot that is neither the newest nor pinned (by a durable write reading it) and
-copies the tensors into it; the background copier (:mod:`.copier`) finishes the copies the caller deferred
-(parameters and optimizer state, which nothing changes before the next optimizer step — see
-:meth:`MemorySnapshot.fence`), writes the metadata (:mod:`.slotmeta`), computes xxh3-64 over data and
-metadata and only then publishes step + checksums in the slot header (a CPU state under
-:data:`SEAL_INLINE_BYTES` is copied and sealed by the caller: handing it over costs more). A crash at any
-point leaves the previous snapshot intact, and a torn slot fails its header or checksum.
+One file per (run, owner, local rank) in a tmpfs (``/dev/shm``; names and owners: :mod:`.shmfiles`), allocated
+whole when the first state is saved (once the node's room for every local rank's file is checked:
+:mod:`.capacity`), with three slots (layout: :mod:`.slots`). A save invalidates the header of the oldest slot
+that is neither the newest nor pinned (by a durable write reading it) and copies the tensors into it; the
+background copier (:mod:`.copier`) finishes the copies the caller deferred (parameters and optimizer state,
+which nothing changes before the next optimizer step — see :meth:`MemorySnapshot.fence`), writes the metadata
+(:mod:`.slotmeta`), computes xxh3-64 over data and metadata and only then publishes step + checksums in the
+slot header (a CPU state under :data:`SEAL_INLINE_BYTES` is copied and sealed by the caller: handing it over
+costs more). A crash at any point leaves the previous snapshot intact, and a torn slot fails its header or
+checksum.
 """
 
 from __future__ import annotations
@@ -24,13 +25,14 @@ from typing import Any
 import torch
 
 from elastic_train.checkpoint import drain, schema
+from elastic_train.checkpoint.capacity import check_node_room
 from elastic_train.checkpoint.codec import Flat, TensorSpec, destinations
 from elastic_train.checkpoint.copier import Copier, CopyJob, DeviceCopies
 from elastic_train.checkpoint.errors import CheckpointError
 from elastic_train.checkpoint.plan import Planned
 from elastic_train.checkpoint.shmfiles import snapshot_path
 from elastic_train.checkpoint.slotmeta import SlotMeta
-from elastic_train.checkpoint.slots import SLOTS, Held, SlotFile, SlotReader, checksum
+from elastic_train.checkpoint.slots import SLOTS, Held, SlotFile, SlotReader, checksum, sizes
 from elastic_train.log import get_logger
 from elastic_train.torchcompat import foreach_copy_op
 
@@ -114,6 +116,8 @@ class MemorySnapshot:
     # -- lifecycle -------------------------------------------------------------------------------------
     def _allocate(self, flat: Flat, meta_len: int) -> None:
         self._unmap()
+        # the node's whole need (every local rank's file) against its tmpfs, before a byte is allocated
+        check_node_room(self.path, sizes(flat.nbytes, meta_len)[3], flat.nbytes)
         self._file.allocate(flat.nbytes, meta_len, flat.layout_key)
         self._specs = flat.specs
         self._slot_seq = [0] * SLOTS

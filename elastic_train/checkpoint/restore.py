@@ -1,13 +1,14 @@
 """The collective restore: which state every rank resumes from, and moving it to the ranks without it.
 
-One attempt: every rank looks up its newest shared-memory snapshot (header and metadata verified), rank 0
-lists the durable checkpoints meanwhile, one all-gather of the steps, and rank 0 decides
-(:func:`~elastic_train.checkpoint.policy.restore_order`, then loading a durable candidate or
-``resume_from``) and broadcasts the :class:`RestoreDecision`. The ranks that hold the chosen step land their
-own; the lowest of them sends it to the others along a chain (:mod:`elastic_train.checkpoint.transfer`).
-A slot's data is verified as it is read, and the ranks agree on the verdict afterwards: a torn slot is
-marked so and every rank looks again. Rank 0 of a world in a rendezvous round records where the world
-starts (the run's lineage) while the state moves.
+First, when the world has a node new to the run, every node checks that the checkpoint URL is one storage for
+all of them (:mod:`elastic_train.checkpoint.probe`). Then one attempt: every rank looks up its newest
+shared-memory snapshot (header and metadata verified), rank 0 lists the durable checkpoints meanwhile, one
+all-gather of the steps, and rank 0 decides (:func:`~elastic_train.checkpoint.policy.restore_order`, then
+loading a durable candidate or ``resume_from``) and broadcasts the :class:`RestoreDecision`. The ranks that
+hold the chosen step land their own; the lowest of them sends it to the others along a chain
+(:mod:`elastic_train.checkpoint.transfer`). A slot's data is verified as it is read, and the ranks agree on
+the verdict afterwards: a torn slot is marked so and every rank looks again. Rank 0 of a world in a rendezvous
+round records where the world starts (the run's lineage) while the state moves.
 
 What the state *is* (its flat layout and specs) is :mod:`elastic_train.checkpoint.codec`'s; this module
 decides where it comes from and moves it.
@@ -47,6 +48,7 @@ from elastic_train.checkpoint.groups import Groups
 from elastic_train.checkpoint.memory import MemorySnapshot
 from elastic_train.checkpoint.policy import Candidate, restore_order
 from elastic_train.checkpoint.preflight import check_resume_source
+from elastic_train.checkpoint.probe import SharedStorageCheck
 from elastic_train.checkpoint.slots import SLOTS, DataCheck, Held
 from elastic_train.checkpoint.storage import Storage, open_storage
 from elastic_train.log import get_logger
@@ -120,6 +122,7 @@ class Restorer:
         memory: MemorySnapshot | None,
         agent: Agent,
         origin: Origin,
+        local_rank: int = 0,
     ) -> None:
         self.cfg = cfg
         self.storage = storage
@@ -129,6 +132,7 @@ class Restorer:
         self.agent = agent
         self.origin = origin
         self.rank = groups.rank
+        self.local_rank = local_rank
         self.world_size = groups.world_size
         #: The step this process's live tensors hold (see :meth:`restore`'s ``live``), until they differ.
         self._live: int | None = None
@@ -145,10 +149,20 @@ class Restorer:
 
         Raises:
             CheckpointError: storage failure, an unreadable ``resume_from`` or a model mismatch.
+            CheckpointSetupError: the nodes do not share the checkpoint URL (every rank raises it).
         """
         started = time.perf_counter()
         again: int | None = None
         self._live = live
+        if self.groups.coordinated:  # a node new to the run: is the URL one storage for every node?
+            SharedStorageCheck(
+                self.storage,
+                self.run_path,
+                self.cfg.url,
+                rank=self.rank,
+                local_rank=self.local_rank,
+                gather=self.groups.gather_object,
+            ).run()
         # Each failed attempt marks one torn slot at least, or stops one rank from trusting its live tensors:
         # a bounded number of them, the same on every rank.
         for _ in range(self.world_size * (SLOTS + 1) + 1):

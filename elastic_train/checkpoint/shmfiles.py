@@ -86,6 +86,19 @@ def snapshot_files(directory: str, run_id: str) -> list[str]:
     return _snapshots(directory, lambda m: m["run"].split("+", 1)[0] == run)
 
 
+def held_bytes(path: str) -> int:
+    """Bytes the snapshot files of ``path``'s run and owner take in its tmpfs (``path`` itself, and its
+    siblings of the other local ranks)."""
+    directory, prefix = os.path.dirname(path), os.path.basename(path).rsplit(".", 1)[0] + "."
+    held = 0
+    with contextlib.suppress(OSError):
+        for name in os.listdir(directory):
+            if name.startswith(prefix):
+                with contextlib.suppress(OSError):
+                    held += os.stat(os.path.join(directory, name)).st_blocks * 512
+    return held
+
+
 def release_siblings(directory: str, run_id: str, path: str) -> None:
     """Delete the snapshots of ``run_id``'s other local ranks under the owner of ``path`` (the world shrank
     while the owner lived, so no worker of theirs releases them)."""

@@ -65,6 +65,15 @@ def free_bytes(directory: str) -> int:
     return st.f_bavail * st.f_frsize
 
 
+def sizes(nbytes: int, meta_len: int) -> tuple[int, int, int, int]:
+    """(metadata room, data room, one slot, the whole file) in bytes, for a state of ``nbytes`` with
+    ``meta_len`` bytes of metadata (room for twice that)."""
+    data_cap = (nbytes + PAGE - 1) // PAGE * PAGE
+    meta_cap = max(64 << 10, (2 * meta_len + PAGE - 1) // PAGE * PAGE)
+    slot_bytes = PAGE + meta_cap + data_cap
+    return meta_cap, data_cap, slot_bytes, PAGE + SLOTS * slot_bytes
+
+
 def _mib(n: int) -> str:
     return f"{n / (1 << 20):.1f}"
 
@@ -163,10 +172,7 @@ class SlotFile:
             CheckpointError: the tmpfs cannot hold it (needed and free sizes in the message).
         """
         self.unmap()
-        data_cap = (nbytes + PAGE - 1) // PAGE * PAGE
-        meta_cap = max(64 << 10, (2 * meta_len + PAGE - 1) // PAGE * PAGE)
-        slot_bytes = PAGE + meta_cap + data_cap
-        total = PAGE + SLOTS * slot_bytes
+        meta_cap, data_cap, slot_bytes, total = sizes(nbytes, meta_len)
         directory = os.path.dirname(self.path)
         # A file of an earlier layout keeps its pages: a larger layout allocates only the difference. (A
         # sharded state's part changes size with the world size; allocating its file anew zeroed every page

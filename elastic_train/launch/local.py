@@ -143,6 +143,7 @@ class LocalJob:
         self.actions: dict[str, Action] = {
             "kill-node": _on_node(self._kill_node),
             "kill-worker": _on_node(self._kill_worker),
+            "preempt-node": _on_node(self._preempt_node),
             "hang-node": _on_node(self._hang_node),
             "resume-node": _on_node(self._resume_node),
             "add-node": self._add_node,
@@ -247,6 +248,14 @@ class LocalJob:
     def _kill_node(self, record: FaultRecord, node: Node) -> None:
         record.extra["pids"] = signal_tree(node.proc.pid, signal.SIGKILL, walked=lambda: _signalled(record))
         node.killed = True
+
+    def _preempt_node(self, record: FaultRecord, node: Node) -> None:
+        """SIGTERM to the agent alone (what the kubelet sends a pod's main process): it leaves the run and
+        stops its workers itself."""
+        _signalled(record)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(node.proc.pid, signal.SIGTERM)
+        record.extra["pids"] = [node.proc.pid]
 
     def _kill_worker(self, record: FaultRecord, node: Node) -> None:
         workers = [p for p in tree(node.proc.pid)[1:] if _is_worker(p)]

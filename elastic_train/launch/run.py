@@ -54,6 +54,16 @@ def endpoint_is_loopback(endpoint: str) -> bool:
     return True
 
 
+def interface_of(addr: str) -> str | None:
+    """The name of this machine's network interface that holds ``addr`` (None: none does, or not an IP)."""
+    import psutil
+
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address == addr for a in addrs if a.family in (socket.AF_INET, socket.AF_INET6)):
+            return name
+    return None
+
+
 def default_local_addr(cfg: RendezvousConfig) -> str | None:
     """The address this node advertises: loopback for a loopback etcd, else torchrun's default (FQDN)."""
     return "127.0.0.1" if endpoint_is_loopback(cfg.endpoint) else None
@@ -103,8 +113,8 @@ def torchrun_argv(
 def prepare_environment(
     cfg: JobConfig, local_addr: str | None, environ: MutableMapping[str, str], *, own_entry: bool = False
 ) -> None:
-    """Set what the agent and its workers inherit: node id, the job's identity, and loopback gloo for a
-    loopback job.
+    """Set what the agent and its workers inherit: node id, the job's identity, and the interface gloo binds:
+    loopback for a loopback job, else the one holding ``local_addr`` (unless ``GLOO_SOCKET_IFNAME`` is set).
 
     The identity is what the ``etcd3`` handler compares before this node joins: every setting all nodes must
     share, or with ``own_entry`` (a user's script, which ignores the train and checkpoint sections) only what
@@ -124,6 +134,12 @@ def prepare_environment(
     environ[ENV_IDENTITY] = JobIdentity(settings).to_json()
     if local_addr and endpoint_is_loopback(rdzv.endpoint):
         environ.setdefault("GLOO_SOCKET_IFNAME", LOOPBACK_IFNAME)
+    elif local_addr and "GLOO_SOCKET_IFNAME" not in environ:
+        # gloo otherwise binds the address this machine's host name resolves to, which need not be the one
+        # the other nodes reach (a second network, a container's or a namespace's interface)
+        ifname = interface_of(local_addr)
+        if ifname is not None:
+            environ["GLOO_SOCKET_IFNAME"] = ifname
 
 
 def preflight(cfg: JobConfig) -> None:
@@ -384,7 +400,13 @@ def launch(argv: list[str], before_rendezvous: Callable[[], object] | None = Non
         sys.stderr.write(f"elastic-train: error: rendezvous: {exc}\n")
         return 1
     except SignalException as exc:
+        # SIGTERM (a preemption, a drain, a deleted pod): the etcd3 handler marked a clean leave before
+        # torchrun stopped the workers (rendezvous/leave.py). Exit by the signal's status (not 0: on
+        # Kubernetes a pod that exits 0 counts its index as succeeded).
+        from elastic_train.rendezvous import leave
+
         name = signal.Signals(exc.sigval).name if exc.sigval in signal.Signals else str(exc.sigval)
-        sys.stderr.write(f"elastic-train: node stopped by {name}\n")
+        left = "; this node left the run cleanly" if leave.announced() else ""
+        sys.stderr.write(f"elastic-train: node stopped by {name}{left}\n")
         return 128 + int(exc.sigval)
     return 0

@@ -25,6 +25,9 @@ workers → agent
                                                      error line, exception type and where)
 :class:`ScriptStart` ``start-<rank>.json``           the stand-in's script waits to start, or started at T
 :class:`Trained`    ``trained.json``                 a step was committed (or resumed past) in round R
+:class:`Stats`      ``stats-<pid>.json``             figures for the agent's metrics: steps/s, snapshot and
+                                                     durable write seconds (at most once a second,
+                                                     :mod:`.stats`)
 step beat           ``beat-<pid>``                   steps finished, mapped into memory (:mod:`.beat`)
 ==================  ===============================  =========================================================
 
@@ -48,9 +51,11 @@ from elastic_train.node.messages import (
     Request,
     ScriptStart,
     Standby,
+    Stats,
     Trained,
     seconds,
 )
+from elastic_train.node.stats import StatsCounter
 
 __all__ = [
     "CURRENT",
@@ -71,6 +76,8 @@ __all__ = [
     "Request",
     "ScriptStart",
     "Standby",
+    "Stats",
+    "StatsCounter",
     "Trained",
     "WorkerChannel",
     "seconds",

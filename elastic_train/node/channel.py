@@ -30,8 +30,10 @@ from elastic_train.node.messages import (
     Request,
     ScriptStart,
     Standby,
+    Stats,
     Trained,
 )
+from elastic_train.node.stats import StatsCounter
 
 #: Seconds between two looks at the assignment while a worker waits for it.
 POLL_INTERVAL = 0.005
@@ -67,7 +69,8 @@ class _Directory:
             return None
 
     def _per_rank(self, kind: Any) -> dict[int, Any]:
-        """Rank → the message of type ``kind`` in ``<kind.PREFIX><rank>.json`` (malformed ones left out)."""
+        """Rank (or PID) → the message of type ``kind`` in ``<kind.PREFIX><rank>.json`` (malformed ones left
+        out)."""
         out: dict[int, Any] = {}
         try:
             names = os.listdir(self.directory)
@@ -180,6 +183,16 @@ class AgentChannel(_Directory):
         """The workers' step counters, by PID."""
         return read_beats(self.directory)
 
+    def stats(self) -> dict[int, Stats]:
+        """The workers' figures for the metrics, by PID (a file whose PID differs from its name's is left
+        out)."""
+        return {pid: s for pid, s in self._per_rank(Stats).items() if s.pid == pid}
+
+    def forget_stats(self, pid: int) -> None:
+        """Remove the figures of worker ``pid`` (it exited and the agent kept its totals)."""
+        with contextlib.suppress(OSError):
+            os.unlink(self._path(f"{Stats.PREFIX}{pid}.json"))
+
     def clear_beats(self) -> None:
         clear_beats(self.directory)
 
@@ -281,3 +294,12 @@ class WorkerChannel(_Directory):
     def beat(self) -> Beat:
         """This process's step counter in the directory."""
         return Beat(self.directory)
+
+    def report_stats(self, stats: Stats) -> None:
+        """Replace this process's figures for the agent's metrics (best effort)."""
+        with contextlib.suppress(OSError):
+            self._write(f"{Stats.PREFIX}{stats.pid}.json", stats.encode())
+
+    def stats_counter(self) -> StatsCounter:
+        """This process's counts for the agent's metrics, reported through this channel."""
+        return StatsCounter(self.report_stats)

@@ -207,6 +207,80 @@ class Trained:
         return cls(_opt_int(d, "round"))
 
 
+def _number(d: Mapping[str, Any], key: str) -> float:
+    """A finite, non-negative number (seconds, a rate, a Unix time)."""
+    v = d.get(key)
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v < 0:
+        raise ValueError(f"{key}: {v!r} is not a non-negative number")
+    return float(v)
+
+
+@dataclass(frozen=True, slots=True)
+class Stats:
+    """A worker process's figures for its agent's metrics (docs/metrics.md), by PID: counts since the
+    process started, replaced at most once a second and at once on the first step of a new round (the agent
+    times its recoveries by it)."""
+
+    PREFIX: ClassVar[str] = "stats-"
+    pid: int
+    round: int | None
+    """The round of the worker's group at its last step (None outside a rendezvous round)."""
+    step: int
+    """The last step committed."""
+    time: float
+    """Unix time of the report."""
+    round_first_step: float
+    """Unix time of the first step committed in :attr:`round` (the end of a recovery)."""
+    steps_per_s: float = 0.0
+    """Steps per second between the last two reports (0 at a round's first)."""
+    snapshots: int = 0
+    """Saves of the state (the memory tier's snapshot) the training thread made."""
+    snapshot_s: float = 0.0
+    """Seconds the training thread spent in them."""
+    snapshot_last_s: float = 0.0
+    durables: int = 0
+    """Durable checkpoints committed (by the job's rank 0)."""
+    durable_s: float = 0.0
+    """Their seconds, each from its save to its commit."""
+    durable_last_s: float = 0.0
+    durable_bytes: int = 0
+
+    def encode(self) -> dict[str, Any]:
+        return {
+            "pid": self.pid,
+            "round": self.round,
+            "step": self.step,
+            "time": self.time,
+            "round_first_step": self.round_first_step,
+            "steps_per_s": self.steps_per_s,
+            "snapshots": self.snapshots,
+            "snapshot_s": self.snapshot_s,
+            "snapshot_last_s": self.snapshot_last_s,
+            "durables": self.durables,
+            "durable_s": self.durable_s,
+            "durable_last_s": self.durable_last_s,
+            "durable_bytes": self.durable_bytes,
+        }
+
+    @classmethod
+    def decode(cls, d: Mapping[str, Any]) -> Stats:
+        return cls(
+            pid=_int(d, "pid", low=1),
+            round=_opt_int(d, "round"),
+            step=_int(d, "step"),
+            time=_number(d, "time"),
+            round_first_step=_number(d, "round_first_step"),
+            steps_per_s=_number(d, "steps_per_s"),
+            snapshots=_int(d, "snapshots"),
+            snapshot_s=_number(d, "snapshot_s"),
+            snapshot_last_s=_number(d, "snapshot_last_s"),
+            durables=_int(d, "durables"),
+            durable_s=_number(d, "durable_s"),
+            durable_last_s=_number(d, "durable_last_s"),
+            durable_bytes=_int(d, "durable_bytes"),
+        )
+
+
 # -- agent → workers ----------------------------------------------------------------------------------------
 
 
@@ -344,7 +418,7 @@ class Fallback:
 #: The messages of one worker group's in-process re-formation, removed when torchrun starts a new group.
 REFORMATION = (Ready, Request, Standby, Assignment, Change, Cut, Ended, Fallback)
 #: Every message type, for the tests of the round trip.
-ALL = (*REFORMATION, Outcome, ScriptStart, Trained)
+ALL = (*REFORMATION, Outcome, ScriptStart, Stats, Trained)
 
 __all__ = [
     "ALL",
@@ -360,6 +434,7 @@ __all__ = [
     "Request",
     "ScriptStart",
     "Standby",
+    "Stats",
     "Trained",
     "seconds",
 ]

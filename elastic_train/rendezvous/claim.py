@@ -30,9 +30,14 @@ IDENTITY_FRESH = 10.0
 
 
 def config_record(s: ProtocolSettings) -> bytes:
-    """The run's ``config`` record: failure budget and node range (``status`` shows them)."""
+    """The run's ``config`` record: failure budget and window, node range (``status`` shows them)."""
     return json.dumps(
-        {"failure_budget": s.failure_budget, "min_nodes": s.min_nodes, "max_nodes": s.max_nodes}
+        {
+            "failure_budget": s.failure_budget,
+            "failure_window": s.failure_window,
+            "min_nodes": s.min_nodes,
+            "max_nodes": s.max_nodes,
+        }
     ).encode()
 
 

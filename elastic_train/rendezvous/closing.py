@@ -2,8 +2,10 @@
 
 A round closes with one transaction by the node the rules pick (:func:`elastic_train.rendezvous.decide.
 decide_close`), compared on the last round's mod revision and on the run not being closed: it writes the new
-``round`` record and, for a failure, the failures spent. The same transaction closes the run instead when a
-round cannot help (every member failed the same way before the first step, or the failure budget is spent).
+``round`` record (what brought the run there: :func:`elastic_train.rendezvous.budget.account`) and, for a
+failure or a clean leave, the failures spent and the run's ``budget`` record (a leave's mark is deleted with
+it). The same transaction closes the run instead when a round cannot help (every member failed the same way
+before the first step, or the failure budget is spent in its window).
 A run closes (``closed``, first writer wins) when it finished or failed for good; its record keys then move
 onto a lease of :data:`~elastic_train.rendezvous.records.RUN_RECORD_TTL`, so ``status`` can still read the
 run's end and the name can be used again afterwards.
@@ -16,17 +18,13 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from elastic_train.etcd.client import Etcd, cmp_mod, cmp_version, op_put
+from elastic_train.etcd.client import Etcd, cmp_mod, cmp_version, op_delete, op_put
 from elastic_train.etcd.errors import EtcdError
 from elastic_train.log import get_logger
+from elastic_train.rendezvous import budget
 from elastic_train.rendezvous.config import ProtocolSettings
-from elastic_train.rendezvous.decide import (
-    Joiner,
-    assign_ranks,
-    identical_startup_failure,
-    is_failure_transition,
-)
-from elastic_train.rendezvous.records import RUN_RECORD_KEYS, RUN_RECORD_TTL, RoundRecord, RunReader
+from elastic_train.rendezvous.decide import Joiner, assign_ranks, identical_startup_failure
+from elastic_train.rendezvous.records import LEFT, RUN_RECORD_KEYS, RUN_RECORD_TTL, RoundRecord, RunReader
 
 log = get_logger(__name__)
 
@@ -71,11 +69,24 @@ class Closer:
         (and by the run not being closed); False when another node's transaction won."""
         previous = attempt.previous.members if attempt.previous else []
         members = assign_ranks(previous, attempt.joins.values(), self.s.max_nodes)
-        failure = is_failure_transition(previous, members, attempt.joins.values(), attempt.live)
         view = self.run.view
         with view.cond:
             used = self.run.failures()
             nodes_kv = {m: self.run.node(m) for m in members}
+            left, spent = self.run.left(), self.run.budget()
+        # the failure budget and the clean leaves, written in the round's own transaction (budget.py)
+        t = budget.account(
+            previous=previous,
+            members=members,
+            joiners=attempt.joins.values(),
+            live=attempt.live,
+            left_nodes=left,
+            record=spent,
+            now=time.time(),
+            budget=self.s.failure_budget,
+            window=self.s.failure_window,
+            total=used,
+        )
         nodes = {}
         for m, d in nodes_kv.items():
             nodes[m] = (
@@ -95,33 +106,43 @@ class Closer:
                 log.error("identical_startup_failure", run_id=self.s.run_id, error=startup)
                 self.expire_record()
             return ok
-        if failure and used + 1 > self.s.failure_budget:
+        if t.exhausted:
+            window = self.s.failure_window
+            within = f" in {budget.window_text(window)}" if window > 0 else ""
             msg = (
-                f"failure budget exhausted for run {self.s.run_id!r}: {used + 1} failures, budget "
-                f"{self.s.failure_budget} (raise failure_budget in --rdzv-conf or job.yaml to allow more)"
+                f"failure budget exhausted for run {self.s.run_id!r}: {t.in_window} failures{within}, "
+                f"budget {self.s.failure_budget} (raise failure_budget in --rdzv-conf or job.yaml to allow "
+                "more)"
             )
             ok, _ = self.etcd.txn(
                 compare,
                 [
                     op_put(self.prefix + "closed", json.dumps({"reason": "budget", "message": msg}).encode()),
                     op_put(self.prefix + "failures", str(used + 1).encode()),
+                    op_put(self.prefix + "budget", t.record.encode()),
                 ],
             )
             if ok:
-                log.error("failure_budget_exhausted", run_id=self.s.run_id, failures=used + 1)
+                log.error("failure_budget_exhausted", run_id=self.s.run_id, failures=t.in_window)
                 self.expire_record()
             return ok
-        record = RoundRecord(attempt.target, members, nodes, failure)
+        asked = [j.asked_at for j in attempt.joins.values() if j.asked_at is not None]
+        record = RoundRecord(attempt.target, members, nodes, t.failure, t.kind, min(asked) if asked else None)
         ops = [op_put(self.prefix + "round", record.encode())]
-        if failure:
+        if t.failure:
             ops.append(op_put(self.prefix + "failures", str(used + 1).encode()))
+        if t.writes:
+            ops.append(op_put(self.prefix + "budget", t.record.encode()))
+            ops += [op_delete(self.prefix + LEFT + n) for n in t.marks_used]
         ok, _ = self.etcd.txn(compare, ops)
         if ok:
             log.info(
                 "rendezvous_round_closed",
                 round=attempt.target,
                 world_size=len(members),
-                failure=failure,
+                failure=t.failure,
+                kind=t.kind,
+                left=list(t.marks_used) or None,
                 by=self.node_id,
             )
         return ok

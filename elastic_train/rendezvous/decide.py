@@ -44,6 +44,8 @@ class Joiner:
     """With :attr:`exit_code`: the longest those workers' script ran before it exited."""
     signature: str = ""
     """With :attr:`exit_code`: what makes two failures the same one (:class:`ExitReport`)."""
+    asked_at: float | None = None
+    """Unix time (the node's clock) the node asked: where a recovery starts (``None``: not said)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,21 +123,6 @@ def assign_ranks(previous: list[str], joiners: Iterable[Joiner], max_nodes: int)
         (j for j in by_id.values() if j.node_id not in kept), key=lambda j: (j.revision, j.node_id)
     )
     return (survivors + [j.node_id for j in newcomers])[:max_nodes]
-
-
-def is_failure_transition(
-    previous: list[str], members: list[str], joiners: Iterable[Joiner], live: Iterable[str]
-) -> bool:
-    """True when the move to a new round is caused by a failure (it spends one unit of the failure budget).
-
-    A failure: some joiner restarted because its workers failed or a member was lost, or a member of the
-    previous round is neither in the new round nor alive. Pure scale-ups (new nodes while every member
-    survives) are not failures. One transition counts once, however many agents saw it.
-    """
-    if any(j.reason in FAILURE_REASONS for j in joiners):
-        return True
-    live_set, member_set = set(live), set(members)
-    return any(p not in member_set and p not in live_set for p in previous)
 
 
 @dataclass(frozen=True, slots=True)
@@ -278,11 +265,6 @@ def hold_for_startup_reports(
     if pending:
         return True
     return started is not None and now - started < peer_ran_s + grace
-
-
-def budget_left(failures_used: int, budget: int) -> int:
-    """Failures the job may still survive."""
-    return max(0, budget - failures_used)
 
 
 def count_waiting(

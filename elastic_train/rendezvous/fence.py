@@ -49,6 +49,7 @@ import psutil
 
 from elastic_train.etcd.errors import EtcdError
 from elastic_train.log import get_logger
+from elastic_train.metrics.agent import count_fence
 from elastic_train.node import CURRENT, STALE, UNKNOWN, AgentChannel, GateServer
 from elastic_train.rendezvous.protocol import Participant
 from elastic_train.rendezvous.records import RoundRecord
@@ -170,6 +171,7 @@ class Fence:
         if reason is None:
             return None
         self._fired = reason
+        count_fence(reason)
         log.warning(
             "node_fenced",
             reason=reason,

@@ -14,6 +14,8 @@ What torchrun's agent does with it (torch 2.13, ``agent/server/api.py``):
   blocked, so it answers 1 and torchrun stops the workers and re-joins.
 - ``shutdown()`` when the agent leaves other than by a signal: the run is closed (late agents leave cleanly)
   and the lease revoked so peers see the departure at once.
+- SIGTERM (a preemption, a drain, a deleted pod): before torchrun's own handler stops the workers, the node
+  says in etcd that it leaves (:mod:`elastic_train.rendezvous.leave`): a clean leave, not a failure.
 
 Before its first round a node checks the run's identity (:mod:`elastic_train.rendezvous.identity`): the
 settings the launcher left in ``ELASTIC_TRAIN_JOB_IDENTITY``, or for plain torchrun the node range and
@@ -23,7 +25,8 @@ with status 2, having written nothing the job would notice.
 The handler talks to its workers through the node's directory (:mod:`elastic_train.node`): it writes the
 assignment of each worker group it starts (the round), reads the workers' outcomes (a non-retryable
 failure closes the run as failed instead of restarting the worker group), their step beats (the fence)
-and serves the publish gate.
+and their figures for the metrics an opt-in port serves (:mod:`elastic_train.rendezvous.observe`), and serves
+the publish gate.
 
 Store: every agent hosts a small TCPStore from its first rendezvous and advertises its port in its node key;
 the round's rank 0 store, wrapped in a per-round PrefixStore, is the agent store. Workers do not share it
@@ -60,6 +63,8 @@ from elastic_train.rendezvous.exchange import RoundStores
 from elastic_train.rendezvous.fence import Fence
 from elastic_train.rendezvous.hot import HotPath
 from elastic_train.rendezvous.identity import JobIdentity, identity_from_environ, torchrun_settings
+from elastic_train.rendezvous.leave import LeaveOnSignal, announce
+from elastic_train.rendezvous.observe import RunObserver
 from elastic_train.rendezvous.protocol import Participant
 from elastic_train.rendezvous.records import RoundResult
 from elastic_train.rendezvous.standby import Standby
@@ -81,6 +86,10 @@ class Etcd3RendezvousHandler(RendezvousHandler):
         settings: run id, node range, lease TTL, settle window, join timeout, failure budget.
         local_addr: address peers and workers reach this node at (``--local-addr``; else the FQDN).
         store_timeout: the store timeout in seconds (rdzv-conf ``read_timeout``).
+        metrics_port: serve Prometheus metrics on this port (:mod:`.observe`; 0: a free one; None: none).
+
+    Raises:
+        ConfigError: the metrics port cannot be served.
     """
 
     def __init__(
@@ -89,6 +98,7 @@ class Etcd3RendezvousHandler(RendezvousHandler):
         settings: ProtocolSettings,
         local_addr: str | None = None,
         store_timeout: float = STORE_TIMEOUT,
+        metrics_port: int | None = None,
     ) -> None:
         self._etcd = etcd
         self._store_timeout = timedelta(seconds=store_timeout)
@@ -102,7 +112,18 @@ class Etcd3RendezvousHandler(RendezvousHandler):
             settings.identity = local_identity(settings)
         self._node = AgentChannel(scratch_dir("node"))
         os.environ[ENV_NODE_DIR] = self._node.directory
+        self._observer: RunObserver | None = None
+        if metrics_port is not None:
+            self._observer = RunObserver(lambda: self._participant, self._node, settings)
+            try:
+                self._observer.start(metrics_port, local_addr)
+            except OSError as exc:
+                raise ConfigError(
+                    f"metrics_port {metrics_port} cannot be served: {exc.strerror or exc} (another agent on "
+                    "this machine? give each its own port, or 0 for a free one)"
+                ) from exc
         self._join_lock = threading.Lock()
+        self._leave_on_signal = LeaveOnSignal(self._leave)
         self._hot: HotPath | None = None
         self._standby: Standby | None = None
 
@@ -287,6 +308,7 @@ class Etcd3RendezvousHandler(RendezvousHandler):
     def num_nodes_waiting(self) -> int:
         if self._participant is None:
             return 0
+        self._leave_on_signal.arm()  # torchrun (re-)installs its SIGTERM handler when it starts workers
         hot = self._hot is not None and self._hot.engaged()
         if self._hot is not None:  # the others start joiners on standby only while every member says so
             self._participant.advertise_inproc(hot)
@@ -302,7 +324,15 @@ class Etcd3RendezvousHandler(RendezvousHandler):
             return 0  # the workers re-form in-process; the hot path's thread runs the round
         return self._participant.num_waiting()
 
+    def _leave(self, reason: str) -> None:
+        """SIGTERM: leave the run cleanly (:mod:`elastic_train.rendezvous.leave`); torchrun then stops the
+        workers and the agent exits by the signal."""
+        if self._participant is not None and not self._participant.refused:
+            announce(self._participant, reason)
+
     def shutdown(self) -> bool:
+        if self._observer is not None:
+            self._observer.close()
         if self._hot is not None:
             self._hot.close()
         try:

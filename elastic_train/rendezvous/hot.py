@@ -46,7 +46,7 @@ from enum import Enum
 from elastic_train.log import get_logger
 from elastic_train.node import AgentChannel, Assignment, Ready
 from elastic_train.procs import running
-from elastic_train.rendezvous.errors import FailureBudgetExhausted, RendezvousClosed, RunRefused
+from elastic_train.rendezvous.errors import FailureBudgetExhausted, NodeLeft, RendezvousClosed, RunRefused
 from elastic_train.rendezvous.exchange import RoundAbandoned, RoundStores, exchange_ranks
 from elastic_train.rendezvous.fence import Fence
 from elastic_train.rendezvous.protocol import Participant
@@ -325,7 +325,7 @@ class HotPath:
             try:
                 observation = self.observe()
                 self._act(decide(observation), observation)
-            except (RunRefused, _Stopping):
+            except (RunRefused, NodeLeft, _Stopping):  # refused, or this node left the run (SIGTERM)
                 return
             except Exception as exc:  # never die silently: give the change to torchrun's path
                 self.give_up(f"in-process re-formation failed: {exc!r}")

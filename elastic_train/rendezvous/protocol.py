@@ -38,6 +38,7 @@ from elastic_train.rendezvous.decide import (
 from elastic_train.rendezvous.errors import (
     FailureBudgetExhausted,
     JobFailed,
+    NodeLeft,
     RendezvousClosed,
     RendezvousJoinTimeout,
     RunRefused,
@@ -180,6 +181,9 @@ class Participant:
         #: Whether ``inproc/<node>`` says this node's workers re-form in-process (:meth:`advertise_inproc`).
         self.inproc = False
         self._inproc_lock = threading.Lock()
+        #: Set once this node announced that it leaves (:func:`elastic_train.rendezvous.leave.announce`): it
+        #: writes nothing more and joins no round.
+        self.leaving = False
 
     # -- lifecycle -------------------------------------------------------------------------------------
 
@@ -212,6 +216,8 @@ class Participant:
             raise
 
     def _write_leased_keys(self, lease_id: int) -> None:
+        if self.leaving:  # a lease re-created after the leave must not bring the node back
+            return
         node = {
             "addr": self.addr,
             "store_port": self.store_port,
@@ -301,7 +307,7 @@ class Participant:
         Only changes are written; an etcd error is logged and the change is written at the next call.
         """
         with self._inproc_lock:  # the monitor tick and the hot path's fallback both call this
-            if on == self.inproc or not self._started:
+            if on == self.inproc or not self._started or self.leaving:
                 return
             key = self.prefix + "inproc/" + self.node_id
             try:
@@ -365,7 +371,10 @@ class Participant:
             FailureBudgetExhausted: the run stopped because its failure budget is spent.
             RendezvousJoinTimeout: no round formed within ``join_timeout``.
             EtcdError: etcd failed for longer than the join allows.
+            NodeLeft: this node left the run (SIGTERM, :mod:`elastic_train.rendezvous.leave`).
         """
+        if self.leaving:
+            raise NodeLeft(f"node {self.node_id} left run {self.s.run_id}")
         self.start()
         state = self._begin_join()
         while True:

@@ -7,11 +7,19 @@ Keys of a run, all under ``/elastic_train/<run_id>/``:
   report: ``exit_code``, ``error``, ``signature``, ``trained``, ``ran_s``).
 - ``inproc/<node>`` (leased) present while the node's workers re-form in-process (hot recovery): a node that
   joins a round all of whose live members have it starts its workers on standby (:mod:`.standby`).
-- ``round``         ``{"round", "members": [rank order], "nodes": {id: {"addr", "store_port"}}, "failure"}``:
-  the last closed round, written only by a compare-and-set on its own mod revision.
-- ``failures``      failures spent so far (written in the same transaction as the round it caused).
+- ``round``         ``{"round", "members": [rank order], "nodes": {id: {"addr", "store_port"}}, "failure",
+  "kind", "asked"}``: the last closed round, written only by a compare-and-set on its own mod revision; its
+  ``kind`` says what brought the run there (:func:`elastic_train.rendezvous.budget.transition_kind`),
+  ``asked`` when the first of its nodes asked for it.
+- ``failures``      failures spent over the run's life (written in the same transaction as the round it
+  caused).
+- ``budget``        ``{"times", "leaves"}``: the recent failures' times and the clean leaves
+  (:mod:`elastic_train.rendezvous.budget`), written with ``failures`` or with a round a leave caused.
+- ``left/<node>``   (own lease) ``{"time", "round", "reason"}``: the node left on purpose (SIGTERM,
+  :mod:`elastic_train.rendezvous.leave`); the close of the next round uses and deletes it.
 - ``closed``        ``{"reason": "finished"|"budget"|"failed", "message", "step", "time"}``: no more rounds.
-- ``config``        ``{"failure_budget", "min_nodes", "max_nodes"}``: written once, by the first node.
+- ``config``        ``{"failure_budget", "failure_window", "min_nodes", "max_nodes"}``: written once, by the
+  first node.
 - ``identity``      ``{"fingerprint", "settings", "time", "node"}``: the settings every node must share
   (:mod:`elastic_train.rendezvous.identity`), written once by the first node (:mod:`.claim`).
 
@@ -26,6 +34,7 @@ error of the run (the round record, which nothing can go on without).
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import time
@@ -36,6 +45,8 @@ from typing import Any
 
 from elastic_train.etcd.client import Etcd, KeyValue
 from elastic_train.node import seconds
+from elastic_train.rendezvous import budget
+from elastic_train.rendezvous.budget import BudgetRecord
 from elastic_train.rendezvous.config import run_prefix
 from elastic_train.rendezvous.decide import Joiner
 from elastic_train.rendezvous.view import RunView
@@ -43,7 +54,9 @@ from elastic_train.rendezvous.view import RunView
 #: Seconds a closed run's record (closed mark, identity, last round, failures) stays in etcd.
 RUN_RECORD_TTL = 7 * 24 * 3600
 #: Keys of a run that are not on a node's lease (they outlive the nodes until the run is closed).
-RUN_RECORD_KEYS = ("closed", "identity", "round", "failures", "config")
+RUN_RECORD_KEYS = ("closed", "identity", "round", "failures", "budget", "config")
+#: Key group of the clean leaves' marks (:mod:`elastic_train.rendezvous.leave`).
+LEFT = "left/"
 
 
 def run_view(etcd: Etcd, run_id: str) -> RunView:
@@ -86,11 +99,17 @@ class RoundRecord:
     members: list[str]
     nodes: dict[str, dict[str, Any]] = field(default_factory=dict)
     failure: bool = False
+    kind: str = budget.SCALE
+    """What brought the run here from the round before (:func:`~elastic_train.rendezvous.budget.
+    transition_kind`: failure, leave or scale; the first round: scale)."""
+    asked_at: float | None = None
+    """Unix time the first of its nodes asked for this round (the start of the recovery it ends); ``None``
+    when no join said."""
 
     def encode(self) -> bytes:
         return json.dumps(
             {"round": self.round, "members": self.members, "nodes": self.nodes, "failure": self.failure,
-             "time": time.time()}
+             "kind": self.kind, "asked": self.asked_at, "time": time.time()}
         ).encode()  # fmt: skip
 
     @staticmethod
@@ -107,7 +126,20 @@ class RoundRecord:
         nodes = d.get("nodes", {})
         if not isinstance(nodes, dict) or not all(isinstance(v, dict) for v in nodes.values()):
             raise ValueError("round record: nodes")
-        return RoundRecord(_count(d.get("round"), "round"), members, nodes, d.get("failure") is True)
+        failure = d.get("failure") is True
+        kind = d.get("kind")
+        if kind not in budget.KINDS:  # a record without one (an older writer): what its failure flag says
+            kind = budget.FAILURE if failure else budget.SCALE
+        return RoundRecord(
+            _count(d.get("round"), "round"), members, nodes, failure, str(kind), unix_time(d.get("asked"))
+        )
+
+
+def unix_time(v: Any) -> float | None:
+    """A Unix time read from etcd (untrusted): a finite positive number, else ``None``."""
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v <= 0:
+        return None
+    return float(v)
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,6 +169,7 @@ def decode_join(node: str, kv: KeyValue) -> Joiner | None:
             trained=d.get("trained") is True,
             ran_s=seconds(d.get("ran_s")),
             signature=str(d.get("signature") or "")[:2000],
+            asked_at=unix_time(d.get("time")),
         )
     except ValueError:
         return None
@@ -204,6 +237,15 @@ class RunReader:
             return int(kv.value) if kv is not None else 0
         except ValueError:
             return 0
+
+    def budget(self) -> BudgetRecord:
+        """The run's failure-budget record (empty when absent or malformed)."""
+        kv = self.view.get("budget")
+        return BudgetRecord.decode(kv.value if kv is not None else None)
+
+    def left(self) -> set[str]:
+        """Nodes that said they leave the run (``left/`` marks: :mod:`elastic_train.rendezvous.leave`)."""
+        return set(self.view.under(LEFT))
 
     def live(self) -> set[str]:
         """Nodes with a lease."""

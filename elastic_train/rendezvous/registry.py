@@ -109,6 +109,7 @@ def create_etcd3_handler(params: RendezvousParameters) -> RendezvousHandler:
         ProtocolSettings.from_config(parsed.config),
         params.local_addr,
         store_timeout=parsed.store.read_timeout or STORE_TIMEOUT,
+        metrics_port=parsed.config.metrics_port,
     )
 
 

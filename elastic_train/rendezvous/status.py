@@ -10,10 +10,12 @@ such, never a traceback.
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from elastic_train.etcd.client import Etcd
+from elastic_train.rendezvous.budget import BudgetRecord
 from elastic_train.rendezvous.config import run_prefix
 from elastic_train.rendezvous.records import RoundRecord, decode_join
 
@@ -46,7 +48,14 @@ class JobStatus:
     live_nodes: int = 0
     """Nodes holding a lease on the run (members or not)."""
     failures_used: int = 0
+    """Failures over the run's life."""
     failure_budget: int | None = None
+    failure_window: float | None = None
+    """Seconds over which ``failure_budget`` counts failures (0: the run's life; None: not recorded)."""
+    failures_in_window: int = 0
+    """Failures counted against the budget now (those in the window)."""
+    leaves: int = 0
+    """Members that left cleanly (SIGTERM), not counted against the budget."""
     closed: bool = False
     message: str = ""
     """Why the run failed (or the finishing node's note)."""
@@ -58,8 +67,15 @@ class JobStatus:
     """The settings every node of the run shares (readable copy)."""
     fingerprint: str | None = None
 
+    @property
+    def failures_left(self) -> int | None:
+        """Failures the run may still survive (None when its budget is not recorded)."""
+        if self.failure_budget is None:
+            return None
+        return max(0, self.failure_budget - self.failures_in_window)
+
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "failures_left": self.failures_left}
 
 
 def _json(raw: bytes | None) -> dict[str, Any] | None:
@@ -135,6 +151,10 @@ def read_status(etcd: Etcd, run_id: str) -> JobStatus:
     step = closed.get("step") if closed else None
     at = closed.get("time") if closed else None
     budget = cfg.get("failure_budget")
+    window = cfg.get("failure_window", 0)  # a run recorded before windows counted its whole life
+    window = float(window) if isinstance(window, int | float) and not isinstance(window, bool) else 0.0
+    used = _int(keys.get("failures", b"0"))
+    record = BudgetRecord.decode(keys.get("budget"))
     settings = ident.get("settings")
     return JobStatus(
         run_id=run_id,
@@ -144,8 +164,11 @@ def read_status(etcd: Etcd, run_id: str) -> JobStatus:
         world_size=len(members),
         waiting=sorted(waiting),
         live_nodes=len(live),
-        failures_used=_int(keys.get("failures", b"0")),
-        failure_budget=budget if isinstance(budget, int) else None,
+        failures_used=used,
+        failure_budget=budget if isinstance(budget, int) and not isinstance(budget, bool) else None,
+        failure_window=window,
+        failures_in_window=used if window <= 0 else min(used, record.in_window(time.time(), window)),
+        leaves=record.leaves,
         closed=closed is not None,
         message=str(closed.get("message", "")) if closed else "",
         finished_step=step if isinstance(step, int) and state == "finished" else None,

@@ -308,10 +308,15 @@ class Checkpointer:
         except GroupChanged:
             self._leave(step, snapshot)
             raise
+        started = time.perf_counter()
         self.manager.save(step, snapshot)
+        saved_s = time.perf_counter() - started
         self.link.live.set(self.state, step)
         self.link.mark_trained()  # once per round: a failure from now on is not one at start-up
-        self._report_commit()
+        committed = self._report_commit()
+        if self.link.stats is not None:  # the agent's metrics (none outside an agent)
+            durable = (committed.step, committed.seconds, committed.bytes) if committed is not None else None
+            self.link.committed(step, saved_s, durable)
         if self.events.enabled:
             now = time.perf_counter()
             rate = samples / max(now - self._last_commit, 1e-9)
@@ -333,12 +338,14 @@ class Checkpointer:
         except Exception as exc:  # the step is then redone from the previous snapshot, as without this
             log.warning("snapshot_before_leaving_failed", step=step, error=str(exc))
 
-    def _report_commit(self) -> None:
-        """Emit a ``checkpoint`` event for a durable checkpoint committed since the last call."""
+    def _report_commit(self) -> Committed | None:
+        """Emit a ``checkpoint`` event for a durable checkpoint committed since the last call; returns the
+        newest committed."""
         committed = self.manager.last_committed
         if committed is not None and committed is not self._reported:
             self._reported = committed
             self.events.emit("checkpoint", committed.step, seconds=committed.seconds, bytes=committed.bytes)
+        return committed
 
     # -- the end -------------------------------------------------------------------------------------------
     def finalize(self) -> Committed | None:
@@ -349,7 +356,9 @@ class Checkpointer:
             WriteFailed: the final checkpoint could not be written (after retries).
         """
         committed: Committed | None = self.manager.finalize(self.step, self.state.state_dict())
-        self._report_commit()
+        final = self._report_commit()
+        if self.link.stats is not None and final is not None:  # the final checkpoint, for the metrics
+            self.link.stats.count_durable(final.step, final.seconds, final.bytes)
         self.events.emit("done", self.step)
         log.info("training_done", step=self.step)
         self._release()
@@ -361,6 +370,8 @@ class Checkpointer:
         self._release()
 
     def _release(self) -> None:
+        if self.link.stats is not None:
+            self.link.stats.flush()
         if isinstance(self.state.sampler, ElasticBatchSampler):
             self.state.sampler.close()
         if self._own_events:

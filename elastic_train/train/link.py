@@ -8,6 +8,8 @@ One object per process, :func:`process_link`, is the seam between the training l
 - whether the process re-forms in-process (registered with its agent), so that the step boundary stops
   for an announced membership change (:meth:`ProcessLink.boundary` raises :class:`GroupChanged`);
 - the step beat the agent's fence reads, counted at the step boundary, and the trained mark;
+- the figures of the agent's metrics (steps/s, snapshot and durable write seconds), counted per committed
+  step and reported at most once a second (:class:`~elastic_train.node.stats.StatsCounter`);
 - which step the model's and optimizer's live tensors hold (:class:`LiveMark`), which outlives the
   checkpointers of the groups the process trains in.
 
@@ -23,7 +25,7 @@ import weakref
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
-from elastic_train.node import Assignment, Beat, Link, Outcome, WorkerChannel
+from elastic_train.node import Assignment, Beat, Link, Outcome, StatsCounter, WorkerChannel
 from elastic_train.train.env import WorkerEnv
 from elastic_train.train.errors import ReformAbandoned
 
@@ -103,6 +105,8 @@ class ProcessLink:
         self.live = LiveMark()
         self._beat = Beat(channel.directory if channel is not None else None)
         self._trained: int | None = -1  # the round last marked trained (-1: none)
+        #: This process's figures for its agent's metrics (None outside an agent: nothing is counted).
+        self.stats: StatsCounter | None = channel.stats_counter() if channel is not None else None
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str]) -> ProcessLink:
@@ -148,6 +152,12 @@ class ProcessLink:
         if self.channel is not None and self._trained != self.round:
             self._trained = self.round
             self.channel.mark_trained(self.round)
+
+    def committed(self, step: int, save_s: float, durable: tuple[int, float, int] | None = None) -> None:
+        """Count a committed step for the agent's metrics: the seconds its save took, and the newest durable
+        checkpoint committed so far (``(step, seconds, bytes)``); reported at most once a second."""
+        if self.stats is not None:
+            self.stats.committed(self.round, step, save_s, durable)
 
     def report_exit(self, exc: BaseException, code: int = 1) -> None:
         """Tell the agent how this worker ends: the exception that escapes the script (its type, where it

@@ -54,6 +54,21 @@ EXAMPLES = [
     messages.ScriptStart(2, None),
     messages.ScriptStart(2, 12.5),
     messages.Trained(7),
+    messages.Stats(pid=77, round=3, step=40, time=1.7e9, round_first_step=1.7e9 - 5, steps_per_s=12.5),
+    messages.Stats(
+        pid=78,
+        round=None,
+        step=40,
+        time=1.7e9,
+        round_first_step=1.7e9,
+        snapshots=40,
+        snapshot_s=0.4,
+        snapshot_last_s=0.01,
+        durables=2,
+        durable_s=3.0,
+        durable_last_s=1.5,
+        durable_bytes=1 << 20,
+    ),
 ]
 
 
@@ -84,6 +99,10 @@ def test_every_message_survives_its_file(message: Any) -> None:
         (Outcome, {"rank": 0, "state": "exited", "ran_s": float("nan")}),
         (messages.ScriptStart, {"rank": 0, "at": "soon"}),
         (messages.Change, {}),
+        (messages.Stats, {"pid": 5, "round": 1, "step": "x", "time": 1.0, "round_first_step": 1.0}),
+        (messages.Stats, {"pid": 5, "round": 1, "step": 1, "time": 1.0, "round_first_step": 1.0,
+                          "snapshot_s": -1.0}),
+        (messages.Stats, {"pid": 5, "round": 1, "step": 1, "time": float("inf"), "round_first_step": 1.0}),
     ],
 )  # fmt: skip
 def test_a_malformed_message_is_refused(kind: Any, record: dict[str, Any]) -> None:
@@ -124,6 +143,32 @@ def test_worker_and_agent_see_each_others_messages(tmp_path: Path) -> None:
     assert sorted(os.listdir(tmp_path)) == ["rank-0.json", "trained.json"]
     assert agent.take_outcomes() == [Outcome(0, "finished", step=5)] and agent.outcomes() == []
     assert agent.trained() == messages.Trained(2)
+
+
+def test_a_worker_reports_at_most_once_a_second_and_at_once_in_a_new_round(tmp_path: Path) -> None:
+    agent, worker = AgentChannel(str(tmp_path)), WorkerChannel(str(tmp_path))
+    counter = worker.stats_counter()
+    counter.committed(1, 1, 0.01)  # the first step: reported at once
+    counter.committed(1, 2, 0.03, (2, 1.5, 100))
+    counter.committed(1, 3, 0.02, (2, 1.5, 100))  # the same checkpoint: counted once
+    (mine,) = agent.stats().values()
+    assert (mine.pid, mine.round, mine.step, mine.snapshots, mine.durables) == (os.getpid(), 1, 1, 1, 0)
+    counter.committed(2, 4, 0.02)  # a new round: reported at once
+    (mine,) = agent.stats().values()
+    assert (mine.round, mine.step, mine.snapshots, mine.durables, mine.durable_bytes) == (2, 4, 4, 1, 100)
+    assert mine.snapshot_s == pytest.approx(0.08) and mine.round_first_step <= time.time()
+    counter.count_durable(9, 2.0, 50)  # the final checkpoint, reported when the training ends
+    counter.flush()
+    (mine,) = agent.stats().values()
+    assert (mine.durables, mine.durable_bytes, mine.durable_last_s) == (2, 150, 2.0)
+    agent.forget_stats(os.getpid())
+    assert agent.stats() == {}
+
+
+def test_figures_in_a_file_named_for_another_process_are_no_message(tmp_path: Path) -> None:
+    record = {"pid": 5, "round": 1, "step": 1, "time": 1.0, "round_first_step": 1.0}
+    (tmp_path / "stats-6.json").write_text(json.dumps(record))
+    assert AgentChannel(str(tmp_path)).stats() == {}
 
 
 def test_a_waiting_worker_gets_the_newer_assignment_or_the_agents_refusal(tmp_path: Path) -> None:

@@ -34,3 +34,40 @@ def test_failed_and_stopped_runs_call_no_member_lost() -> None:
         lines = render(status(state, (False,), closed=state == "failed", message="bad task args"))
         assert "  rank 0: n0 10.0.0.1" in lines
         assert not any("(lost)" in ln for ln in lines), lines
+
+
+def test_the_budget_line_counts_the_window_and_the_leaves_apart() -> None:
+    st = status("running", (True,), failures_used=7, failure_window=3600.0, failures_in_window=2, leaves=5)
+    assert render(st)[1] == (
+        "failures: 2 in the last 1h of a budget of 10 (8 left), 7 in all; clean leaves: 5 (not counted)"
+    )
+    assert st.to_json()["failures_left"] == 8
+    whole_life = status("running", (True,), failures_used=3, failure_window=0.0, failures_in_window=3)
+    assert render(whole_life)[1] == (
+        "failures: 3 over the run's life of a budget of 10 (7 left); clean leaves: 0 (not counted)"
+    )
+
+
+def test_watch_refreshes_the_view_and_survives_an_etcd_error() -> None:
+    import io
+
+    from elastic_train.cli.status import watch
+    from elastic_train.etcd.errors import EtcdError
+
+    views = iter(
+        [status("running", (True,)), EtcdError("etcd 127.0.0.1:2379 unreachable"), status("finished", ())]
+    )
+
+    def read() -> JobStatus:
+        v = next(views)
+        if isinstance(v, Exception):
+            raise v
+        return v
+
+    out = io.StringIO()
+    assert watch(read, 0.01, out=out, times=3) == 0
+    text = out.getvalue()
+    assert text.count("--- ") == 3 and "\x1b[2J" not in text  # not a terminal: views follow each other
+    assert "run job-42: running, round 3, world size 1" in text
+    assert "elastic-train: error: etcd 127.0.0.1:2379 unreachable (retrying every 0.01 s)" in text
+    assert "run job-42: finished, round 3" in text
