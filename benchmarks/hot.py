@@ -8,7 +8,9 @@ over both modes:
   the first optimizer step of the next round (at world 2). The same job adds a node ``--gap-steps`` later:
 - ``join``: the joining worker's ``model_built`` log event (its model, optimizer and data exist; the
   moment it could train) -> the first step of the round that admits it (at world 3). Where the worker
-  logs no ``model_built`` the joiner's start is used instead and the run says so (``join_basis``).
+  logs no ``model_built`` the joiner's start is used instead and the run says so (``join_basis``). The
+  same join is also timed from the joining node's process start (``join_start_s``), split into phases from
+  the joiner's events (``join_breakdown``, :data:`JOIN_PHASES`): where a new node's seconds go.
 - ``stop``: node 1 is stopped (SIGSTOP, agent and worker) after ``--kill-step`` and never resumed; the
   figure is the stop -> the first step without it. Its peers are blocked in a collective that never fails
   on its own: they wait for its lease to expire; then hot recovery has them cut their group's connections
