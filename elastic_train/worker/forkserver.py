@@ -414,6 +414,7 @@ def serve(path: str, preload: Sequence[str] = ()) -> None:
     from elastic_train.log import get_logger  # not at the top: a stand-in needs no structlog
 
     started = time.perf_counter()
+    inherited = "torch" in sys.modules  # a fork of an agent that imported torch: imported once on this node
     for name in PRELOAD:
         importlib.import_module(name)
     for name in preload:
@@ -423,8 +424,11 @@ def serve(path: str, preload: Sequence[str] = ()) -> None:
             sys.stderr.write(f"elastic_train: fork server: --preload {name}: not preloaded ({exc})\n")
     server = ForkServer(path)
     # a stand-in waits for this moment: a joining node's start is timed against it (benchmarks/hot.py)
-    get_logger(__name__).info(
-        "forkserver_ready", pid=os.getpid(), import_s=round(time.perf_counter() - started, 3)
+    get_logger("elastic_train.worker.forkserver").info(  # __name__ is __main__ in a fresh server
+        "forkserver_ready",
+        pid=os.getpid(),
+        import_s=round(time.perf_counter() - started, 3),
+        torch_inherited=inherited,
     )
     server.serve()
 
