@@ -143,17 +143,28 @@ def prepare_environment(
 
 
 def preflight(cfg: JobConfig) -> None:
-    """Check what can be checked before any process starts, so a mistake is one line now, not a crash loop.
+    """Check what can be checked before the agent starts, so a mistake is one line now, not a crash loop.
 
-    The checkpoint URL must name an installed filesystem, and etcd must answer with the job's credentials.
+    The checkpoint URL must name an installed filesystem (:func:`preflight_storage`), and etcd must answer
+    with the job's credentials (:func:`preflight_etcd`).
 
     Raises:
         StorageError: unknown protocol or missing optional filesystem package.
         EtcdError: unreachable, authentication or TLS failure.
     """
+    preflight_storage(cfg)
+    preflight_etcd(cfg)
+
+
+def preflight_storage(cfg: JobConfig) -> None:
+    """The checkpoint URL names an installed filesystem (no connection, no thread: ``elastic-train run``
+    checks it before it forks its fork server).
+
+    Raises:
+        StorageError: unknown protocol or missing optional filesystem package.
+    """
     from elastic_train.checkpoint.storage import open_storage
     from elastic_train.errors import ElasticTrainError
-    from elastic_train.rendezvous.connect import open_etcd
 
     try:
         open_storage(cfg.checkpoint.url, cfg.checkpoint.storage_options)
@@ -164,6 +175,16 @@ def preflight(cfg: JobConfig) -> None:
         if module is None or not _import_quietly(module):
             raise
         open_storage(cfg.checkpoint.url, cfg.checkpoint.storage_options)
+
+
+def preflight_etcd(cfg: JobConfig) -> None:
+    """etcd answers with the job's credentials (its gRPC channel leaves threads behind).
+
+    Raises:
+        EtcdError: unreachable, authentication or TLS failure.
+    """
+    from elastic_train.rendezvous.connect import open_etcd
+
     open_etcd(cfg.rendezvous).close()
 
 

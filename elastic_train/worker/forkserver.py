@@ -409,7 +409,12 @@ def serve(path: str, preload: Sequence[str] = ()) -> None:
     it reports the error itself.
     """
     import importlib
+    import time
 
+    from elastic_train.log import get_logger  # not at the top: a stand-in needs no structlog
+
+    started = time.perf_counter()
+    inherited = "torch" in sys.modules  # a fork of an agent that imported torch: imported once on this node
     for name in PRELOAD:
         importlib.import_module(name)
     for name in preload:
@@ -417,11 +422,21 @@ def serve(path: str, preload: Sequence[str] = ()) -> None:
             importlib.import_module(name)
         except Exception as exc:  # the user's module: its own workers report it with a traceback
             sys.stderr.write(f"elastic_train: fork server: --preload {name}: not preloaded ({exc})\n")
-    ForkServer(path).serve()
+    server = ForkServer(path)
+    # a stand-in waits for this moment: a joining node's start is timed against it (benchmarks/hot.py)
+    get_logger("elastic_train.worker.forkserver").info(  # __name__ is __main__ in a fresh server
+        "forkserver_ready",
+        pid=os.getpid(),
+        import_s=round(time.perf_counter() - started, 3),
+        torch_inherited=inherited,
+    )
+    server.serve()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     import argparse
+
+    from elastic_train.log import configure_logging
 
     p = argparse.ArgumentParser(prog="python -m elastic_train.worker.forkserver")
     p.add_argument("--socket", required=True, help="Unix socket path to listen on")
@@ -431,6 +446,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         preload = parse_preload(args.preload)
     except ValueError as exc:
         p.error(str(exc))
+    configure_logging()  # a fresh server (a replacement): its events as the agent's (JSON off a terminal)
     serve(args.socket, preload)
     return 0
 

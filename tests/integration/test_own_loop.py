@@ -101,6 +101,16 @@ def test_local_entry_kill_and_join(tmp_path: Path) -> None:
     assert "Traceback" not in proc.stdout + proc.stderr
     final = final_weights(tmp_path / "checkpoints", summary["run_id"], steps)
     assert {t.dtype for t in final.values()} == {torch.float32}
+    # torch imported once per node: each node's fork server is a fork of its agent, not a fresh interpreter
+    # that imports torch again (a joiner's worker waits for the server's imports)
+    logs = sorted((tmp_path / "runs" / summary["run_id"]).glob("node-*.log"))
+    ready = [
+        json.loads(line)
+        for log in logs
+        for line in log.read_text(errors="replace").splitlines()
+        if line.startswith("{") and '"forkserver_ready"' in line
+    ]
+    assert len(logs) == 4 and len(ready) == 4 and all(r["torch_inherited"] for r in ready), ready
 
 
 def test_plain_torchrun_agents_kill_join_then_every_node_lost(

@@ -116,6 +116,37 @@ def test_join_is_measured_from_model_built_to_the_first_step_at_world_3() -> Non
     assert hot.join_ready([], fault, steps[:2])["join_s"] is None  # the job ended before the joiner got in
 
 
+def test_a_join_from_the_joiners_start_is_split_at_its_own_events() -> None:
+    steps = [
+        {"event": "step", "time": T0 - 4.0, "round": 2, "world_size": 2, "step": 50},
+        {"event": "step", "time": T0 + 9.0, "round": 3, "world_size": 2, "step": 59},
+        {"event": "step", "time": T0 + 10.0, "round": 4, "world_size": 3, "step": 60},
+    ]
+    fault = {"fired_round": 2, "resumed_s": 14.0}  # the joiner started at T0 - 5
+    events = [
+        ev("forkserver_ready", T0 - 2.5),
+        ev("rendezvous_node_started", T0 - 3.0),
+        ev("standby_start", T0 - 2.9),
+        ev("model_built", T0 + 9.6),
+        ev("standby_admitted", T0 + 9.8),
+        ev("worker_ready", T0 + 9.9, since_exec_s=11.9),  # created at T0 - 2.0
+    ]
+    got = hot.join_from_start(events, fault, steps)
+    assert got["join_start_s"] == 15.0 and got["forkserver_ready_s"] == 2.5
+    assert got["join_breakdown"] == {
+        "agent": 2.0,
+        "rendezvous": 0.1,
+        "worker_start": 0.9,
+        "build": 11.6,
+        "admission": 0.2,
+        "first_step": 0.2,
+    }
+    restart = hot.join_from_start([ev("rendezvous_node_started", T0 - 3.0)], fault, steps)
+    assert restart["join_breakdown"]["agent"] == 2.0 and restart["join_breakdown"]["build"] is None
+    assert restart["forkserver_ready_s"] is None
+    assert hot.join_from_start([], {"fired_round": 2, "resumed_s": None}, steps) == {}
+
+
 def test_graphs_compiled_after_the_kill_count_a_kept_process_as_zero_and_a_new_one_in_full() -> None:
     kept = [ev("dynamo_graphs", T0 - 5, graphs=2, pid=10), ev("dynamo_graphs", T0 + 0.5, graphs=2, pid=10)]
     new = [ev("dynamo_graphs", T0 - 5, graphs=2, pid=11), ev("dynamo_graphs", T0 + 9, graphs=2, pid=12)]
