@@ -8,7 +8,14 @@ PYTEST_ARGS ?=
 # their time waiting on leases, steps and start-up, not on the CPU, so three share two cores well.
 TEST_WORKERS ?= 3
 
-.PHONY: setup test demo lint bench chaos clean
+# The demo: 3 nodes of the example job, node 1 killed with SIGKILL after step 30, a 4th node added after step 60.
+DEMO_ARGS := --config examples/job.yaml --nodes 3 --kill-node 1@step=30 --add-node @step=60
+
+# `make compat`: the tests that reach torch's internals, the rendezvous, the hot path and the checkpoints, on
+# the oldest and the newest torch pyproject claims, each in a venv of its own (.ci/compat).
+COMPAT_TORCH ?= 2.13.0 2.14.1
+
+.PHONY: setup test demo readme-demo lint bench chaos compat clean
 
 # The CPU torch wheel is installed first, pinned, so that resolving the project's torch range never pulls
 # a multi-GB CUDA build; the project is then installed with the torch already there pinned, since pip's
@@ -26,12 +33,17 @@ test: setup
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal $(PYTEST_ARGS)
 
 demo: setup
-	$(VENV)/bin/elastic-train local --config examples/job.yaml --nodes 3 --kill-node 1@step=100 --add-node @step=200 \
-		--summary demo-summary.json
+	$(VENV)/bin/elastic-train local $(DEMO_ARGS) --summary demo-summary.json
+
+# Runs the demo and writes its output (fault lines and summary) into README.md, between the readme-demo markers.
+readme-demo: setup
+	mkdir -p runs
+	$(VENV)/bin/elastic-train local $(DEMO_ARGS) --summary demo-summary.json | tee runs/readme-demo.txt
+	$(PY) tests/docs/readme_demo.py runs/readme-demo.txt README.md
 
 lint: setup
-	$(VENV)/bin/ruff check elastic_train tests benchmarks
-	$(VENV)/bin/ruff format --check elastic_train tests benchmarks
+	$(VENV)/bin/ruff check elastic_train tests benchmarks examples
+	$(VENV)/bin/ruff format --check elastic_train tests benchmarks examples
 	$(VENV)/bin/mypy
 
 bench: setup
@@ -41,5 +53,8 @@ chaos: setup
 	$(PY) -m pytest tests/chaos/test_chaos.py tests/chaos/test_partition_full.py --chaos-seeds=$(SEEDS) \
 		--chaos-md docs/chaos.md --chaos-json docs/chaos.json
 
+compat: setup
+	VENV=$(VENV) COMPAT_TORCH="$(COMPAT_TORCH)" TEST_WORKERS=$(TEST_WORKERS) .ci/compat $(PYTEST_ARGS)
+
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build *.egg-info
+	rm -rf $(VENV) .venv-compat-* .pytest_cache .mypy_cache .ruff_cache build *.egg-info

@@ -87,8 +87,12 @@ def main() -> int:
     rank = int(os.environ["RANK"])
     world_size = int(os.environ["WORLD_SIZE"])
     node = os.environ.get(ENV_NODE, os.environ.get("GROUP_RANK", "?"))
-    round_ = int(
-        os.environ.get("ELASTIC_TRAIN_RDZV_ROUND", os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    from elastic_train.node import WorkerChannel
+
+    channel = WorkerChannel.from_environ(os.environ)
+    assignment = channel.assignment() if channel is not None else None
+    round_ = (
+        assignment.round if assignment is not None else int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     )
 
     progress = Progress(directory, node, rank, world_size, round_)

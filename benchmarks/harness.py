@@ -6,7 +6,7 @@ progress lines, kills (SIGKILL) or freezes (SIGSTOP) a whole node (agent + worke
 the signal), adds nodes, and times "first training step at world size W after time T". Every process it
 started is killed by PID when the job closes, whatever happened.
 
-The pure parts (:func:`first_step_at`, :func:`timeline`, :class:`ProgressReader`) are unit-tested; the rest
+The pure parts (:func:`first_step_at`, :class:`ProgressReader`, the summaries) are unit-tested; the rest
 needs processes and is exercised by ``benchmarks/rendezvous.py --quick``.
 """
 
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -33,6 +34,8 @@ from elastic_train.etcd.server import EmbeddedEtcd
 from elastic_train.net import free_port
 from elastic_train.train.jsonl import parse_json_lines
 
+#: The configuration every ratio is taken against.
+OURS = "etcd3"
 #: The worker every agent runs.
 WORKER = str(Path(__file__).with_name("bench_worker.py"))
 #: torchrun's own default for ``--monitor-interval`` in torch 2.13 (seconds); used for every backend.
@@ -176,18 +179,6 @@ def first_step_at(records: Iterable[Mapping[str, Any]], world_size: int, after: 
         if r.get("event") == "step" and r.get("world_size") == world_size and float(r["time"]) >= after
     ]
     return min(times) if times else None
-
-
-def timeline(
-    records: Iterable[Mapping[str, Any]], origin: float, start: float, end: float
-) -> list[tuple[float, int]]:
-    """Rank-0 steps as ``(seconds since origin, world size)`` in ``[start, end]`` seconds, sorted by time."""
-    points = [
-        (round(float(r["time"]) - origin, 3), int(r["world_size"]))
-        for r in records
-        if r.get("event") == "step" and r.get("rank") == 0 and start <= float(r["time"]) - origin <= end
-    ]
-    return sorted(points)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -573,6 +564,14 @@ def speedup(baseline: Mapping[str, Any], ours: Mapping[str, Any]) -> dict[str, A
     if b is None or o is None or ours.get("median_censored") or o <= 0:
         return None
     return {"ratio": round(float(b) / float(o), 2), "lower_bound": bool(baseline.get("median_censored"))}
+
+
+_VENV_DIR = re.compile(r"(?<![\w.])/(?:[\w.-]+/)*(?=\.venv/)")
+
+
+def without_dirs(text: str) -> str:
+    """A recorded log line without the directories above the machine's virtual environment."""
+    return _VENV_DIR.sub("", text)
 
 
 def format_summary(s: Mapping[str, Any]) -> str:

@@ -8,7 +8,9 @@ over both modes:
   the first optimizer step of the next round (at world 2). The same job adds a node ``--gap-steps`` later:
 - ``join``: the joining worker's ``model_built`` log event (its model, optimizer and data exist; the
   moment it could train) -> the first step of the round that admits it (at world 3). Where the worker
-  logs no ``model_built`` the joiner's start is used instead and the run says so (``join_basis``).
+  logs no ``model_built`` the joiner's start is used instead and the run says so (``join_basis``). The
+  same join is also timed from the joining node's process start (``join_start_s``), split into phases from
+  the joiner's events (``join_breakdown``, :data:`JOIN_PHASES`): where a new node's seconds go.
 - ``stop``: node 1 is stopped (SIGSTOP, agent and worker) after ``--kill-step`` and never resumed; the
   figure is the stop -> the first step without it. Its peers are blocked in a collective that never fails
   on its own: they wait for its lease to expire; then hot recovery has them cut their group's connections
@@ -70,6 +72,19 @@ HOT_PHASES = (
     ("restore", "restored"),
 )
 RESTART_PHASES = (("round", "rendezvous_complete"), ("start+restore", "restored"))
+#: Phases of a join measured from the joining node's process start, and the joiner's log event that ends
+#: each: the agent's interpreter, imports, preflight (etcd) and torchrun up to its rendezvous handler; its
+#: first rendezvous (a standby start on the hot path); the stand-in's start, its wait for the fork server's
+#: imports and the fork (``worker_created``: the worker's ``worker_ready`` less its ``since_exec_s``); the
+#: worker's imports and task build; the admission round; then ``first_step`` at world 3. The fork server's
+#: imports run beside the agent's: ``forkserver_ready`` is reported as a time since the start.
+JOIN_PHASES = (
+    ("agent", "rendezvous_node_started"),
+    ("rendezvous", "standby_start"),
+    ("worker_start", "worker_created"),
+    ("build", "model_built"),
+    ("admission", "standby_admitted"),
+)
 
 
 # ------------------------------------------------------------------------------------------- one job
@@ -172,7 +187,9 @@ def job_figures(workdir: Path, summary: dict[str, Any], mode: str) -> dict[str, 
         out["stop_s"] = stop.get("resumed_s")
     if add is not None:
         joiner = (add.get("extra") or {}).get("new_node")
-        out.update(join_ready(logs.get(joiner, []) if isinstance(joiner, int) else [], add, steps))
+        events = logs.get(joiner, []) if isinstance(joiner, int) else []
+        out.update(join_ready(events, add, steps))
+        out.update(join_from_start(events, add, steps))
     return out
 
 
@@ -322,6 +339,30 @@ def join_ready(
     return {"join_s": round(min(later) - fired, 3), "join_basis": "start"}
 
 
+def join_from_start(
+    joiner: list[dict[str, Any]], fault: dict[str, Any], steps: list[dict[str, Any]], world: int = 3
+) -> dict[str, Any]:
+    """A join timed from the joining node's process start (the ``add-node`` fault's firing) to the first
+    step at world ``world`` (``join_start_s``), split into :data:`JOIN_PHASES` (``join_breakdown``) from the
+    joiner's events, and when its fork server was ready (``forkserver_ready_s``, since the start)."""
+    fired = fired_at(fault, steps)
+    if fired is None:
+        return {}
+    events = list(joiner)
+    for e in joiner:  # the worker's process creation, from its own start-up timings
+        if e["event"] == "worker_ready" and isinstance(e.get("since_exec_s"), int | float):
+            events.append({"event": "worker_created", "t": e["t"] - float(e["since_exec_s"])})
+    later = [e["time"] for e in steps if e["time"] > fired and e.get("world_size") == world]
+    total = round(min(later) - fired, 3) if later else None
+    out: dict[str, Any] = {
+        "join_start_s": total,
+        "join_breakdown": breakdown({0: events}, fired, total, JOIN_PHASES),
+    }
+    ready = first_after(events, "forkserver_ready", fired - 0.05)
+    out["forkserver_ready_s"] = None if ready is None else round(ready - fired, 3)
+    return out
+
+
 # ------------------------------------------------------------------------------------------- summary
 
 
@@ -332,12 +373,12 @@ def summarize(values: Iterable[float | None]) -> dict[str, Any]:
     return {"n": len(vals), "median": statistics.median(vals), "min": min(vals), "max": max(vals)}
 
 
-def median_breakdown(runs: list[dict[str, Any]]) -> dict[str, float | None]:
+def median_breakdown(runs: list[dict[str, Any]], field: str = "kill_breakdown") -> dict[str, float | None]:
     """Per phase, the median over the runs that have it."""
     keys: list[str] = []
     for r in runs:
-        keys += [k for k in r.get("kill_breakdown") or {} if k not in keys]
-    return {k: summarize((r.get("kill_breakdown") or {}).get(k) for r in runs)["median"] for k in keys}
+        keys += [k for k in r.get(field) or {} if k not in keys]
+    return {k: summarize((r.get(field) or {}).get(k) for r in runs)["median"] for k in keys}
 
 
 FIGURES = (("kill", "kill_s"), ("join", "join_s"), ("stop", "stop_s"))
@@ -363,6 +404,11 @@ def summary_table(runs: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, A
                 cells[mode] = {**summarize(r.get(key) for r in ok), "jobs": len(mine), "ok": len(ok)}
                 if scen == "join":
                     cells[mode]["basis"] = sorted({str(r["join_basis"]) for r in ok if r.get("join_basis")})
+                    cells[mode]["from_start"] = summarize(r.get("join_start_s") for r in ok)
+                    cells[mode]["start_breakdown"] = median_breakdown(ok, "join_breakdown")
+                    cells[mode]["forkserver_ready"] = summarize(r.get("forkserver_ready_s") for r in ok)[
+                        "median"
+                    ]
                 if scen == "kill":
                     cells[mode]["breakdown"] = median_breakdown(ok)
             if cells:
@@ -392,6 +438,15 @@ def figure_rows(table: dict[str, dict[str, dict[str, Any]]]) -> list[dict[str, A
                 )
             if scen == "join":
                 row["from"] = "/".join(h.get("basis") or r.get("basis") or []) or None
+                start = h.get("from_start") or {}
+                if start.get("median") is not None:
+                    row["hot from process start s"] = f"{start['median']:.2f} ({_span(start)})"
+                    phases = [
+                        f"{k} {v:.2f}" for k, v in (h.get("start_breakdown") or {}).items() if v is not None
+                    ]
+                    if h.get("forkserver_ready") is not None:
+                        phases.append(f"(fork server ready at {h['forkserver_ready']:.2f})")
+                    row["hot phases s"] = ", ".join(phases)
             rows.append(row)
     return rows
 
@@ -476,6 +531,7 @@ def build_doc(
     table = summary_table(runs)
     doc: dict[str, Any] = {
         "benchmark": "hot",
+        "title": "Hot recovery",
         "description": (
             "3 nodes x 1 worker on loopback, `elastic-train local`, `rendezvous.hot` on and off paired in "
             "one run (alternating order); loops: the built-in worker, `examples/own_loop.py` (--entry), "
@@ -500,6 +556,7 @@ def build_doc(
         "figures": figure_rows(table),
         "targets": evaluate_targets(table, load, load_end),
     }
+    doc["tables"] = [{"caption": torchft_line(torchft)}]
     if torchft is not None:
         doc["torchft"] = torchft
         if torchft.get("kill_s") is not None:
@@ -512,15 +569,34 @@ def build_doc(
                 }
             )
         if torchft.get("join_s") is not None:
-            doc["figures"].append(
-                {
-                    "loop": "torchft (probe)",
-                    "scenario": "join",
-                    "hot median s": torchft["join_s"],
-                    "from": "model_built -> first committed step with the joiner",
-                }
-            )
+            row = {
+                "loop": "torchft (probe)",
+                "scenario": "join",
+                "hot median s": torchft["join_s"],
+                "from": "model_built -> first committed step with the joiner",
+            }
+            if torchft.get("join_start_s") is not None:
+                row["hot from process start s"] = f"{torchft['join_start_s']:.2f}"
+            doc["figures"].append(row)
     return doc
+
+
+def torchft_line(torchft: dict[str, Any] | None) -> str:
+    """One line on torchft beside hot recovery: its version and settings, or why it did not run."""
+    if torchft is None:
+        return "torchft: not run (`hot.py --torchft-python PATH` runs `benchmarks/torchft_probe.py`)."
+    if torchft.get("skipped"):
+        return f"torchft: not measured: {torchft['skipped']}"
+    kill, join, start = (
+        f"{v:.4g}" if isinstance(v, float) else v
+        for v in (torchft.get("kill_s"), torchft.get("join_s"), torchft.get("join_start_s"))
+    )
+    return (
+        f"torchft {torchft.get('torchft')} (`benchmarks/torchft_probe.py`: 3 replica groups of 1 process on "
+        f"gloo, lighthouse join timeout {torchft.get('join_timeout_ms')} ms): kill -> next committed step "
+        f"{kill} s, joiner's model built -> committed step with it {join} s, joiner's process start -> "
+        f"that step {start} s."
+    )
 
 
 # ------------------------------------------------------------------------------------------- main
@@ -568,12 +644,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="one repeat, shorter tails")
     p.add_argument("--torchft-python", metavar="PATH", help="run torchft_probe.py with this interpreter")
     p.add_argument("--keep", metavar="DIR", help="keep the jobs' work directories here")
+    p.add_argument("--modes", default=",".join(MODES), help=f"which of {', '.join(MODES)} to run")
     p.add_argument("--json", metavar="FILE", help="write the results here")
     args = p.parse_args(argv)
     args.scenarios = [s.strip() for s in args.scenarios.split(",") if s.strip()]
     bad = [s for s in args.scenarios if s not in SCENARIOS]
     if bad:
         p.error(f"unknown scenario(s) {', '.join(bad)} (known: {', '.join(SCENARIOS)})")
+    args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not args.modes or any(m not in MODES for m in args.modes):
+        p.error(f"--modes: one or more of {', '.join(MODES)}")
     if args.quick:
         args.repeats, args.tail_steps, args.stop_tail_steps = 1, min(args.tail_steps, 300), 60
     load = list(os.getloadavg())
@@ -586,7 +666,7 @@ def main(argv: list[str] | None = None) -> int:
             os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(work / "inductor-cache"))
             print(f"== warming the inductor cache: {json.dumps(warm_compiled(args, work))}", flush=True)
         for repeat in range(args.repeats):
-            order = list(MODES) if repeat % 2 == 0 else list(reversed(MODES))
+            order = list(args.modes) if repeat % 2 == 0 else list(reversed(args.modes))
             for scenario in args.scenarios:
                 loop, kind = scenario.split(":")
                 for mode in order:

@@ -1,6 +1,6 @@
 """Lightning under faults: ElasticStrategy against plain Lightning + DistributedSampler, paired in one run.
 
-Both variants train examples/lightning_train.py's model and data (benchmarks/lightning_probe.py) as
+Both variants train examples/lightning_train.py's model and data (benchmarks/lightning_worker.py) as
 ``elastic-train local --entry`` jobs of 3 nodes x 1 worker on loopback with the same fault plan: kill -9 of
 node 1 at step ``--kill-step``, a node joining at ``--join-step``, every step slowed by ``--delay`` s so the
 faults land while it trains.
@@ -36,7 +36,7 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-PROBE = HERE / "lightning_probe.py"
+WORKER = HERE / "lightning_worker.py"
 #: Targets on this machine: seconds from a kill to training again, and without a step around a join (the
 #: joining node's own start-up, while the others train, is reported but not held to it).
 TARGET_S = 3.0
@@ -81,7 +81,7 @@ def run_variant(kind: str, args: argparse.Namespace, work: Path) -> dict[str, An
     workdir = work / kind
     audit = workdir / ("audit" if kind == "elastic" else "plain-audit")
     batch = args.global_batch if kind == "elastic" else args.global_batch // 3
-    entry = [str(PROBE), kind, str(args.delay)] + ([str(audit)] if kind == "plain" else [])
+    entry = [str(WORKER), kind, str(args.delay)] + ([str(audit)] if kind == "plain" else [])
     entry += [
         "--float64", "--epochs", str(args.epochs), "--samples", str(args.samples), "--batch-size", str(batch),
         "--checkpoint", str(workdir / "ck"), "--root", str(workdir / "pl"),
@@ -220,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         doc = {
             "benchmark": "lightning",
+            "title": "PyTorch Lightning under a kill and a join",
             "description": (
                 f"3 nodes x 1 worker on loopback (examples/lightning_train.py's model, float64, "
                 f"{args.samples} samples x {args.epochs} epochs, global batch {args.global_batch}, "

@@ -207,7 +207,7 @@ def copy_floor(flat: Any, repeats: int = 15) -> float:
     import torch
 
     from elastic_train.checkpoint.codec import destinations
-    from elastic_train.checkpoint.memory import checksum
+    from elastic_train.checkpoint.slots import checksum
 
     buf = torch.empty(flat.nbytes, dtype=torch.uint8)
     pairs = [
@@ -470,6 +470,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         result = {
             "benchmark": "overhead",
+            "title": "Per-step overhead over plain DDP",
             "description": (
                 "Median step time of each loop over its blocks, and the median over adjacent block pairs "
                 "of loop / plain and all-in / plain (all-in: the memory tier snapshots every "

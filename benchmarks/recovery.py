@@ -342,6 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         doc = {
             "benchmark": "recovery",
+            "title": "Recovery against state size",
             "description": (
                 "3 nodes x 1 worker on loopback (charlm + frozen ballast, memory tier every step): "
                 "kill -9 of node 1, then a 4th node joins, on each recovery path (hot: the default, "

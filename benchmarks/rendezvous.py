@@ -23,8 +23,8 @@ JSON (``--json FILE``, rewritten after every job; ``complete`` is false until th
                    "summary": {n, ok, median, median_censored, min, max, max_censored, cap},
                    "phases": [{workers_started, all_started, imported, pg_ready, first_step}]}}}},
      "ratios": {SCENARIO: {BASELINE: {"ratio": baseline median / etcd3 median, "lower_bound"} | null}},
-     "timelines": {SCENARIO: {CONFIG: [[seconds since event, world size], ...]}},   # first repeat, rank 0
-     "runs": [{config, job, repeat, samples, victim, store_host, phases, launch_phases}]}
+     "runs": [{config, job, repeat, samples, victim, store_host, phases, launch_phases}],
+     "title", "description", "figures", "tables", "targets"}   # what the report shows (benchmarks/report.py)
 
 SCENARIO is one of launch, kill, scale_up, hang; a sample's status is ok, timeout (not within the cap),
 failed (every agent exited) or not_run (its launch failed).
@@ -37,6 +37,7 @@ import json
 import os
 import shlex
 import signal
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -48,6 +49,7 @@ from harness import (
     CONFIGS,
     MAX_RESTARTS,
     MONITOR_INTERVAL,
+    OURS,
     BackendConfig,
     Job,
     Outcome,
@@ -57,7 +59,7 @@ from harness import (
     phases,
     speedup,
     summarize,
-    timeline,
+    without_dirs,
 )
 
 SCENARIOS = {
@@ -66,8 +68,6 @@ SCENARIOS = {
     "scale_up": "add a 4th node -> first step at world 4",
     "hang": "SIGSTOP one node -> first step at world 2",
 }
-#: The configuration every ratio is taken against.
-OURS = "etcd3"
 DEFAULT_CONFIGS = [
     "etcd3", "etcd3-torchrun", "etcd3-dynamic", "c10d", "c10d-tuned", "etcd-v2", "etcd-v2-tuned",
 ]  # fmt: skip
@@ -149,7 +149,7 @@ def handler_available(config: BackendConfig) -> str | None:
 
 
 def run_job(config: BackendConfig, job_kind: str, args: argparse.Namespace) -> dict[str, Any]:
-    """One job: launch 3 agents, then the job's fault or scale event. Returns samples, timeline, phases."""
+    """One job: launch 3 agents, then the job's fault or scale event. Returns samples and phases."""
     scenario = JOBS[job_kind]
     cap = args.hang_cap if scenario == "hang" and config.name != OURS else args.cap
     out: dict[str, Any] = {"config": config.name, "job": job_kind, "samples": {}}
@@ -178,8 +178,6 @@ def run_job(config: BackendConfig, job_kind: str, args: argparse.Namespace) -> d
         job.reader.poll()
         out["samples"][scenario] = result.to_json()
         out["phases"] = phases(job.reader.records, target, t_event)
-        end = (result.seconds or cap) + 2.0
-        out["timeline"] = timeline(job.reader.records, t_event, -3.0, end)
     return out
 
 
@@ -222,24 +220,183 @@ def print_table(result: dict[str, Any], names: list[str]) -> None:
     print()
 
 
+#: The targets of this benchmark: (name, scenario, the bar in words, the baselines each ratio must reach,
+#: the reason).
+TARGETS = (
+    ("launch 3 agents -> first step", "launch", ">= 4x faster than c10d and etcd-v2 defaults",
+     {"c10d": 4.0, "etcd-v2": 4.0}, "a job starts without torchrun's default 30 s last-call wait"),
+    ("kill -9 one node -> first step at world 2", "kill",
+     ">= 10x faster than etcd-v2 defaults, faster than c10d-tuned", {"etcd-v2": 10.0, "c10d-tuned": 1.0},
+     "a lost node is noticed by its lease, not by a keep-alive timeout, and no worker restarts"),
+    ("add a 4th node -> first step at world 4", "scale_up", "<= 5 s (etcd3)", {},
+     "a node that joins is in the next round within one settle window plus a worker start"),
+)  # fmt: skip
+#: The phases of a recovery the report shows, as its columns name them.
+PHASES = {
+    "workers_started": "first worker",
+    "all_started": "all started",
+    "imported": "torch imported",
+    "pg_ready": "process group",
+    "first_step": "first step",
+}
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """The rendezvous targets: ratios of the baselines' medians to ours (a baseline that never got there
+    within its cap gives a lower bound: short of the bar, that is inconclusive, not missed), and the
+    scale-up time."""
+    out = []
+    for name, scen, bar, ratio_bars, why in TARGETS:
+        block = doc["scenarios"].get(scen, {}).get("results", {})
+        ours = block.get(OURS, {}).get("summary")
+        target: dict[str, Any] = {"name": name, "threshold": bar}
+        if not ours or ours.get("median") is None:
+            out.append(target | {"why": f"{OURS} {scen} not measured"})
+            continue
+        figure = f"{OURS} {format_summary(ours)}"
+        statuses, notes = [], []
+        if not ratio_bars:  # the time itself
+            statuses.append("met" if not ours["median_censored"] and ours["median"] <= 5.0 else "missed")
+        for base, need in ratio_bars.items():
+            ratio = (doc["ratios"].get(scen) or {}).get(base)
+            bsum = block.get(base, {}).get("summary")
+            figure += f"; {base} {format_summary(bsum or {})} ({format_ratio(ratio)})"
+            if ratio is None:
+                statuses.append("not measured")
+                notes.append(f"no figure for {base}")
+            elif ratio["ratio"] >= need if need > 1 else ratio["ratio"] > need:
+                statuses.append("met")
+                if ratio["lower_bound"]:
+                    notes.append(f"{base} did not get there within the cap: ratio is a lower bound")
+            else:
+                statuses.append("inconclusive" if ratio["lower_bound"] else "missed")
+                notes.append(f"{base} {format_ratio(ratio)} (bar {need:g}x)")
+        phases = [p for p in block.get(OURS, {}).get("phases", []) if p]
+        started = _median([p["workers_started"] for p in phases if p.get("workers_started") is not None])
+        formed = _median([p["pg_ready"] for p in phases if p.get("pg_ready") is not None])
+        if started is not None and formed is not None:
+            notes.append(
+                f"{OURS}: workers started at {started:.1f} s, process group formed at {formed:.1f} s"
+            )
+        status = next((s for s in ("missed", "not measured", "inconclusive") if s in statuses), "met")
+        out.append(target | {"figure": figure, "status": status, "why": "; ".join([why, *notes])})
+    return out
+
+
+def summary(doc: dict[str, Any]) -> dict[str, Any]:
+    """``doc`` (its samples, summaries and ratios) with what the report shows: every configuration per
+    scenario with the ratio of its median to ours, where the time goes, the runs that did not get there and
+    the targets."""
+    st = doc["settings"]
+    names = [c["name"] for c in doc["configs"] if c["name"] not in doc["not_run"]]
+    figures = []
+    for scen, block in doc["scenarios"].items():
+        row: dict[str, Any] = {"scenario": block["title"]}
+        for n in names:
+            res = block["results"].get(n)
+            ratio = (doc["ratios"].get(scen) or {}).get(n)
+            row[f"`{n}`"] = (
+                "not run"
+                if res is None
+                else format_summary(res["summary"])
+                + (f"<br>{OURS} {format_ratio(ratio)} faster" if ratio else "")
+            )
+        figures.append(row)
+    phase_rows, failures = [], []
+    for scen, block in doc["scenarios"].items():
+        for n, res in block["results"].items():
+            row = {"scenario": scen, "config": f"`{n}`"}
+            for key, label in PHASES.items():
+                m = _median([p[key] for p in res["phases"] if p and p.get(key) is not None])
+                row[label] = "-" if m is None else f"{m:.2f}"
+            phase_rows.append(row)
+            failures += [
+                {
+                    "scenario": scen,
+                    "config": f"`{n}`",
+                    "status": x["status"],
+                    "detail": without_dirs(x.get("detail", ""))[:500],
+                }
+                for x in res["samples"]
+                if x["status"] not in ("ok", "not_run")
+            ]
+    configs = [
+        f"- `{c['name']}`: {c['description']}"
+        + "".join(
+            f" `{x}`"
+            for x in (
+                "--rdzv-conf=" + ",".join(f"{k}={v}" for k, v in c["rdzv_conf"].items())
+                if c.get("rdzv_conf")
+                else "",
+                " ".join(f"{k}={v}" for k, v in c["env"].items()) if c.get("env") else "",
+            )
+            if x
+        )
+        for c in doc["configs"]
+    ] + [f"- `{n}`: not run ({why})" for n, why in doc["not_run"].items()]
+    tables = [
+        {
+            "caption": "Where the time goes: median seconds from the event to the first new worker process "
+            "starting (detection + rendezvous + spawn), the last rank's worker starting, the last rank done "
+            "importing torch, the first rank with its process group and DDP model (store bootstrap + gloo "
+            "mesh), and the first step.",
+            "rows": phase_rows,
+        }
+    ]
+    if failures:
+        tables.append(
+            {"caption": "Runs that did not get there (agent states and last log lines):", "rows": failures}
+        )
+    partial = (
+        f"**Partial run**: {len(doc['runs'])} of {doc['planned_jobs']} jobs finished before the benchmark "
+        "stopped; the figures cover those only. "
+        if not doc["complete"]
+        else ""
+    )
+    quick = (
+        f"Quick mode: the baselines ran only the {', '.join(st['baseline_jobs'])} job(s). "
+        if st["baseline_jobs"] != st["jobs"]
+        else ""
+    )
+    description = (
+        f"3 torchrun agents on loopback, `--nnodes={st['nnodes']} --nproc-per-node=1`, tiny gloo DDP worker "
+        f"stepping every {st['step_interval']} s, `--monitor-interval={st['monitor_interval']}` (torchrun's "
+        f"default) and `--max-restarts={st['max_restarts']}` for every backend; {doc['repeats']} repeat(s). "
+        "Seconds are median [min, max] (runs that got there / runs); `> cap` means the backend did not train "
+        f"at the new size within the cap ({st['cap']} s; SIGSTOP on baselines {st['hang_cap']} s): it failed "
+        f"or stalled. Ratios are baseline median / {OURS} median. The node killed or frozen is the most "
+        "recently started one that does not host c10d's TCPStore (losing that host ends a c10d job by "
+        "design, which is not a recovery figure). Each repeat runs three jobs per configuration (launch + "
+        "add a node, launch + kill, launch + SIGSTOP), so `launch` has up to three samples per repeat. "
+        f"{partial}{quick}Load average at start {doc['machine']['loadavg']}, at end {doc['loadavg_end']}. "
+        "Configurations:\n\n" + "\n".join(configs)
+    )
+    return doc | {
+        "title": "Rendezvous and recovery with torchrun agents",
+        "description": description,
+        "figures": figures,
+        "tables": tables,
+        "targets": targets(doc),
+    }
+
+
 def write_json(path: str, args: argparse.Namespace, meta: dict[str, Any], runs: list[dict[str, Any]]) -> None:
     """Write the results so far (rewritten after every job, so an interrupted run still leaves data)."""
     active = [n for n in args.config_names if n not in meta["not_run"]]
-    timelines: dict[str, dict[str, Any]] = {}
-    for r in runs:
-        if "timeline" in r and r["repeat"] == 0:
-            timelines.setdefault(JOBS[r["job"]], {})[r["config"]] = r["timeline"]
     doc = {
         **meta,
         "seconds": round(time.time() - meta["started"], 1),
         "complete": len(runs) == meta["planned_jobs"],
         "loadavg_end": [round(x, 2) for x in os.getloadavg()],
         **collect(runs, active),
-        "timelines": timelines,
-        "runs": [{k: v for k, v in r.items() if k != "timeline"} for r in runs],
+        "runs": runs,
     }
     tmp = f"{path}.tmp"
-    Path(tmp).write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
+    Path(tmp).write_text(json.dumps(summary(doc), indent=1) + "\n", encoding="utf-8")
     os.replace(tmp, path)
 
 

@@ -23,13 +23,53 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Any
 
-from snapshot_checks import CONFIGS, one_rank_trainer
-
 #: The target overhead.py checks the figure against (seconds per save).
 TARGET_S = 0.2e-3
+
+CONFIGS: dict[str, dict[str, Any]] = {"17ms": {}, "200ms": {"width": 256, "layers": 4}}
+
+
+def one_rank_trainer(config: str, name: str) -> tuple[Any, Any]:
+    """A wrapped built-in Trainer of one rank (gloo, CPU, one thread) on a ``config`` of :data:`CONFIGS` and
+    its checkpoint manager, the memory snapshot taken every step under run id ``name``-PID."""
+    import torch
+    import torch.distributed as dist
+
+    from elastic_train.checkpoint import CheckpointConfig, CheckpointManager
+    from elastic_train.net import free_port
+    from elastic_train.train import rng
+    from elastic_train.train.api import load_task
+    from elastic_train.train.config import TrainConfig
+    from elastic_train.train.events import EventWriter
+    from elastic_train.train.loop import Trainer
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    manager = CheckpointManager(
+        CheckpointConfig(url=tempfile.mkdtemp(), every_steps=0, memory_every_steps=1),
+        f"{name}-{os.getpid()}",
+        rank=0,
+        world_size=1,
+        local_rank=0,
+        group=dist.group.WORLD,
+    )
+    rng.seed_all(0)
+    trainer = Trainer(
+        TrainConfig(task="charlm", steps=10**9, global_batch=48, micro_batch=0, seed=0),
+        load_task("charlm", CONFIGS[config]),
+        rank=0,
+        world_size=1,
+        round=0,
+        device=torch.device("cpu"),
+        checkpointer=manager,
+        events=EventWriter(None, round=0, world_size=1),
+    )
+    trainer.wrap()
+    return trainer, manager
 
 
 def measure(config: str, steps: int, warmup: int = 10) -> dict[str, float]:

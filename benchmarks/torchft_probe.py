@@ -9,7 +9,8 @@ leaves the dead replica out (after the lighthouse's join timeout), the process g
 same processes, and a joiner fetches the state from a peer. Figures:
 
 - ``kill_s``: the kill -> the first step the survivors commit with 2 participants;
-- ``join_s``: the joiner's model built -> the first step committed with 3 participants.
+- ``join_s``: the joiner's model built -> the first step committed with 3 participants;
+- ``join_start_s``: the joiner's process start -> the same step (its interpreter, torch import, model).
 
 Each replica appends one JSON line per step to ``WORKDIR/replica-N.jsonl`` (time, committed step,
 participants); the parent reads them. Loopback only; no fixed ports.
@@ -120,11 +121,16 @@ def kill_figure(survivors: list[list[dict[str, Any]]], killed_at: float, step_at
     return min(times) - killed_at if times else None
 
 
-def join_figure(joiner: list[dict[str, Any]], everyone: list[list[dict[str, Any]]]) -> float | None:
-    """Seconds from the joiner's model built to the first step committed with 3 participants."""
+def join_figure(
+    joiner: list[dict[str, Any]], everyone: list[list[dict[str, Any]]], since: float | None = None
+) -> float | None:
+    """Seconds from the joiner's model built (or from ``since``: its process start) to the first step
+    committed with 3 participants."""
     built = [r["time"] for r in joiner if r.get("event") == "model_built"]
     if not built:
         return None
+    if since is not None:
+        built = [since]
     times = [
         r["time"]
         for lines in everyone
@@ -196,12 +202,16 @@ def one_run(workdir: Path, args: argparse.Namespace) -> dict[str, Any]:
         wait_for(lambda: kill_figure([read_lines(p) for p in survivors], killed_at, step_at_kill), 60)
         result["kill_s"] = kill_figure([read_lines(p) for p in survivors], killed_at, step_at_kill)
         time.sleep(1.0)
+        started_at = time.time()
         start(REPLICAS)
         joined = [*survivors, paths[REPLICAS]]
         wait_for(
             lambda: join_figure(read_lines(paths[REPLICAS]), [read_lines(p) for p in joined]), args.timeout
         )
         result["join_s"] = join_figure(read_lines(paths[REPLICAS]), [read_lines(p) for p in joined])
+        result["join_start_s"] = join_figure(
+            read_lines(paths[REPLICAS]), [read_lines(p) for p in joined], started_at
+        )
     finally:
         (workdir / "stop").touch()
         for p in procs:
@@ -250,6 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(runs[-1]), flush=True)
     kills = [r["kill_s"] for r in runs if r.get("kill_s") is not None]
     joins = [r["join_s"] for r in runs if r.get("join_s") is not None]
+    starts = [r["join_start_s"] for r in runs if r.get("join_start_s") is not None]
     from importlib.metadata import version
 
     doc = {
@@ -257,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "kill_s": statistics.median(kills) if kills else None,
         "join_s": statistics.median(joins) if joins else None,
+        "join_start_s": statistics.median(starts) if starts else None,
         "join_timeout_ms": args.join_timeout_ms,
         "heartbeat_timeout_ms": args.heartbeat_timeout_ms,
         "pg_timeout_s": args.pg_timeout_s,

@@ -18,8 +18,11 @@ if TYPE_CHECKING:
         TrainState,
         World,
         current_world,
+        device_mesh,
         init,
+        load_full,
         run,
+        shard_model,
         shutdown,
     )
 
@@ -31,8 +34,11 @@ __all__ = [
     "World",
     "__version__",
     "current_world",
+    "device_mesh",
     "init",
+    "load_full",
     "run",
+    "shard_model",
     "shutdown",
 ]
 

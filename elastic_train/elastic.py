@@ -24,10 +24,13 @@ The state goes through the same :class:`~elastic_train.checkpoint.CheckpointMana
 (which is itself a user of this module), so ``elastic-train ckpt ls/verify/export`` read it, a restarted
 worker group resumes from a surviving rank's shared memory (at most one step redone), and the data order is
 the built-in one: every sample once per epoch across any resize, with a constant global batch.
-See docs/own-loop.md.
+See docs/own-loop.md. A sharded model (FSDP2's ``fully_shard``, rebuilt on each group's mesh with
+:func:`shard_model` and :func:`device_mesh`) goes through the same ``TrainState`` and ``Checkpointer``: its
+state is kept and resharded per rank (docs/sharded.md).
 """
 
 from elastic_train.train.checkpointer import Checkpointer
+from elastic_train.train.fsdp import device_mesh, load_full, shard_model
 from elastic_train.train.group import World, current_world, init, resolve_backend, shutdown
 from elastic_train.train.hot import elastic_run as run
 from elastic_train.train.sampler import ElasticBatchSampler
@@ -40,8 +43,11 @@ __all__ = [
     "TrainState",
     "World",
     "current_world",
+    "device_mesh",
     "init",
+    "load_full",
     "resolve_backend",
     "run",
+    "shard_model",
     "shutdown",
 ]

@@ -29,6 +29,14 @@ def die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+def running(pid: int) -> bool:
+    """Whether process ``pid`` runs (one that exited, or a zombie not reaped yet, does not)."""
+    try:
+        return bool(psutil.Process(pid).status() != psutil.STATUS_ZOMBIE)
+    except (psutil.Error, ValueError):
+        return False
+
+
 def tree(pid: int) -> list[psutil.Process]:
     """The process ``pid`` and all its descendants (empty if it is gone)."""
     try:

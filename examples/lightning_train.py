@@ -1,15 +1,36 @@
-"""An ordinary PyTorch Lightning script made elastic with elastic_train: the lines marked ``# elastic``.
+"""An ordinary Lightning script made elastic with elastic_train: the lines marked ``# elastic``.
 
 A LightningModule, a DataLoader, a Trainer with ModelCheckpoint and ``ckpt_path="last"``, as Lightning's own
-docs have it; docs/lightning.md explains each changed line. Run it like any torchrun script:
+docs have them (``import lightning as L``; a ``pytorch_lightning`` script takes the same lines);
+docs/lightning.md explains each changed line. Without torchrun it trains a world of one, 4 epochs of 15 steps
+(``--epochs`` sets the length; ``--float64`` trains in double precision):
+
+.. doc-test: covered="tests/integration/test_lightning.py::test_a_world_of_one_stops_at_sigterm_and_resumes"
+
+    python examples/lightning_train.py
+
+On every node, as any torchrun script (with an etcd at 127.0.0.1:2379: ``elastic-train etcd`` serves one):
+
+.. doc-test: etcd=127.0.0.1:2379 nodes=2 shrink="--epochs 1"
 
     torchrun --nnodes=2:4 --nproc-per-node=1 --max-restarts=100 --rdzv-backend=etcd3 \\
-             --rdzv-endpoint=127.0.0.1:2379 --rdzv-id=lightning examples/lightning_train.py
-    elastic-train run --nodes 2:4 --endpoint 127.0.0.1:2379 --run-id lightning \\
-             --preload elastic_train.lightning --entry examples/lightning_train.py
-    elastic-train local --nodes 3 --kill-node 1@step=20 --add-node @step=40 \\
-             --preload elastic_train.lightning --entry examples/lightning_train.py
-    python examples/lightning_train.py          # no torchrun: a world of one
+             --rdzv-endpoint=127.0.0.1:2379 --rdzv-id=job-42 examples/lightning_train.py
+
+Or through ``elastic-train run``, whose fork server imports Lightning once per node rather than at every
+worker start:
+
+.. doc-test: etcd=127.0.0.1:2379 nodes=2 shrink="--epochs 1"
+
+    elastic-train run --nodes 2:4 --endpoint 127.0.0.1:2379 --run-id job-42 \\
+        --preload elastic_train.lightning --entry examples/lightning_train.py
+
+A whole job on this machine, node 1 killed with SIGKILL after step 30 and a node added after step 60; 300
+epochs, so that the new node, starting beside three busy workers, joins before training ends:
+
+.. doc-test: shrink="--epochs 8" covered="tests/integration/test_lightning.py::test_local_entry_kill_and_join"
+
+    elastic-train local --nodes 3 --min-nodes 2 --max-nodes 4 --kill-node 1@step=30 --add-node @step=60 \\
+        --summary run.json --preload elastic_train.lightning --entry examples/lightning_train.py --epochs 300
 
 A node that dies costs at most the step it was in; each epoch trains every sample exactly once, with the same
 global batch at every world size.
@@ -21,10 +42,10 @@ import argparse
 import math
 from typing import Any
 
-import pytorch_lightning as pl
+import lightning as L
 import torch
 import torch.nn.functional as F
-from pytorch_lightning.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, Dataset
 
 from elastic_train.lightning import ElasticStrategy  # elastic
@@ -33,12 +54,13 @@ from elastic_train.lightning import ElasticStrategy  # elastic
 class Waves(Dataset[tuple[torch.Tensor, torch.Tensor]]):
     """A synthetic regression set: y = sin(x · w) + 0.3 · (x · v), plus noise; fixed by its seed."""
 
-    def __init__(self, n: int, dim: int = 8, seed: int = 1234) -> None:
+    def __init__(self, n: int, dim: int = 8, seed: int = 1234, dtype: torch.dtype = torch.float32) -> None:
         gen = torch.Generator().manual_seed(seed)
-        self.x = torch.randn(n, dim, generator=gen, dtype=torch.float64)
+        x = torch.randn(n, dim, generator=gen, dtype=torch.float64)
         w, v = torch.randn(dim, 1, generator=gen, dtype=torch.float64), torch.randn(dim, 1, generator=gen)
         noise = 0.05 * torch.randn(n, 1, generator=gen, dtype=torch.float64)
-        self.y = torch.sin(self.x @ w) + 0.3 * (self.x @ v.double()) + noise
+        self.x = x.to(dtype)
+        self.y = (torch.sin(x @ w) + 0.3 * (x @ v.double()) + noise).to(dtype)
 
     def __len__(self) -> int:
         return len(self.x)
@@ -47,7 +69,7 @@ class Waves(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         return self.x[i], self.y[i]
 
 
-class Regressor(pl.LightningModule):
+class Regressor(L.LightningModule):
     def __init__(self, lr: float, total_steps: int, dim: int = 8, hidden: int = 32) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -92,12 +114,12 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    pl.seed_everything(args.seed, verbose=False)  # the same initial weights on every rank
-    dataset = Waves(args.samples)
+    L.seed_everything(args.seed, verbose=False)  # the same initial weights on every rank
+    dataset = Waves(args.samples, dtype=torch.float64 if args.float64 else torch.float32)
     loader = DataLoader(dataset, batch_size=args.batch_size, shuffle=True, num_workers=args.workers)
     steps = args.epochs * math.ceil(len(dataset) / args.batch_size)
     model = Regressor(lr=args.lr, total_steps=steps)
-    trainer = pl.Trainer(
+    trainer = L.Trainer(
         strategy=ElasticStrategy(checkpoint=args.checkpoint, every_steps=args.checkpoint_every),  # elastic
         accelerator="cpu",
         devices=1,

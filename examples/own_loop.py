@@ -1,12 +1,27 @@
 """A plain DDP training script of the PyTorch-tutorial kind, made elastic with elastic_train.
 
 Own model, own optimizer, own Dataset and DataLoader, own loop; the lines marked ``# elastic`` are all it
-takes (docs/own-loop.md explains each). Run it like any torchrun script:
+takes (docs/own-loop.md explains each). Without torchrun it trains a world of one, 4 epochs of 15 steps
+(``--epochs`` sets the length; ``--float64`` trains in double precision):
 
-    torchrun --nnodes=1:3 --nproc-per-node=1 --rdzv-backend=etcd3 --rdzv-endpoint=127.0.0.1:2379 \\
-             --rdzv-id=own-loop examples/own_loop.py --epochs 4
-    elastic-train local --nodes 3 --kill-node 1@step=20 --add-node @step=40 --entry examples/own_loop.py
-    python examples/own_loop.py          # no torchrun: a world of one
+.. doc-test: covered="tests/integration/test_own_loop.py::test_a_world_of_one_as_shipped"
+
+    python examples/own_loop.py
+
+On every node, as any torchrun script (with an etcd at 127.0.0.1:2379: ``elastic-train etcd`` serves one):
+
+.. doc-test: etcd=127.0.0.1:2379 nodes=2 shrink="--epochs 1"
+
+    torchrun --nnodes=2:4 --nproc-per-node=1 --max-restarts=100 --rdzv-backend=etcd3 \\
+             --rdzv-endpoint=127.0.0.1:2379 --rdzv-id=job-42 examples/own_loop.py
+
+A whole job on this machine, node 1 killed with SIGKILL after step 30 and a node added after step 60; 300
+epochs, so that the new node, starting beside three busy workers, joins before training ends:
+
+.. doc-test: shrink="--epochs 8" covered="tests/integration/test_own_loop.py::test_local_entry_kill_and_join"
+
+    elastic-train local --nodes 3 --min-nodes 2 --max-nodes 4 --kill-node 1@step=30 --add-node @step=60 \\
+        --summary run.json --entry examples/own_loop.py --epochs 300
 
 A node that dies costs at most the step it was in: the others resume from their shared-memory snapshot. A
 job that is stopped entirely resumes from the last durable checkpoint (``--checkpoint``, every

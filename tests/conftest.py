@@ -102,7 +102,7 @@ def reaper() -> Iterator[Reaper]:
 def _no_leaked_snapshots() -> Iterator[None]:
     """Remove shared-memory snapshots left by processes a test killed (their owner agent is gone)."""
     yield
-    from elastic_train.checkpoint.memory import sweep_stale
+    from elastic_train.checkpoint.shmfiles import sweep_stale
 
     sweep_stale("/dev/shm")
 
@@ -113,7 +113,7 @@ def _no_snapshots_of_this_process() -> Iterator[None]:
     world of one, stopped before it finalized) names its parent, this process, as the owner, which the
     per-test sweep finds alive."""
     yield
-    from elastic_train.checkpoint.memory import owned_by
+    from elastic_train.checkpoint.shmfiles import owned_by
 
     for path in owned_by("/dev/shm", os.getpid()):
         with contextlib.suppress(OSError):
@@ -124,12 +124,16 @@ def _no_snapshots_of_this_process() -> Iterator[None]:
 def _restored_environ() -> Iterator[None]:
     """Give every test the environment the session started with.
 
-    Code under test may set process-wide variables (the etcd3 rendezvous handler exports the round for the
-    workers an agent starts, as ``ELASTIC_TRAIN_RDZV_ROUND``); left behind, they reach every process a later
-    test starts and change what it does.
+    Code under test may set process-wide variables (the etcd3 rendezvous handler names its node's directory
+    for the workers an agent starts, ``ELASTIC_TRAIN_NODE_DIR``); left behind, they reach every process a
+    later test starts and change what it does. The process's link to its agent, made from the environment
+    on first use, is made afresh too.
     """
+    from elastic_train.train.link import use_process_link
+
     saved = dict(os.environ)
     yield
+    use_process_link(None)
     for key in set(os.environ) - set(saved):
         del os.environ[key]
     for key, value in saved.items():

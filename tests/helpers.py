@@ -159,6 +159,18 @@ def script_env(extra: dict[str, str] | None = None, **more: str) -> dict[str, st
     return {**base, **(extra or {}), **more}
 
 
+#: Environment variable of the hold gate in tests/instrument/sitecustomize.py.
+HOLD_GATE = "ELASTIC_TRAIN_TEST_HOLD"
+
+
+def gated(env: dict[str, str], gate: Path) -> dict[str, str]:
+    """``env`` with the hold gate of tests/instrument/sitecustomize.py at ``gate`` (a file the test writes
+    ``WORLD STEP`` to) in every Python process started with it: a documented command runs unchanged, and a
+    group of ``WORLD`` waits before any step past ``STEP`` until it re-forms."""
+    path = os.pathsep.join([str(ROOT / "tests" / "instrument"), env.get("PYTHONPATH", "")])
+    return {**env, "PYTHONPATH": path, HOLD_GATE: str(gate)}
+
+
 def final_weights(root: Path, run_id: str, step: int) -> dict[str, torch.Tensor]:
     """The model's tensors in the newest durable checkpoint of ``run_id`` under ``root``, which must be
     ``step``."""
@@ -226,7 +238,7 @@ class TorchrunAgents:
         script: the training script and its arguments.
         env: the agents' environment (:func:`script_env`); events and audit are added.
         step_timeout: how long :meth:`wait_step` waits by default.
-        rdzv_conf: torchrun's ``--rdzv-conf``.
+        rdzv_conf: torchrun's ``--rdzv-conf`` (``None``: the backend's defaults, as in a user's command).
     """
 
     def __init__(
@@ -238,7 +250,7 @@ class TorchrunAgents:
         script: list[str],
         env: dict[str, str],
         step_timeout: float = 240.0,
-        rdzv_conf: str = "lease_ttl=2,settle=1",
+        rdzv_conf: str | None = "lease_ttl=2,settle=1",
     ) -> None:
         self.tmp, self.endpoint, self.reaper, self.run_id = tmp, endpoint, reaper, run_id
         self.script, self.step_timeout, self.rdzv_conf = script, step_timeout, rdzv_conf
@@ -255,8 +267,8 @@ class TorchrunAgents:
         cmd = [
             sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", "--nproc-per-node=1",
             "--rdzv-backend=etcd3", f"--rdzv-endpoint={self.endpoint}", f"--rdzv-id={self.run_id}",
-            f"--rdzv-conf={self.rdzv_conf}", "--max-restarts=100", "--monitor-interval=0.1",
-            "--local-addr=127.0.0.1", *self.script,
+            *([f"--rdzv-conf={self.rdzv_conf}"] if self.rdzv_conf is not None else []),
+            "--max-restarts=100", "--monitor-interval=0.1", "--local-addr=127.0.0.1", *self.script,
         ]  # fmt: skip
         log = open(self.tmp / f"agent{len(self.procs)}.log", "ab")  # noqa: SIM115 - lives with the process
         variables = {**self.env, **env}

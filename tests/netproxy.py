@@ -27,7 +27,7 @@ import socket
 import sys
 import threading
 
-from elastic_train.loopthread import LoopThread
+from elastic_train.launch.loopthread import LoopThread
 
 
 class LatencyProxy:

@@ -19,18 +19,21 @@ from elastic_train.checkpoint.errors import (
 )
 
 if TYPE_CHECKING:
-    from elastic_train.checkpoint.manager import CheckpointManager, Committed, Restored
+    from elastic_train.checkpoint.manager import CheckpointManager
+    from elastic_train.checkpoint.restore import Restored
+    from elastic_train.checkpoint.writer import Committed
 
-_LAZY = ("CheckpointManager", "Committed", "Restored")
+#: The names that need torch, and the module each lives in.
+_LAZY = {"CheckpointManager": "manager", "Committed": "writer", "Restored": "restore"}
 
 
 def __getattr__(name: str) -> Any:
     # The manager needs torch; importing the package (config, errors) must not, so the CLI and the
     # config loader stay fast.
     if name in _LAZY:
-        from elastic_train.checkpoint import manager
+        import importlib
 
-        return getattr(manager, name)
+        return getattr(importlib.import_module(f"elastic_train.checkpoint.{_LAZY[name]}"), name)
     raise AttributeError(name)
 
 

@@ -24,11 +24,14 @@ from elastic_train.checkpoint import durable
 from elastic_train.checkpoint.codec import tensor_at, unflatten
 from elastic_train.checkpoint.errors import CheckpointError, CheckpointNotFound
 from elastic_train.checkpoint.policy import parse_step_dir
+from elastic_train.checkpoint.sharded import manifest as sharded_manifest
 from elastic_train.checkpoint.storage import LocalStorage, Storage, open_storage
 
 #: What a step directory may hold to be removed by ``rm``: share files, the manifest, a manifest being
-#: written (a local disk's atomic replace).
-_CHECKPOINT_FILE = re.compile(r"^(share-\d{5}\.[A-Za-z0-9]+\.bin|manifest\.json(\.tmp-[0-9a-f]+)?)$")
+#: written (a local disk's atomic replace), a sharded checkpoint's DCP files.
+_CHECKPOINT_FILE = re.compile(
+    r"^(share-\d{5}\.[A-Za-z0-9]+\.bin|manifest\.json(\.tmp-[0-9a-f]+)?|\.metadata|__\d{1,7}_\d{1,7}\.distcp)$"
+)
 
 
 def _options(args: argparse.Namespace) -> dict[str, Any]:
@@ -192,16 +195,26 @@ def cmd_export(args: argparse.Namespace) -> int:
     target = os.path.abspath(os.path.expanduser(args.to))
     _check_target(storage, path, target, args)
     e = _newest_valid(storage, path, args.url)
+    assert e.manifest is not None
+    if e.manifest.get("format") == sharded_manifest.FORMAT:  # a DCP directory: whole tensors, any world size
+        from elastic_train.checkpoint.sharded.export import model_tensors
+
+        plain = model_tensors(storage, e.path, e.manifest)
+    else:
+        plain = _replicated_model(storage, e)
+    _write_new(target, plain, args)
+    print(f"exported {len(plain)} tensors of step {e.manifest['step']} to {args.to}")
+    return 0
+
+
+def _replicated_model(storage: Storage, e: durable.Entry) -> dict[str, torch.Tensor]:
     buf, specs = durable.load(storage, e)
     assert e.manifest is not None
     state = unflatten(e.manifest["skeleton"], [tensor_at(buf, s) for s in specs])
     model = state.get("model") if isinstance(state, dict) else None
     if not isinstance(model, dict) or not model:
         raise CheckpointError(f"{e.path}: the checkpoint holds no model state")
-    plain = {str(k): v.clone() for k, v in model.items() if isinstance(v, torch.Tensor)}
-    _write_new(target, plain, args)
-    print(f"exported {len(plain)} tensors of step {e.manifest['step']} to {args.to}")
-    return 0
+    return {str(k): v.clone() for k, v in model.items() if isinstance(v, torch.Tensor)}
 
 
 def _check_target(storage: Storage, path: str, target: str, args: argparse.Namespace) -> None:

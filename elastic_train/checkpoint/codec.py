@@ -22,12 +22,12 @@ from elastic_train.checkpoint.errors import CheckpointCorrupt, CheckpointError
 
 ALIGN = 64
 _TENSOR, _NDARRAY, _DICT, _TUPLE, _BYTES = "__tensor__", "__ndarray__", "__dict__", "__tuple__", "__bytes__"
-_MARKERS = frozenset((_TENSOR, _NDARRAY, _DICT, _TUPLE, _BYTES))
-MARKERS = _MARKERS
+MARKERS = frozenset((_TENSOR, _NDARRAY, _DICT, _TUPLE, _BYTES))
 """Keys of the one-key dicts that stand for a tensor, a numpy array, a dict, a tuple or bytes."""
-_PLAIN = frozenset({int, float, str, bool, type(None)})
-_STR = frozenset({str})
-"""Types a list or tuple of which is stored as is (no per-element walk)."""
+PLAIN = frozenset({int, float, str, bool, type(None)})
+"""The exact types stored as they are; a list or tuple of only these is stored without a per-element walk."""
+STR = frozenset({str})
+"""The key types of a dict that is walked as it is (``STR.issuperset(map(type, d))``: its keys are str)."""
 
 _DTYPES: dict[str, torch.dtype] = {
     str(d).removeprefix("torch."): d
@@ -175,9 +175,9 @@ class Walker:
 
     def enc(self, v: Any, path: str) -> Any:
         kind = type(v)
-        if kind in _PLAIN:  # the exact types first: most values of a step's state are these
+        if kind in PLAIN:  # the exact types first: most values of a step's state are these
             return v
-        if kind is dict and _STR.issuperset(map(type, v)) and _MARKERS.isdisjoint(v):
+        if kind is dict and STR.issuperset(map(type, v)) and MARKERS.isdisjoint(v):
             return {k: self.enc(x, f"{path}/{k}") for k, x in v.items()}
         if isinstance(v, torch.Tensor):
             return {_TENSOR: self.add(v, path)}
@@ -191,15 +191,15 @@ class Walker:
             return {_BYTES: base64.b64encode(bytes(v)).decode()}
         enc = self.enc
         if isinstance(v, tuple):
-            if _PLAIN.issuperset(map(type, v)):  # e.g. Python's RNG state: 625 ints, every step
+            if PLAIN.issuperset(map(type, v)):  # e.g. Python's RNG state: 625 ints, every step
                 return {_TUPLE: list(v)}
             return {_TUPLE: [enc(x, f"{path}/{i}") for i, x in enumerate(v)]}
         if isinstance(v, list):
-            if _PLAIN.issuperset(map(type, v)):
+            if PLAIN.issuperset(map(type, v)):
                 return list(v)
             return [enc(x, f"{path}/{i}") for i, x in enumerate(v)]
         if isinstance(v, Mapping):
-            if _STR.issuperset(map(type, v)) and _MARKERS.isdisjoint(v):
+            if STR.issuperset(map(type, v)) and MARKERS.isdisjoint(v):
                 return {k: enc(x, f"{path}/{k}") for k, x in v.items()}
             pairs = []
             for k, x in v.items():

@@ -45,7 +45,12 @@ class CheckpointConfig:
     storage_options: dict[str, Any] = field(default_factory=dict)
     """fsspec options of the URL's filesystem, e.g. {"endpoint_url": "http://127.0.0.1:9000"} for s3."""
     memory_dir: str = "/dev/shm"
-    """Directory (a tmpfs) holding the in-memory tier's double-buffered snapshots."""
+    """Directory (a tmpfs) holding the in-memory tier's snapshots (three slots per local rank)."""
+    shard_replicas: int = 0
+    """Sharded (FSDP2) state: also keep each rank's shards in the memory of the rank one node further on (0 or
+    1). With 1 a node that dies takes no shard with it (the survivors reshard from memory); it costs three
+    more slots of a rank's part of the state in shared memory and sending that part to the next node after
+    every snapshot. Replicated (DDP) state ignores it."""
 
     def __post_init__(self) -> None:
         if not self.url:
@@ -65,5 +70,7 @@ class CheckpointConfig:
             raise ValueError(f"keep_last: {self.keep_last} must be >= 1")
         if self.on_error not in ON_ERROR:
             raise ValueError(f"on_error: {self.on_error!r} is not one of {', '.join(ON_ERROR)}")
+        if self.shard_replicas not in (0, 1):
+            raise ValueError(f"shard_replicas: {self.shard_replicas} must be 0 or 1")
         if self.retries < 1:
             raise ValueError(f"retries: {self.retries} must be >= 1")

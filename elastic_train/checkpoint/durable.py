@@ -39,6 +39,7 @@ from elastic_train.checkpoint.policy import (
     step_dir,
     step_dir_round,
 )
+from elastic_train.checkpoint.sharded import manifest as sharded_manifest
 from elastic_train.checkpoint.storage import Storage
 from elastic_train.log import get_logger
 from elastic_train.version import __version__
@@ -262,6 +263,8 @@ def check_manifest(m: Any, step: int | None = None) -> str | None:
     """Why ``m`` is not a usable manifest (None when it is): see :mod:`elastic_train.checkpoint.schema`."""
     if not isinstance(m, dict) or m.get("kind") != KIND:
         return "not an elastic_train manifest"
+    if m.get("format") == sharded_manifest.FORMAT:  # a sharded state in DCP's layout
+        return sharded_manifest.problem(m, step)
     if type(m.get("format")) is not int or m["format"] != FORMAT:
         return f"unsupported format {m.get('format')!r} (this version reads {FORMAT})"
     for key in ("step", "world_size", "files", "tensors", "skeleton"):
@@ -337,7 +340,7 @@ def read_lineage(storage: Storage, run_path: str) -> list[tuple[int, int]]:
     ]
 
 
-def plan_start(
+def lineage_start(
     storage: Storage, run_path: str, round: int, base: int, *, again: int | None = None
 ) -> tuple[int, bytes]:
     """The record that the world of rendezvous round ``round`` starts from step ``base`` (before it trains a
@@ -397,6 +400,11 @@ def load(storage: Storage, entry: Entry) -> tuple[torch.Tensor, list[TensorSpec]
     m = entry.manifest
     if m is None or entry.problem:
         raise CheckpointCorrupt(f"{entry.path}: {entry.problem}")
+    if m.get("format") == sharded_manifest.FORMAT:
+        raise CheckpointCorrupt(
+            f"{entry.path}: a sharded checkpoint (torch.distributed.checkpoint); it loads into a sharded "
+            "(FSDP2) model, or through elastic-train ckpt export"
+        )
     specs = [TensorSpec.from_json(t) for t in m["tensors"]]
     nbytes = int(m.get("layout_bytes") or 0) or max((s.offset + s.nbytes for s in specs), default=0)
     buf = torch.empty(nbytes, dtype=torch.uint8)

@@ -25,14 +25,10 @@ from typing import Any
 
 import torch
 
-from elastic_train.checkpoint.codec import MARKERS, Flat, TensorSpec, Walker, layout_key
+from elastic_train.checkpoint.codec import MARKERS, PLAIN, STR, Flat, TensorSpec, Walker, layout_key
 from elastic_train.log import get_logger
 
 log = get_logger(__name__)
-
-#: The exact types :meth:`Walker.enc` keeps as they are, and the key type of the dicts it walks as they are.
-_PLAIN = frozenset({int, float, str, bool, type(None)})
-_STR = frozenset({str})
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -113,23 +109,23 @@ class _PlanWalker(Walker):
         # data cursor), a Fixed part straight to other(). One loop, no call per value of those kinds: each
         # Python frame costs microseconds with the caches cold after a training step.
         kind = type(v)
-        if kind in _PLAIN:
+        if kind in PLAIN:
             return v
-        if kind is dict and _STR.issuperset(map(type, v)) and MARKERS.isdisjoint(v):
-            if _PLAIN.issuperset(map(type, v.values())):
+        if kind is dict and STR.issuperset(map(type, v)) and MARKERS.isdisjoint(v):
+            if PLAIN.issuperset(map(type, v.values())):
                 return dict(v)
             out = {}
             for k, x in v.items():
                 kind = type(x)
-                if kind in _PLAIN:
+                if kind in PLAIN:
                     out[k] = x
                 elif kind is Fixed:
                     out[k] = self.other(x, f"{path}/{k}")
                 elif (
                     kind is dict
-                    and _STR.issuperset(map(type, x))
+                    and STR.issuperset(map(type, x))
                     and MARKERS.isdisjoint(x)
-                    and _PLAIN.issuperset(map(type, x.values()))
+                    and PLAIN.issuperset(map(type, x.values()))
                 ):
                     out[k] = dict(x)
                 else:

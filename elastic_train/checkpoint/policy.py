@@ -104,7 +104,7 @@ class Candidate:
     """Rank that holds a memory snapshot (the lowest of those holding the step)."""
 
 
-def restore_plan(memory_steps: Sequence[int | None], durable_steps: Sequence[int]) -> list[Candidate]:
+def restore_order(memory_steps: Sequence[int | None], durable_steps: Sequence[int]) -> list[Candidate]:
     """Candidates in the order to try them: durable ones newer than every memory snapshot (newest
     first, each may turn out corrupt), then the newest memory snapshot, then the older durable ones.
 
@@ -114,11 +114,11 @@ def restore_plan(memory_steps: Sequence[int | None], durable_steps: Sequence[int
     """
     held = [(s, r) for r, s in enumerate(memory_steps) if s is not None]
     best_mem = max((s for s, _ in held), default=None)
-    plan: list[Candidate] = []
+    order: list[Candidate] = []
     newer = sorted((s for s in set(durable_steps) if best_mem is None or s > best_mem), reverse=True)
-    plan += [Candidate("durable", s) for s in newer]
+    order += [Candidate("durable", s) for s in newer]
     if best_mem is not None:
         holder = min(r for s, r in held if s == best_mem)
-        plan.append(Candidate("memory", best_mem, holder))
-        plan += [Candidate("durable", s) for s in sorted(set(durable_steps), reverse=True) if s <= best_mem]
-    return plan
+        order.append(Candidate("memory", best_mem, holder))
+        order += [Candidate("durable", s) for s in sorted(set(durable_steps), reverse=True) if s <= best_mem]
+    return order

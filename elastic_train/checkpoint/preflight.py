@@ -117,7 +117,7 @@ def check_resume_source(url: str, options: dict | None = None) -> durable.Entry:
 
 def run_has_state(cfg: CheckpointConfig, run_id: str, storage: Storage | None = None) -> bool:
     """Whether the run already has state of its own (then ``resume_from`` is not used, so not checked)."""
-    from elastic_train.checkpoint.memory import snapshot_files
+    from elastic_train.checkpoint.shmfiles import snapshot_files
 
     storage = storage or open_storage(cfg.url, cfg.storage_options)
     if durable.newest_valid(storage, storage.join(storage.root, run_id)) is not None:

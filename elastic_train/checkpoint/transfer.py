@@ -4,11 +4,11 @@ The holder sends the flat bytes (its shared-memory slot, or a durable checkpoint
 do not hold the step, in chunks of at most :data:`BUCKET` bytes, :data:`WINDOW` in flight, as point-to-point
 messages along a pipelined chain (holder → first receiver → …): the state crosses each link once, and ranks
 that hold the step themselves take no part. Before a chunk of a shared-memory slot goes out, the holder
-hashes it (:class:`~elastic_train.checkpoint.memory.DataCheck`): the slot is verified while it is sent, in
+hashes it (:class:`~elastic_train.checkpoint.slots.DataCheck`): the slot is verified while it is sent, in
 the same pass that brings its pages in, and the restore's verdict afterwards says whether the bytes may be
 used.
 
-Both ends cut the state the same way (:func:`plan`, from its tensor specs alone): a tensor of at least
+Both ends cut the state the same way (:func:`chunks_of`, from its tensor specs alone): a tensor of at least
 :data:`DIRECT_MIN` bytes travels in chunks that lie inside it, which a receiver receives straight into where
 the tensor lands; the small tensors and the alignment gaps between them travel together, through one of a
 few reused bounce buffers, and are copied to their places. Where they land is :class:`Landing`: a *live*
@@ -52,21 +52,21 @@ Chunk = tuple[int, int, bool]
 
 
 class Check(Protocol):
-    """What hashes a holder's bytes as they are read (:class:`~elastic_train.checkpoint.memory.DataCheck`)."""
+    """What hashes a holder's bytes as they are read (:class:`~elastic_train.checkpoint.slots.DataCheck`)."""
 
     def update(self, data: torch.Tensor) -> None: ...
 
 
 class Reader(Protocol):
-    """Where a holder reads its state from (:class:`~elastic_train.checkpoint.memory.SlotReader`)."""
+    """Where a holder reads its state from (:class:`~elastic_train.checkpoint.slots.SlotReader`)."""
 
     def read_into(self, start: int, dest: torch.Tensor) -> None: ...
 
 
-def plan(specs: Sequence[TensorSpec], nbytes: int) -> list[Chunk]:
+def chunks_of(specs: Sequence[TensorSpec], nbytes: int) -> list[Chunk]:
     """The chunks the flat state of ``specs`` (``nbytes`` in all) travels in: in order, covering every byte.
 
-    Every rank computes the same plan from the specs: a tensor of at least :data:`DIRECT_MIN` bytes is cut
+    Every rank computes the same chunks from the specs: a tensor of at least :data:`DIRECT_MIN` bytes is cut
     into chunks of its own (received in place); the bytes between such tensors (small tensors, padding) into
     chunks of at most :data:`BUCKET`.
     """
@@ -256,7 +256,7 @@ def send(
         source: the state's flat bytes (a checkpoint read from storage: sent from there), or a reader of a
             shared-memory slot (each chunk is read into the holder's own ``landing`` first, hashed by
             ``check`` and sent from there).
-        chunks: :func:`plan` of the state.
+        chunks: :func:`chunks_of` the state.
         chain: the holder, then every receiver in the order the bytes pass them.
         group: the process group of the chain's ranks, or several groups of the same ranks (lanes): chunk k
             travels in lane ``k % len(group)`` (see :func:`lane`).

@@ -1,10 +1,13 @@
-"""``elastic-train etcd``: a foreground etcd dev server (one member, or a 3/5-member cluster) on loopback;
-``elastic-train etcd auth ensure|wait``: a job's etcd authentication (:mod:`elastic_train.etcd.auth`)."""
+"""``elastic-train etcd``: a foreground etcd dev server (one member, or a 3/5-member cluster), on loopback or,
+with ``--host``, for the nodes of other machines; ``elastic-train etcd auth ensure|wait``: a job's etcd
+authentication (:mod:`elastic_train.etcd.auth`)."""
 
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import signal
+import socket
 import sys
 import threading
 
@@ -15,9 +18,17 @@ from elastic_train.etcd.server import EmbeddedEtcd, EtcdCluster
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
-        "etcd", help="serve a development etcd on loopback until Ctrl-C (`etcd auth`: a job's etcd users)"
+        "etcd",
+        help="serve a development etcd until Ctrl-C, on loopback or for other machines (`etcd auth`: a job's "
+        "etcd users)",
     )
-    p.add_argument("--host", default="127.0.0.1", help="loopback address to listen on")
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on: 127.0.0.1 (default) for nodes on this machine; this machine's address, "
+        "or 0.0.0.0 for every interface, for nodes on others (no authentication, no TLS: a trusted network "
+        "only)",
+    )
     p.add_argument(
         "--port",
         type=int,
@@ -102,16 +113,55 @@ def run_auth_wait(args: argparse.Namespace) -> int:
     return 0
 
 
+#: What ``elastic-train etcd`` says when it listens for other machines.
+OPEN_ADVICE = (
+    "  listening for other machines without authentication or TLS: whoever reaches this port reads and "
+    "changes every run's keys. Beyond a trusted network use a production etcd with client TLS and "
+    'authentication (docs/kubernetes.md, "etcd in production"; `elastic-train etcd auth ensure` creates '
+    "a job's user), and give the nodes rendezvous.user and rendezvous.tls."
+)
+
+
+def _reachable(host: str, port: int) -> list[str]:
+    """``ADDR:PORT`` for each address other machines may reach a server listening on ``host`` at."""
+    if host not in WILDCARDS:
+        return [f"{host}:{port}"]
+    import psutil
+
+    out = []
+    for addrs in psutil.net_if_addrs().values():
+        for a in addrs:
+            if a.family == socket.AF_INET and not ipaddress.ip_address(a.address).is_loopback:
+                out.append(f"{a.address}:{port}")
+    return out or [f"THIS_MACHINE:{port}"]
+
+
+#: Hosts that mean "every interface".
+WILDCARDS = ("0.0.0.0",)
+
+
 def run(args: argparse.Namespace) -> int:
     server: EmbeddedEtcd | EtcdCluster
+    try:
+        loopback = args.host == "localhost" or ipaddress.ip_address(args.host.strip("[]")).is_loopback
+    except ValueError:
+        raise ConfigError(
+            f"--host {args.host!r}: expected an IP address (or 0.0.0.0 for every interface)"
+        ) from None
     if args.members == 1:
         server = EmbeddedEtcd(
-            host=args.host, client_port=args.port, data_dir=args.data_dir, enable_v2=args.enable_v2
+            host=args.host,
+            client_port=args.port,
+            data_dir=args.data_dir,
+            enable_v2=args.enable_v2,
+            peer_host=None if loopback else "127.0.0.1",  # a lone member has no peers
         )
     else:
         if args.enable_v2:
             sys.stderr.write("elastic-train: error: --enable-v2 is for a single member (drop --members)\n")
             return 2
+        if args.host in WILDCARDS:
+            raise ConfigError(f"--host {args.host}: a cluster's members need one address to find each other")
         ports = [args.port + i if args.port else 0 for i in range(args.members)]
         server = EtcdCluster(args.members, host=args.host, client_ports=ports, data_dir=args.data_dir)
     stop = threading.Event()
@@ -125,7 +175,16 @@ def run(args: argparse.Namespace) -> int:
             f"etcd {server.version}{what} serving on {server.endpoint} (pid {pids}); Ctrl-C stops it",
             flush=True,
         )
-        print(f"  torchrun --rdzv-backend=etcd3 --rdzv-endpoint={server.endpoint} ...", flush=True)
+        if loopback:
+            print(f"  torchrun --rdzv-backend=etcd3 --rdzv-endpoint={server.endpoint} ...", flush=True)
+        else:
+            port = int(server.endpoint.split(",")[0].rpartition(":")[2])
+            reach = ",".join(_reachable(args.host, port)[:1])
+            print(OPEN_ADVICE, flush=True)
+            print(
+                f"  on every node: elastic-train run JOB.yaml --endpoint {reach} --local-addr NODE_ADDR ...",
+                flush=True,
+            )
         while not stop.wait(0.5):
             for m in members:
                 if m.proc is None or m.proc.poll() is not None:

@@ -158,7 +158,8 @@ def run(args: argparse.Namespace) -> int:
     if not summary.succeeded:
         status = job.final_status
         if status is not None and status.state == "failed" and status.message:
-            sys.stderr.write(f"elastic-train: error: run {job.run_id} failed: {status.message}\n")
+            where = f"the node logs in {workdir} have the full error"
+            sys.stderr.write(f"elastic-train: error: run {job.run_id} failed: {status.message}; {where}\n")
             return 2 if 2 in summary.node_exit_codes.values() else 1
         sys.stderr.write(f"elastic-train: error: the job did not finish; see the node logs in {workdir}\n")
     return 0 if ok else 1

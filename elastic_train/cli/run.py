@@ -74,11 +74,11 @@ def run(args: argparse.Namespace) -> int:
         print(shlex.join([sys.executable, "-m", "torch.distributed.run", *argv]))
         return 0
     launch_run.prepare_environment(cfg, local_addr, os.environ, own_entry=bool(args.entry))
-    launch_run.preflight(cfg)
-    if not args.entry:
-        from elastic_train.checkpoint.preflight import check_settings
-
-        check_settings(cfg.checkpoint, cfg.rendezvous.run_id)
+    launch_run.preflight_storage(cfg)
+    # The fork server next: forked once this process imported torch and before anything starts a thread
+    # (the checkpoint settings' check imports torch, etcd's gRPC channel leaves threads), so that torch is
+    # imported once per node and the server's own imports (torch._dynamo, a second or more) run while this
+    # process checks etcd and joins: a node that joins a running job trains that much sooner.
     forkserver = (
         launch_run.ForkServerSupervisor(os.environ, preload, fork=True)
         if args.worker_start == "forkserver"
@@ -94,6 +94,11 @@ def run(args: argparse.Namespace) -> int:
         launch_run.start_barrier(os.environ)
 
     try:
+        launch_run.preflight_etcd(cfg)
+        if not args.entry:
+            from elastic_train.checkpoint.preflight import check_settings
+
+            check_settings(cfg.checkpoint, cfg.rendezvous.run_id)
         return launch_run.launch(argv, before_rendezvous=ready)
     finally:
         if forkserver is not None:

@@ -6,7 +6,8 @@ import argparse
 import json
 import sys
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TextIO
 
 from elastic_train.cli.etcd import add_tls_options, tls_from_args
 from elastic_train.errors import ConfigError
@@ -16,6 +17,11 @@ from elastic_train.rendezvous.config import RendezvousConfig
 if TYPE_CHECKING:
     from elastic_train.rendezvous.status import JobStatus
 
+
+#: Seconds between two refreshes of ``status --watch``.
+WATCH_INTERVAL = 2.0
+#: What a terminal is sent before each refresh: cursor home, clear the screen.
+CLEAR = "\x1b[H\x1b[2J"
 
 #: States in which no node holds the run: its members are the last round's, none of them "lost".
 ENDED = ("finished", "failed", "stopped")
@@ -33,6 +39,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--password-file", default=None, help="file holding the password")
     add_tls_options(p)
     p.add_argument("--timeout", type=float, default=5.0, help="seconds per etcd request")
+    p.add_argument(
+        "--watch",
+        nargs="?",
+        type=float,
+        const=WATCH_INTERVAL,
+        metavar="SECONDS",
+        help=f"refresh the view every SECONDS (default {WATCH_INTERVAL:g}) until Ctrl-C",
+    )
     p.set_defaults(func=run)
 
 
@@ -52,7 +66,11 @@ def run(args: argparse.Namespace) -> int:
         )
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
+    if args.watch is not None and args.watch <= 0:
+        raise ConfigError(f"--watch {args.watch:g}: the refresh interval must be > 0 seconds")
     with open_etcd(cfg, timeout=args.timeout, connect_timeout=args.timeout) as etcd:
+        if args.watch is not None:
+            return watch(lambda: read_status(etcd, args.run_id), args.watch, as_json=args.json)
         st = read_status(etcd, args.run_id)
     if not st.exists:
         if args.json:
@@ -67,6 +85,66 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def watch(
+    read: Callable[[], JobStatus],
+    interval: float,
+    *,
+    as_json: bool = False,
+    out: TextIO | None = None,
+    times: int | None = None,
+) -> int:
+    """Print the run's view every ``interval`` seconds until Ctrl-C (or ``times`` views); status 0.
+
+    On a terminal each view replaces the last; otherwise (a pipe, a log) views follow each other, each
+    under a line with the time. ``--json`` prints one JSON object per line. An etcd error is shown in place
+    of a view, and the next refresh tries again.
+    """
+    from elastic_train.etcd.errors import EtcdError
+
+    stream = out or sys.stdout
+    tty = stream.isatty()
+    shown = 0
+    try:
+        while times is None or shown < times:
+            if shown:
+                time.sleep(interval)
+            shown += 1
+            try:
+                st = read()
+            except EtcdError as exc:
+                lines = [f"elastic-train: error: {exc} (retrying every {interval:g} s)"]
+            else:
+                if as_json:
+                    stream.write(json.dumps(st.to_json()) + "\n")
+                    stream.flush()
+                    continue
+                lines = render(st) if st.exists else [f"no such run: {st.run_id} (yet)"]
+            stamp = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+            head = f"{CLEAR}every {interval:g}s, at {stamp} (Ctrl-C stops)" if tty else f"--- {stamp}"
+            stream.write("\n".join([head, *lines]) + "\n")
+            stream.flush()
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def budget_line(st: JobStatus) -> str:
+    """``failures: 2 in the last 1h of a budget of 10 (8 left), 5 in all; clean leaves: 3 (not counted)``."""
+    from elastic_train.rendezvous.budget import window_text
+
+    budget = "?" if st.failure_budget is None else str(st.failure_budget)
+    left = "?" if st.failures_left is None else str(st.failures_left)
+    if st.failure_window:
+        counted = f"{st.failures_in_window} in the last {window_text(st.failure_window)}"
+        total = f", {st.failures_used} in all"
+    else:
+        counted, total = f"{st.failures_used} over the run's life", ""
+    return (
+        f"failures: {counted} of a budget of {budget} ({left} left){total}; "
+        f"clean leaves: {st.leaves} (not counted)"
+    )
+
+
 def render(st: JobStatus) -> list[str]:
     """The text form of a run's status."""
     when = time.strftime(" on %Y-%m-%d %H:%M:%S UTC", time.gmtime(st.closed_at)) if st.closed_at else ""
@@ -77,9 +155,7 @@ def render(st: JobStatus) -> list[str]:
         head = f"run {st.run_id}: failed{when}: {st.message or 'no reason recorded'}"
     else:
         head = f"run {st.run_id}: {st.state}, round {st.round}, world size {st.world_size}"
-    budget = "?" if st.failure_budget is None else str(st.failure_budget)
-    left = "?" if st.failure_budget is None else str(max(0, st.failure_budget - st.failures_used))
-    lines = [head, f"failures: {st.failures_used} used of {budget} ({left} left)"]
+    lines = [head, budget_line(st)]
     # Once a run ended (or all its nodes left) no member holds a lease any more: that is not a loss, and
     # nothing can wait for a round; the members shown are the last round's.
     ended = st.state in ENDED

@@ -18,11 +18,6 @@ against plain text or the reverse) and only then calls it a TLS mismatch.
 from __future__ import annotations
 
 import enum
-import os
-
-# gRPC's C core logs a failed TLS handshake (and other transport trouble) to stderr itself; the failure
-# reaches the user once, as an EtcdError line. Set before grpc is imported; an explicit setting wins.
-os.environ.setdefault("GRPC_VERBOSITY", "NONE")
 
 import grpc
 

@@ -16,7 +16,6 @@ kept only in memory and never appears in a message, a ``repr`` or a log event.
 from __future__ import annotations
 
 import contextlib
-import os
 import random
 import socket
 import ssl
@@ -25,10 +24,6 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
-
-# gRPC's C core logs a failed TLS handshake (and other transport trouble) to stderr itself; the failure
-# reaches the user once, as an EtcdError line. Set before grpc is imported; an explicit setting wins.
-os.environ.setdefault("GRPC_VERBOSITY", "NONE")
 
 import etcd3
 import grpc

@@ -89,7 +89,7 @@ class EmbeddedEtcd:
             print(etcd.endpoint)   # "127.0.0.1:PORT"
 
     Args:
-        host: loopback address to listen on.
+        host: address to listen on for clients (loopback by default; ``0.0.0.0``: every interface).
         client_port: client port (0 picks a free one).
         data_dir: data directory (default: a temporary directory removed on :meth:`stop`).
         binary: etcd binary (default: :func:`find_etcd_binary`).
@@ -100,6 +100,8 @@ class EmbeddedEtcd:
         name: member name (a cluster's members differ).
         peer_port: peer port (0 picks a free one).
         initial_cluster: ``name=peer-url,...`` of every member of a new cluster (default: this one alone).
+        peer_host: address of the peer listener (default ``host``; a lone member serving other machines
+            keeps it on loopback: it has no peers).
     """
 
     def __init__(
@@ -115,8 +117,10 @@ class EmbeddedEtcd:
         name: str = "default",
         peer_port: int = 0,
         initial_cluster: str | None = None,
+        peer_host: str | None = None,
     ) -> None:
         self.host = host
+        self.peer_host = peer_host or host
         self.binary = binary or find_etcd_binary()
         # Ports picked here may be taken by another process before etcd binds them: the first start then
         # moves to other free ports (a restart keeps its ports: clients know the endpoint by then).
@@ -125,7 +129,7 @@ class EmbeddedEtcd:
         #: The signal that ended the last start attempt before etcd became healthy, if one did.
         self.start_signal: int | None = None
         self.client_port = client_port or free_port(host)
-        self.peer_port = peer_port or free_port(host)
+        self.peer_port = peer_port or free_port(self.peer_host)
         self.name = name
         self.initial_cluster = initial_cluster
         self._own_dir = data_dir is None
@@ -156,7 +160,7 @@ class EmbeddedEtcd:
 
     @property
     def peer_url(self) -> str:
-        return f"http://{self.host}:{self.peer_port}"
+        return f"http://{self.peer_host}:{self.peer_port}"
 
     def command(self) -> list[str]:
         peer = self.peer_url
@@ -206,7 +210,7 @@ class EmbeddedEtcd:
                     raise
                 log.debug("etcd_restart", endpoint=self.endpoint, attempt=attempt, signal=self.start_signal)
                 shutil.rmtree(os.path.join(self.data_dir, "data"), ignore_errors=True)
-                self.client_port, self.peer_port = free_port(self.host), free_port(self.host)
+                self.client_port, self.peer_port = free_port(self.host), free_port(self.peer_host)
                 continue
             self._started = True
             break

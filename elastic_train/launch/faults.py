@@ -18,6 +18,9 @@ from elastic_train.errors import ConfigError
 KINDS: dict[str, bool] = {
     "kill-node": True,  # SIGKILL the agent and all its workers (a machine lost)
     "kill-worker": True,  # SIGKILL one worker process of the node (a crashed trainer)
+    # SIGTERM to the agent only, as Kubernetes sends a pod's main process on preemption, drain or deletion:
+    # the node leaves cleanly (not a failure) and exits by the signal
+    "preempt-node": True,
     "hang-node": True,  # SIGSTOP the agent and all its workers (a frozen machine)
     "resume-node": True,  # SIGCONT a hung node (it comes back and rejoins)
     "add-node": False,  # start one more node (scale up)

@@ -26,6 +26,7 @@ def job_settings(cfg: JobConfig) -> dict[str, Any]:
         "rendezvous.max_nodes": rdzv.max_nodes,
         "rendezvous.nproc_per_node": rdzv.nproc_per_node,
         "rendezvous.failure_budget": rdzv.failure_budget,
+        "rendezvous.failure_window": rdzv.failure_window,
         "train.task": train.task,
         "train.task_args": train.task_args,
         "train.global_batch": train.global_batch,

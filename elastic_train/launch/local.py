@@ -159,6 +159,7 @@ class LocalJob:
         self.actions: dict[str, Action] = {
             "kill-node": _on_node(self._kill_node),
             "kill-worker": _on_node(self._kill_worker),
+            "preempt-node": _on_node(self._preempt_node),
             "hang-node": _on_node(self._hang_node),
             "resume-node": _on_node(self._resume_node),
             "add-node": self._add_node,
@@ -264,6 +265,14 @@ class LocalJob:
     def _kill_node(self, record: FaultRecord, node: Node) -> None:
         record.extra["pids"] = signal_tree(node.proc.pid, signal.SIGKILL, walked=lambda: _signalled(record))
         node.killed = True
+
+    def _preempt_node(self, record: FaultRecord, node: Node) -> None:
+        """SIGTERM to the agent alone (what the kubelet sends a pod's main process): it leaves the run and
+        stops its workers itself."""
+        _signalled(record)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(node.proc.pid, signal.SIGTERM)
+        record.extra["pids"] = [node.proc.pid]
 
     def _kill_worker(self, record: FaultRecord, node: Node) -> None:
         workers = [p for p in tree(node.proc.pid)[1:] if _is_worker(p)]
@@ -649,7 +658,7 @@ class LocalJob:
         if self.etcd is not None:
             self.etcd.stop()
             self.etcd = None
-        from elastic_train.checkpoint.memory import snapshot_files
+        from elastic_train.checkpoint.shmfiles import snapshot_files
 
         # Snapshots of nodes that were killed are never released by their workers.
         for path in snapshot_files(self.cfg.checkpoint.memory_dir, self.run_id):
@@ -682,11 +691,11 @@ def _signal_all(procs: list[psutil.Process], sig: int) -> None:
 
 
 def _is_worker(p: psutil.Process) -> bool:
-    """A process torchrun started as a worker (``python -m elastic_train.worker`` or ``elastic_train.standin``
-    for a user's script; not the fork server)."""
+    """A process torchrun started as a worker (``python -m elastic_train.worker`` or
+    ``elastic_train.worker.standin`` for a user's script; not the fork server)."""
     try:
         cmdline = p.cmdline()
-        return "elastic_train.worker" in cmdline or "elastic_train.standin" in cmdline
+        return "elastic_train.worker" in cmdline or "elastic_train.worker.standin" in cmdline
     except (psutil.NoSuchProcess, psutil.AccessDenied):
         return False
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
-from elastic_train.loopthread import LoopThread
+from elastic_train.launch.loopthread import LoopThread
 
 
 class SilentLink:

@@ -54,6 +54,16 @@ def endpoint_is_loopback(endpoint: str) -> bool:
     return True
 
 
+def interface_of(addr: str) -> str | None:
+    """The name of this machine's network interface that holds ``addr`` (None: none does, or not an IP)."""
+    import psutil
+
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address == addr for a in addrs if a.family in (socket.AF_INET, socket.AF_INET6)):
+            return name
+    return None
+
+
 def default_local_addr(cfg: RendezvousConfig) -> str | None:
     """The address this node advertises: loopback for a loopback etcd, else torchrun's default (FQDN)."""
     return "127.0.0.1" if endpoint_is_loopback(cfg.endpoint) else None
@@ -93,7 +103,7 @@ def torchrun_argv(
     if local_addr:
         argv.append(f"--local-addr={local_addr}")
     if entry:
-        return [*argv, "-m", "elastic_train.standin", *entry]
+        return [*argv, "-m", "elastic_train.worker.standin", *entry]
     argv += ["-m", "elastic_train.worker"]
     if config_path:
         argv += ["--config", os.path.abspath(config_path)]
@@ -103,8 +113,8 @@ def torchrun_argv(
 def prepare_environment(
     cfg: JobConfig, local_addr: str | None, environ: MutableMapping[str, str], *, own_entry: bool = False
 ) -> None:
-    """Set what the agent and its workers inherit: node id, the job's identity, and loopback gloo for a
-    loopback job.
+    """Set what the agent and its workers inherit: node id, the job's identity, and the interface gloo binds:
+    loopback for a loopback job, else the one holding ``local_addr`` (unless ``GLOO_SOCKET_IFNAME`` is set).
 
     The identity is what the ``etcd3`` handler compares before this node joins: every setting all nodes must
     share, or with ``own_entry`` (a user's script, which ignores the train and checkpoint sections) only what
@@ -124,20 +134,37 @@ def prepare_environment(
     environ[ENV_IDENTITY] = JobIdentity(settings).to_json()
     if local_addr and endpoint_is_loopback(rdzv.endpoint):
         environ.setdefault("GLOO_SOCKET_IFNAME", LOOPBACK_IFNAME)
+    elif local_addr and "GLOO_SOCKET_IFNAME" not in environ:
+        # gloo otherwise binds the address this machine's host name resolves to, which need not be the one
+        # the other nodes reach (a second network, a container's or a namespace's interface)
+        ifname = interface_of(local_addr)
+        if ifname is not None:
+            environ["GLOO_SOCKET_IFNAME"] = ifname
 
 
 def preflight(cfg: JobConfig) -> None:
-    """Check what can be checked before any process starts, so a mistake is one line now, not a crash loop.
+    """Check what can be checked before the agent starts, so a mistake is one line now, not a crash loop.
 
-    The checkpoint URL must name an installed filesystem, and etcd must answer with the job's credentials.
+    The checkpoint URL must name an installed filesystem (:func:`preflight_storage`), and etcd must answer
+    with the job's credentials (:func:`preflight_etcd`).
 
     Raises:
         StorageError: unknown protocol or missing optional filesystem package.
         EtcdError: unreachable, authentication or TLS failure.
     """
+    preflight_storage(cfg)
+    preflight_etcd(cfg)
+
+
+def preflight_storage(cfg: JobConfig) -> None:
+    """The checkpoint URL names an installed filesystem (no connection, no thread: ``elastic-train run``
+    checks it before it forks its fork server).
+
+    Raises:
+        StorageError: unknown protocol or missing optional filesystem package.
+    """
     from elastic_train.checkpoint.storage import open_storage
     from elastic_train.errors import ElasticTrainError
-    from elastic_train.rendezvous.connect import open_etcd
 
     try:
         open_storage(cfg.checkpoint.url, cfg.checkpoint.storage_options)
@@ -148,6 +175,16 @@ def preflight(cfg: JobConfig) -> None:
         if module is None or not _import_quietly(module):
             raise
         open_storage(cfg.checkpoint.url, cfg.checkpoint.storage_options)
+
+
+def preflight_etcd(cfg: JobConfig) -> None:
+    """etcd answers with the job's credentials (its gRPC channel leaves threads behind).
+
+    Raises:
+        EtcdError: unreachable, authentication or TLS failure.
+    """
+    from elastic_train.rendezvous.connect import open_etcd
+
     open_etcd(cfg.rendezvous).close()
 
 
@@ -360,7 +397,11 @@ def launch(argv: list[str], before_rendezvous: Callable[[], object] | None = Non
     """Run torchrun's agent in this process; turn its failures into one line and an exit code.
 
     ``before_rendezvous`` is called once torchrun is imported, just before the agent enters the rendezvous.
+    A signal that stops the node (SIGTERM from Kubernetes, Ctrl-C) ends it with one line and the shell's
+    code for the signal, after torchrun's agent stopped the workers (it does not close the run: the others
+    go on without this node).
     """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import parse_args
@@ -379,4 +420,14 @@ def launch(argv: list[str], before_rendezvous: Callable[[], object] | None = Non
     except RendezvousError as exc:
         sys.stderr.write(f"elastic-train: error: rendezvous: {exc}\n")
         return 1
+    except SignalException as exc:
+        # SIGTERM (a preemption, a drain, a deleted pod): the etcd3 handler marked a clean leave before
+        # torchrun stopped the workers (rendezvous/leave.py). Exit by the signal's status (not 0: on
+        # Kubernetes a pod that exits 0 counts its index as succeeded).
+        from elastic_train.rendezvous import leave
+
+        name = signal.Signals(exc.sigval).name if exc.sigval in signal.Signals else str(exc.sigval)
+        left = "; this node left the run cleanly" if leave.announced() else ""
+        sys.stderr.write(f"elastic-train: node stopped by {name}{left}\n")
+        return 128 + int(exc.sigval)
     return 0

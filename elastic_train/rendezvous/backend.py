@@ -1,6 +1,6 @@
 """``etcd3-dynamic``: an etcd v3 ``RendezvousBackend`` and c10d Store for torch's DynamicRendezvousHandler.
 
-The backend keeps torch's encoded rendezvous state in one key; the fencing token is the key's etcd mod
+The backend keeps torch's encoded rendezvous state in one key; torch's state token is the key's etcd mod
 revision, and ``set_state`` is one compare-and-set transaction. The store is a c10d Store in Python over etcd
 keys (blocking reads poll with a short backoff), used by the handler for its per-round prefix store. Both keep
 the contracts torch's own ``c10d`` and ``etcd-v2`` backends keep (tests/integration/test_store_contract.py):
@@ -118,7 +118,7 @@ class NodeLease:
 
 
 class Etcd3RendezvousBackend(RendezvousBackend):
-    """Rendezvous state in ``/elastic_train/<run>/dynamic/state`` (base64), fenced by its mod revision.
+    """Rendezvous state in ``/elastic_train/<run>/dynamic/state`` (base64), compared on its mod revision.
 
     Args:
         etcd: a connected client.

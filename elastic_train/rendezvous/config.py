@@ -1,4 +1,5 @@
-"""Rendezvous settings of a job (the ``rendezvous:`` section of job.yaml) and where a run's keys live."""
+"""Rendezvous settings of a job (the ``rendezvous:`` section of job.yaml), the settings a participant runs
+with, and where a run's keys live."""
 
 from __future__ import annotations
 
@@ -6,9 +7,14 @@ import re
 from dataclasses import dataclass
 
 from elastic_train.etcd.config import EtcdConfig
+from elastic_train.rendezvous.identity import JobIdentity
 
 #: Every run's keys live under this etcd prefix.
 ROOT = "/elastic_train/"
+#: Largest failure budget (the run's ``budget`` record keeps one time per failure in the window).
+MAX_FAILURE_BUDGET = 10_000
+#: Longest failure window: 30 days.
+MAX_FAILURE_WINDOW = 30 * 86400
 #: Run ids become etcd key prefixes and Kubernetes-style names: keep them tame.
 RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 
@@ -55,10 +61,17 @@ class RendezvousConfig(EtcdConfig):
     join_timeout: float = 600.0
     """Seconds a node waits for a round to reach min_nodes before giving up."""
     failure_budget: int = 10
-    """Worker-group failures the whole job may survive (scale-ups do not count)."""
+    """Worker-group failures the job may survive in any ``failure_window`` seconds (scale-ups and clean leaves
+    on SIGTERM do not count)."""
+    failure_window: float = 3600.0
+    """Seconds over which failures count against ``failure_budget`` (0: the run's whole life). An hour: a
+    crash loop spends any budget within minutes, while a job that lives for weeks forgets its old churn."""
     identity_wait: float = 120.0
     """Seconds a node whose settings differ from a live run's waits for that run's nodes to leave (a Job
     deleted moments ago) before it is refused; then it takes the run over."""
+
+    metrics_port: int | None = None
+    """Port the agent serves Prometheus metrics on (docs/metrics.md; 0: a free one; None: no metrics)."""
 
     hot: bool = True
     """Survivors of a membership change keep their worker processes and re-form the process group in-process
@@ -82,8 +95,17 @@ class RendezvousConfig(EtcdConfig):
             raise ValueError(f"join_timeout: {self.join_timeout} must be > 0")
         if not 0 <= self.identity_wait <= 3600:
             raise ValueError(f"identity_wait: {self.identity_wait} must be between 0 and 3600 seconds")
-        if self.failure_budget < 0:
-            raise ValueError(f"failure_budget: {self.failure_budget} must be >= 0")
+        if not 0 <= self.failure_budget <= MAX_FAILURE_BUDGET:
+            raise ValueError(
+                f"failure_budget: {self.failure_budget} must be between 0 and {MAX_FAILURE_BUDGET}"
+            )
+        if not (self.failure_window == 0 or 1 <= self.failure_window <= MAX_FAILURE_WINDOW):
+            raise ValueError(
+                f"failure_window: {self.failure_window:g} must be 0 (the run's whole life) or between 1 and "
+                f"{MAX_FAILURE_WINDOW} seconds"
+            )
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port: {self.metrics_port} is not a TCP port (0-65535)")
         if self.keepalive_interval is not None and not (
             0.05 <= self.keepalive_interval <= self.lease_ttl / 2
         ):
@@ -100,3 +122,46 @@ class RendezvousConfig(EtcdConfig):
     def keepalive_every(self) -> float:
         """The effective keep-alive interval: ``keepalive_interval``, else a third of the lease TTL."""
         return self.keepalive_interval if self.keepalive_interval is not None else self.lease_ttl / 3.0
+
+
+@dataclass(kw_only=True, slots=True)
+class ProtocolSettings:
+    """What one participant of a run runs with (from :class:`RendezvousConfig`, or torchrun's parameters)."""
+
+    run_id: str
+    min_nodes: int
+    max_nodes: int
+    lease_ttl: float = 3.0
+    settle: float = 1.0
+    join_window: float | None = None
+    """Seconds after the first node asked for a follow-up round before it closes without the live nodes
+    that have not asked (``None``: ``settle``)."""
+    join_timeout: float = 600.0
+    failure_budget: int = 10
+    failure_window: float = 3600.0
+    """Seconds over which ``failure_budget`` failures are counted (0: the run's whole life)."""
+    keepalive_interval: float | None = None
+    identity: JobIdentity | None = None
+    """The settings every node of the run must share (``None``: not checked)."""
+    identity_wait: float = 120.0
+    """Seconds a node whose identity differs from a live run's waits for that run's nodes to go away."""
+    hot: bool = True
+    """Membership changes are handled by the workers in-process where they can (:mod:`.hot`)."""
+
+    @classmethod
+    def from_config(cls, cfg: RendezvousConfig) -> ProtocolSettings:
+        """The protocol settings of a job's rendezvous config (the identity is left to the handler)."""
+        return cls(
+            run_id=cfg.run_id,
+            min_nodes=cfg.min_nodes,
+            max_nodes=cfg.max_nodes,
+            lease_ttl=cfg.lease_ttl,
+            settle=cfg.settle,
+            join_window=cfg.join_window,
+            join_timeout=cfg.join_timeout,
+            failure_budget=cfg.failure_budget,
+            failure_window=cfg.failure_window,
+            keepalive_interval=cfg.keepalive_interval,
+            identity_wait=cfg.identity_wait,
+            hot=cfg.hot,
+        )

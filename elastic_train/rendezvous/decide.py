@@ -6,10 +6,14 @@ clock, and acts on the answer. Unit tests drive them directly.
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Iterable, Mapping
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from operator import attrgetter
+
+from elastic_train.node import Outcome, seconds
+from elastic_train.torchcompat import WorkerExit
 
 #: Why a node (re-)joins. "start": first join of this agent; "failure": its own workers failed;
 #: "lost": it restarted because a member of its round disappeared; "scale": it restarted because another
@@ -35,11 +39,15 @@ class Joiner:
     exit_code: int | None = None
     """With reason "failure": the exit code all of the node's failed workers had (``None``: not one)."""
     error: str = ""
-    """With :attr:`exit_code`: the last line those workers wrote to stderr."""
+    """With :attr:`exit_code`: the script's own error line (``""``: none known)."""
     trained: bool = False
-    """The node's workers have committed a step in this run (or resumed past one)."""
+    """The node's workers have committed a step in the round they failed in."""
     ran_s: float = 0.0
     """With :attr:`exit_code`: the longest those workers' script ran before it exited."""
+    signature: str = ""
+    """With :attr:`exit_code`: what makes two failures the same one (:class:`ExitReport`)."""
+    asked_at: float | None = None
+    """Unix time (the node's clock) the node asked: where a recovery starts (``None``: not said)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,34 +138,86 @@ def ranks_before(previous_rank: Mapping[str, int], a: Joiner, b: Joiner) -> bool
     return (a.revision, a.node_id) < (b.revision, b.node_id)
 
 
-def is_failure_transition(
-    previous: list[str], members: list[str], joiners: Iterable[Joiner], live: Iterable[str]
-) -> bool:
-    """True when the move to a new round is caused by a failure (it spends one unit of the failure budget).
+@dataclass(frozen=True, slots=True)
+class ExitReport:
+    """How all the failed workers of a node's group ended, when they ended alike."""
 
-    A failure: some joiner restarted because its workers failed or a member was lost, or a member of the
-    previous round is neither in the new round nor alive. Pure scale-ups (new nodes while every member
-    survives) are not failures. One transition counts once, however many agents saw it.
-    """
-    if any(j.reason in FAILURE_REASONS for j in joiners):
-        return True
-    live_set, member_set = set(live), set(members)
-    return any(p not in member_set and p not in live_set for p in previous)
+    code: int
+    """Their exit code (negative: the signal that killed them)."""
+    line: str
+    """The script's own error line (an exception's ``Type: message``, the last stderr line), or ``""``."""
+    signature: str
+    """What makes two failures the same one: the exception's type and where it was raised when the worker
+    said, else the error line (``""``: the exit code alone)."""
+    ran_s: float = 0.0
+    """The longest any of them ran before it exited (0 when unknown)."""
+
+
+#: Python's exit status for any uncaught exception, one that a peer's failure caused included: alone, without
+#: the exception or a line, it names no failure.
+GENERIC_EXIT = 1
+
+
+def exit_report(outcomes: Iterable[Outcome]) -> ExitReport | None:
+    """The node's report when the exited workers of its group all failed the same way (the same non-zero
+    exit code and signature); ``None`` otherwise (none exited, they differ, or the exit code is all there
+    is and it is :data:`GENERIC_EXIT`)."""
+    outcomes = list(outcomes)
+    if any(o.state == "restarting" for o in outcomes):  # left for the restart path: nothing failed
+        return None
+    exited = [o for o in outcomes if o.state == "exited"]
+    signatures = {(o.code, f"{o.kind} at {o.where}" if o.kind else o.message.strip()) for o in exited}
+    if len(signatures) != 1:
+        return None
+    code, signature = signatures.pop()
+    if not code or (code == GENERIC_EXIT and not signature):
+        return None
+    line = next((o.message.strip() for o in exited if o.message.strip()), "")
+    return ExitReport(code, line, signature, max(seconds(o.ran_s) for o in exited))
+
+
+def torchrun_report(exits: Iterable[WorkerExit]) -> ExitReport | None:
+    """The node's report from torchrun's own record of its failed workers (a script that tells its agent
+    nothing, under plain torchrun): the same exit code and error-file line on every one, else ``None`` (also
+    for :data:`GENERIC_EXIT` without a line)."""
+    signatures = {(e.exit_code, e.message) for e in exits}
+    if len(signatures) != 1:
+        return None
+    code, line = signatures.pop()
+    if not code or (code == GENERIC_EXIT and not line):
+        return None
+    return ExitReport(code, line, line)
+
+
+def exit_ran_s(outcomes: Iterable[Outcome]) -> float:
+    """The longest any exited worker's script ran before it exited (0 when none says)."""
+    return max((seconds(o.ran_s) for o in outcomes if o.state == "exited"), default=0.0)
 
 
 def is_startup_report(j: Joiner) -> bool:
-    """The node re-joined because its workers exited before any step, all with one exit code and line."""
-    return j.reason == "failure" and j.exit_code is not None and bool(j.error) and not j.trained
+    """The node re-joined because its workers exited before the round's first step, all alike."""
+    return j.reason == "failure" and bool(j.exit_code) and not j.trained
+
+
+def how_exited(code: int) -> str:
+    """``exit code 2``, or ``signal SIGSEGV`` for a negative code."""
+    if code >= 0:
+        return f"exit code {code}"
+    try:
+        return f"signal {signal.Signals(-code).name}"
+    except ValueError:
+        return f"signal {-code}"
 
 
 def identical_startup_failure(previous: list[str], joiners: Iterable[Joiner]) -> str | None:
-    """Why the run should end now: every node failed the same way before the first step, so no restart can
-    help (a script's usage error, a missing file every node lacks).
+    """Why the run should end now: every node failed the same way before the first step of the round, so
+    no restart can help (a script's usage error, a missing file every node lacks, an exception in the first
+    step).
 
     The rule (docs/operating.md): every member of the last round re-joins because its own workers failed,
-    each with the same exit code and the same last stderr line, and none has trained a step in this run.
-    A member that has not re-joined yet, or re-joined for another reason, or a node that trained, keeps the
-    ordinary restart.
+    each with the same exit code and the same failure (the exception's type and where it was raised, else
+    the error line, else the exit code alone), and none has trained a step in that round. A member that has
+    not re-joined yet, or re-joined for another reason, or a node that trained, keeps the ordinary restart.
 
     Returns:
         The message to close the run with (the workers' own line first), or ``None``.
@@ -170,12 +230,16 @@ def identical_startup_failure(previous: list[str], joiners: Iterable[Joiner]) ->
         j = by_id.get(member)
         if j is None or not is_startup_report(j):
             return None
-        reports.add((j.exit_code, j.error))
+        reports.add((j.exit_code, j.signature or j.error))
     if len(reports) != 1:
         return None
-    code, line = reports.pop()
+    code, _ = reports.pop()
+    assert code is not None
+    line = next((by_id[m].error for m in previous if by_id[m].error), "") or (
+        f"the workers exited with {how_exited(code)}"
+    )
     nodes = "the node" if len(previous) == 1 else f"all {len(previous)} nodes"
-    return f"{line} (exit code {code} on {nodes} before the first step; not retried)"
+    return f"{line} ({how_exited(code)} on {nodes} before the first step; not retried)"
 
 
 def hold_for_startup_reports(
@@ -198,8 +262,8 @@ def hold_for_startup_reports(
     Args:
         seen_for: seconds since this node first saw the reports.
         peer_ran_s: the longest any reporter's script ran before it failed.
-        own: this node's scripts (``outcome.script_clock``): ``None`` when unknown, else (some still wait to
-            start, when the last of the others started).
+        own: this node's scripts (``AgentChannel.script_clock``): ``None`` when unknown, else (some still
+            wait to start, when the last of the others started).
         now: the time on the clock of ``own``.
         grace: the least hold, and the margin on the reporters' time.
         most: the longest hold.
@@ -214,11 +278,6 @@ def hold_for_startup_reports(
     if pending:
         return True
     return started is not None and now - started < peer_ran_s + grace
-
-
-def budget_left(failures_used: int, budget: int) -> int:
-    """Failures the job may still survive."""
-    return max(0, budget - failures_used)
 
 
 def count_waiting(

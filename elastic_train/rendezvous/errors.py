@@ -88,3 +88,16 @@ class RunRefused(SystemExit):
 
 class JobFailed(RunRefused):
     """A worker failed with an error no retry can fix; the run is closed as failed (exit status 2)."""
+
+
+class NodeLeft(SystemExit):
+    """This node left the run on purpose (SIGTERM: :mod:`elastic_train.rendezvous.leave`) and joins no more
+    rounds: status 128 + SIGTERM, as a process ended by the signal (on Kubernetes a non-zero status keeps its
+    index from counting as succeeded)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(143)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message

@@ -2,8 +2,8 @@
 
 A partitioned node keeps running, which is what makes a partition different from a crash. Its peers learn
 it is gone when its lease expires and re-form without it; from then on its workers train for nobody, hold
-their devices, and may still publish checkpoints of a world that no longer exists. The agent side of
-:mod:`elastic_train.agentlink` decides when to stop them:
+their devices, and may still publish checkpoints of a world that no longer exists. The agent reads its
+workers' step beats (:mod:`elastic_train.node.beat`) and decides when to stop them:
 
 - **The lease is gone**: etcd answered a keep-alive with "no such lease" (TTL <= 0) since the round began.
   The peers dropped this node; its workers are stopped at once.
@@ -28,7 +28,7 @@ agent stops its workers with SIGTERM and re-joins (no restart of ``max_restarts`
 outlives SIGTERM by :data:`KILL_GRACE` seconds is killed. The agent's join then waits for etcd: it re-joins
 when etcd answers again, or ends with the run if the run finished meanwhile.
 
-The publish gate (``gate.sock`` in the agent's directory) answers a worker's "is round R current?" from a
+The publish gate (:mod:`elastic_train.node.gate`, served here) answers a worker's "is round R current?" from a
 linearizable read of the run's ``round`` key: ``current`` while R is the newest closed round of an open or
 finished run, ``stale`` once a newer round closed or this node's lease was found gone, ``unknown`` when etcd
 gave no answer within :attr:`Fence.gate_wait` seconds (durable publishing then waits for a later save). While
@@ -41,17 +41,18 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import threading
 import time
 from dataclasses import dataclass
 
 import psutil
 
-from elastic_train.agentlink import CURRENT, GATE_SOCKET, STALE, UNKNOWN, clear_beats, read_beats
 from elastic_train.etcd.errors import EtcdError
 from elastic_train.log import get_logger
-from elastic_train.rendezvous.protocol import Participant, RoundRecord
+from elastic_train.metrics.agent import count_fence
+from elastic_train.node import CURRENT, STALE, UNKNOWN, AgentChannel, GateServer
+from elastic_train.rendezvous.protocol import Participant
+from elastic_train.rendezvous.records import RoundRecord
 
 log = get_logger(__name__)
 
@@ -108,11 +109,14 @@ def fence_reason(
 
 @dataclass(slots=True)
 class _Progress:
-    """The workers' step counters as last read, and when one last moved."""
+    """The workers' counters as last read (progress of any kind, and steps), and when one last moved."""
 
     counts: dict[int, int]
     moved_at: float
     step_s: float | None = None
+    steps: dict[int, int] | None = None
+    steps_at: float = 0.0
+    """When the step counters last moved."""
 
 
 class Fence:
@@ -120,13 +124,15 @@ class Fence:
 
     Args:
         participant: the node's rendezvous participant (its lease keeper and etcd client).
-        directory: the agent's directory shared with its workers (the outcome directory).
+        channel: the node's directory shared with its workers (their beats, the gate's socket).
         gate_wait: seconds the publish gate keeps asking an unreachable etcd before answering ``unknown``.
     """
 
-    def __init__(self, participant: Participant, directory: str, *, gate_wait: float | None = None) -> None:
+    def __init__(
+        self, participant: Participant, channel: AgentChannel, *, gate_wait: float | None = None
+    ) -> None:
         self.participant = participant
-        self.directory = directory
+        self.channel = channel
         self.ttl = float(participant.lease.ttl)
         self.gate_wait = gate_wait if gate_wait is not None else GATE_WAIT
         self._losses = participant.lease.losses
@@ -134,14 +140,13 @@ class Fence:
         self._fired: str | None = None
         self._procs: dict[int, psutil.Process] = {}
         self._stop = threading.Event()
-        self._server: socket.socket | None = None
-        self._thread: threading.Thread | None = None
+        self._gate: GateServer | None = None
 
     # -- fencing -------------------------------------------------------------------------------------------
 
     def arm(self) -> None:
         """A round began and its workers are about to start: reset the baselines."""
-        clear_beats(self.directory)
+        self.channel.clear_beats()
         self._losses = self.participant.lease.losses
         self._progress = _Progress({}, time.monotonic())
         self._fired = None
@@ -166,6 +171,7 @@ class Fence:
         if reason is None:
             return None
         self._fired = reason
+        count_fence(reason)
         log.warning(
             "node_fenced",
             reason=reason,
@@ -189,18 +195,23 @@ class Fence:
         return time.monotonic() - progress.moved_at >= stall_limit(self.ttl, progress.step_s)
 
     def _read_progress(self, now: float) -> None:
-        counts = read_beats(self.directory)
+        beats = self.channel.beats()
+        counts = {pid: b.total for pid, b in beats.items()}
+        steps = {pid: b.steps for pid, b in beats.items()}
         prev = self._progress
         for pid in counts.keys() - self._procs.keys() - {os.getpid()}:  # workers only, never the agent
             with contextlib.suppress(psutil.Error):
                 self._procs[pid] = psutil.Process(pid)
-        done = max((n - prev.counts.get(pid, 0) for pid, n in counts.items()), default=0)
+        moved = max((n - prev.counts.get(pid, 0) for pid, n in counts.items()), default=0)
+        done = max((n - (prev.steps or {}).get(pid, 0) for pid, n in steps.items()), default=0)
         if done > 0:
-            if prev.counts:  # the first step's time includes start-up and restore
-                sample = (now - prev.moved_at) / done  # steps finished since the last read, not reads
+            if any((prev.steps or {}).values()):  # the first step's time includes start-up and restore
+                sample = (now - prev.steps_at) / done  # steps finished since the last read, not reads
                 prev.step_s = sample if prev.step_s is None else 0.8 * prev.step_s + 0.2 * sample
+            prev.steps_at = now
+        if moved > 0:
             prev.moved_at = now
-        prev.counts = counts
+        prev.counts, prev.steps = counts, steps
 
     def _kill_stragglers(self) -> None:
         """SIGKILL the workers still alive :data:`KILL_GRACE` seconds after the fence fired (torchrun sends
@@ -215,39 +226,9 @@ class Fence:
     # -- the publish gate ----------------------------------------------------------------------------------
 
     def start_gate(self) -> None:
-        """Serve the workers' publish-gate questions on ``gate.sock`` in the agent's directory."""
-        path = os.path.join(self.directory, GATE_SOCKET)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
-        server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        server.bind(path)
-        server.listen(16)
-        server.settimeout(0.5)
-        self._server = server
-        self._thread = threading.Thread(target=self._serve, name="fence-gate", daemon=True)
-        self._thread.start()
-
-    def _serve(self) -> None:
-        assert self._server is not None
-        while not self._stop.is_set():
-            try:
-                conn, _ = self._server.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            threading.Thread(target=self._answer, args=(conn,), name="fence-gate-answer", daemon=True).start()
-
-    def _answer(self, conn: socket.socket) -> None:
-        with conn:
-            try:
-                conn.settimeout(5.0)
-                line = conn.makefile("r", encoding="ascii").readline().strip()
-                answer = self.round_state(int(line)) if line.isdigit() else UNKNOWN
-                conn.settimeout(5.0)
-                conn.sendall(f"{answer}\n".encode())
-            except OSError as exc:
-                log.warning("publish_gate_failed", error=str(exc))
+        """Serve the workers' publish-gate questions (:mod:`elastic_train.node.gate`) with
+        :meth:`round_state`."""
+        self._gate = GateServer(self.channel.directory, self.round_state)
 
     def round_state(self, round: int) -> str:
         """Whether ``round`` is the run's current round, read from etcd (retried up to :attr:`gate_wait`)."""
@@ -271,14 +252,11 @@ class Fence:
                     return UNKNOWN
                 self._stop.wait(0.25)
                 continue
-            except (ValueError, KeyError, TypeError):
+            except ValueError:
                 return UNKNOWN  # an unreadable record confirms nothing
             return CURRENT if latest == round else STALE
 
     def close(self) -> None:
         self._stop.set()
-        if self._server is not None:
-            with contextlib.suppress(OSError):
-                self._server.close()
-            with contextlib.suppress(OSError):
-                os.unlink(os.path.join(self.directory, GATE_SOCKET))
+        if self._gate is not None:
+            self._gate.close()

@@ -14,13 +14,19 @@ What torchrun's agent does with it (torch 2.13, ``agent/server/api.py``):
   blocked, so it answers 1 and torchrun stops the workers and re-joins.
 - ``shutdown()`` when the agent leaves other than by a signal: the run is closed (late agents leave cleanly)
   and the lease revoked so peers see the departure at once.
+- SIGTERM (a preemption, a drain, a deleted pod): before torchrun's own handler stops the workers, the node
+  says in etcd that it leaves (:mod:`elastic_train.rendezvous.leave`): a clean leave, not a failure.
 
 Before its first round a node checks the run's identity (:mod:`elastic_train.rendezvous.identity`): the
 settings the launcher left in ``ELASTIC_TRAIN_JOB_IDENTITY``, or for plain torchrun the node range and
 processes per node. A node turned away (other settings, a finished or failed run) prints one line and exits
-with status 2, having written nothing the job would notice. Workers report their outcome through
-:mod:`elastic_train.rendezvous.outcome`: a non-retryable failure closes the run as failed instead of
-restarting the worker group.
+with status 2, having written nothing the job would notice.
+
+The handler talks to its workers through the node's directory (:mod:`elastic_train.node`): it writes the
+assignment of each worker group it starts (the round), reads the workers' outcomes (a non-retryable
+failure closes the run as failed instead of restarting the worker group), their step beats (the fence)
+and their figures for the metrics an opt-in port serves (:mod:`elastic_train.rendezvous.observe`), and serves
+the publish gate.
 
 Store: every agent hosts a small TCPStore from its first rendezvous and advertises its port in its node key;
 the round's rank 0 store, wrapped in a per-round PrefixStore, is the agent store. Workers do not share it
@@ -42,28 +48,27 @@ import torch.distributed as dist
 from torch.distributed.elastic.rendezvous.api import (
     RendezvousHandler,
     RendezvousInfo,
-    RendezvousStoreInfo,
 )
 
-from elastic_train.envvars import ENV_OUTCOME_DIR, ENV_ROUND
+from elastic_train.envvars import ENV_NODE_DIR
 from elastic_train.errors import ConfigError
 from elastic_train.etcd.client import Etcd
 from elastic_train.log import bind_context, get_logger
+from elastic_train.node import AgentChannel, Assignment, Outcome
 from elastic_train.procs import scratch_dir
+from elastic_train.rendezvous.config import ProtocolSettings
+from elastic_train.rendezvous.decide import exit_report, torchrun_report
 from elastic_train.rendezvous.errors import JobFailed, RendezvousClosed, RunFinished, RunRefused
+from elastic_train.rendezvous.exchange import RoundStores
 from elastic_train.rendezvous.fence import Fence
 from elastic_train.rendezvous.hot import HotPath
 from elastic_train.rendezvous.identity import JobIdentity, identity_from_environ, torchrun_settings
-from elastic_train.rendezvous.outcome import (
-    clear_outcomes,
-    exit_ran_s,
-    exit_report,
-    read_outcomes,
-    script_clock,
-    trained,
-)
-from elastic_train.rendezvous.protocol import Participant, ProtocolSettings, RoundResult
+from elastic_train.rendezvous.leave import LeaveOnSignal, announce
+from elastic_train.rendezvous.observe import RunObserver
+from elastic_train.rendezvous.protocol import Participant
+from elastic_train.rendezvous.records import RoundResult
 from elastic_train.rendezvous.standby import Standby
+from elastic_train.torchcompat import torchrun_failures, torchrun_nproc_per_node
 
 log = get_logger(__name__)
 
@@ -81,6 +86,10 @@ class Etcd3RendezvousHandler(RendezvousHandler):
         settings: run id, node range, lease TTL, settle window, join timeout, failure budget.
         local_addr: address peers and workers reach this node at (``--local-addr``; else the FQDN).
         store_timeout: the store timeout in seconds (rdzv-conf ``read_timeout``).
+        metrics_port: serve Prometheus metrics on this port (:mod:`.observe`; 0: a free one; None: none).
+
+    Raises:
+        ConfigError: the metrics port cannot be served.
     """
 
     def __init__(
@@ -89,33 +98,34 @@ class Etcd3RendezvousHandler(RendezvousHandler):
         settings: ProtocolSettings,
         local_addr: str | None = None,
         store_timeout: float = STORE_TIMEOUT,
+        metrics_port: int | None = None,
     ) -> None:
         self._etcd = etcd
         self._store_timeout = timedelta(seconds=store_timeout)
         self._settings = settings
         self._addr = local_addr or socket.getfqdn()
-        self._server: dist.TCPStore | None = None
-        self._clients: dict[tuple[str, int], dist.TCPStore] = {}
+        self._stores: RoundStores | None = None
         self._participant: Participant | None = None
         self._fence: Fence | None = None
         self._closed_by_us = False
         if settings.identity is None:
             settings.identity = local_identity(settings)
-        self._outcomes = scratch_dir("outcome")
-        os.environ[ENV_OUTCOME_DIR] = self._outcomes
+        self._node = AgentChannel(scratch_dir("node"))
+        os.environ[ENV_NODE_DIR] = self._node.directory
+        self._observer: RunObserver | None = None
+        if metrics_port is not None:
+            self._observer = RunObserver(lambda: self._participant, self._node, settings)
+            try:
+                self._observer.start(metrics_port, local_addr)
+            except OSError as exc:
+                raise ConfigError(
+                    f"metrics_port {metrics_port} cannot be served: {exc.strerror or exc} (another agent on "
+                    "this machine? give each its own port, or 0 for a free one)"
+                ) from exc
         self._join_lock = threading.Lock()
+        self._leave_on_signal = LeaveOnSignal(self._leave)
         self._hot: HotPath | None = None
         self._standby: Standby | None = None
-        if settings.hot:
-            self._hot = HotPath(lambda: self.participant, self._bootstrap, self._join_lock)
-            self._standby = Standby(
-                self._hot,
-                lambda: self.participant,
-                lambda: self._server,
-                self._addr,
-                lambda: self._fence.arm() if self._fence is not None else None,
-                settings.join_timeout,
-            )
 
     # -- RendezvousHandler --------------------------------------------------------------------------------
 
@@ -131,22 +141,33 @@ class Etcd3RendezvousHandler(RendezvousHandler):
 
     @property
     def participant(self) -> Participant:
+        """This node in the run, made on first use with what hangs on it: the agent's store, the fence,
+        and with hot recovery the standby starts and the hot path."""
         if self._participant is None:
-            self._server = dist.TCPStore(
+            server = dist.TCPStore(
                 self._addr,
                 0,
                 is_master=True,
                 wait_for_workers=False,
                 timeout=self._store_timeout,
             )
-            self._participant = Participant(
-                self._etcd, self._settings, addr=self._addr, store_port=self._server.port
+            participant = Participant(
+                self._etcd,
+                self._settings,
+                addr=self._addr,
+                store_port=server.port,
+                script_clock=self._node.script_clock,
             )
-            self._participant.script_clock = lambda: script_clock(self._outcomes)
-            self._fence = Fence(self._participant, self._outcomes)
-            self._fence.start_gate()
-            if self._hot is not None:
-                self._hot.blocked = self._fence.workers_blocked
+            stores = RoundStores(server, self._addr, self._store_timeout, participant.node_id)
+            fence = Fence(participant, self._node)
+            fence.start_gate()
+            if self._settings.hot:
+                standby = Standby(
+                    participant, self._node, server, self._addr, fence, self._settings.join_timeout
+                )
+                self._standby = standby
+                self._hot = HotPath(participant, self._node, fence, standby, stores, self._join_lock)
+            self._stores, self._fence, self._participant = stores, fence, participant
         return self._participant
 
     def next_rendezvous(self) -> RendezvousInfo:
@@ -173,57 +194,89 @@ class Etcd3RendezvousHandler(RendezvousHandler):
     def _end_if_workers_gave_up(self) -> None:
         """Close the run as failed when a worker of the last group failed with a non-retryable error; else
         give the next join this node's report of how its workers exited (the start-up failure rule)."""
-        outcomes = read_outcomes(self._outcomes)
-        failed = [o for o in outcomes if o["state"] == "failed"]
-        report = exit_report(outcomes)
-        clear_outcomes(self._outcomes)
+        outcomes = self._node.take_outcomes()
+        failed = [o for o in outcomes if o.state == "failed"]
         if self._participant is None:
             return
-        self._participant.failure_report = (
-            {
-                "exit_code": report[0],
-                "error": report[1],
-                "trained": trained(self._outcomes),
-                "ran_s": exit_ran_s(outcomes),
-            }
-            if report
-            else None
-        )
+        self._participant.failure_report = self._exit_report(outcomes)
         if not failed:
             return
-        message = str(failed[0].get("message") or "a worker failed with an error no restart can fix")
-        log.error(
-            "worker_failed_for_good", run_id=self._settings.run_id, rank=failed[0].get("rank"), error=message
-        )
+        message = failed[0].message or "a worker failed with an error no restart can fix"
+        log.error("worker_failed_for_good", run_id=self._settings.run_id, rank=failed[0].rank, error=message)
         self._participant.close("failed", message)
         self._closed_by_us = True
         raise JobFailed(f"run {self._settings.run_id} failed: {message}")
+
+    def _exit_report(self, outcomes: list[Outcome]) -> dict[str, Any] | None:
+        """How this node's workers of the last group exited, for its next join (``decide.
+        identical_startup_failure``), or None: they did not all fail alike, the hot path had given up on
+        them (they exited because it did), or torchrun stopped them itself.
+
+        What the workers said through the node's directory (the exception's type and where it was raised,
+        the stand-in's exit code and last stderr line) comes first; for a script that says nothing, under
+        plain torchrun, torchrun's own record of the exit codes and error files.
+        """
+        if self._hot is not None and self._hot.fallback is not None:
+            return None
+        report = exit_report(outcomes) if any(o.state == "exited" for o in outcomes) else None
+        if report is None and not outcomes:
+            exits = torchrun_failures()
+            report = torchrun_report(exits) if exits else None
+        if report is None:
+            return None
+        # a step committed in the round (the Trained mark), or counted by the workers' step beat (a script
+        # of its own that beats): they failed after the round's first step
+        mark = self._node.trained()
+        trained = mark is not None and mark.round == self.participant.round
+        trained = trained or any(b.steps > 0 for b in self._node.beats().values())
+        return {
+            "exit_code": report.code,
+            "error": report.line,
+            "signature": report.signature,
+            "trained": trained,
+            "ran_s": report.ran_s,
+        }
 
     def _next_rendezvous(self) -> RendezvousInfo:
         # A round the hot path's thread joined after it gave up (the fence fired during its join) is this
         # path's: joining again, or starting on standby, would leave its other members forming a group with
         # workers that never come. The lock waits for such a join still in flight.
+        participant = self.participant
         with self._join_lock:
             handoff = self._hot.take_handoff() if self._hot is not None else None
-        if handoff is None and self._standby is not None:  # a node joining a running job builds first
-            standby = self._standby.start()
-            if standby is not None:
-                return standby
+        if handoff is None and self._standby is not None and self._hot is not None:
+            current = self._standby.eligible()  # a node joining a running job builds first
+            if current is not None:
+                self._hot.started(RoundResult(current, 0, 1, [participant.node_id], {}))
+                if self._hot.local_workers > 0:  # under torchrun's agent: workers to hand a round to
+                    return self._standby.begin(current, self._hot.local_workers)
         with self._join_lock:
             result, info = self._join_round(handoff)
         if self._hot is not None:
-            self._hot.started(result)
+            self._hot.started(result)  # forgets the last group's re-formation first
+        store_info = info.bootstrap_store_info
+        assert store_info is not None
+        self._node.assign(
+            Assignment(
+                round=result.round,
+                node_rank=result.rank,
+                nodes=result.world_size,
+                master_addr=str(store_info.master_addr),
+                master_port=int(store_info.master_port),
+                reform=self._hot is not None,
+            )
+        )
         return info
 
     def _join_round(self, handoff: RoundResult | None = None) -> tuple[RoundResult, RendezvousInfo]:
         while True:
             result, handoff = handoff or self.participant.join(), None
             try:
-                store, info = self._bootstrap(result)
+                assert self._stores is not None
+                store, info = self._stores.bootstrap(result)
             except (RuntimeError, dist.DistStoreError) as exc:  # rank 0 vanished between close and connect
                 log.warning("rendezvous_store_unreachable", round=result.round, error=str(exc))
                 continue
-            os.environ[ENV_ROUND] = str(result.round)
             assert self._fence is not None
             self._fence.arm()
             bind_context(round=result.round, node=self.participant.node_id)
@@ -237,33 +290,17 @@ class Etcd3RendezvousHandler(RendezvousHandler):
             )
             return result, RendezvousInfo(store, result.rank, result.world_size, info)
 
-    def _bootstrap(self, result: RoundResult) -> tuple[Any, RendezvousStoreInfo]:
-        rank0 = result.members[0]
-        if rank0 == self.participant.node_id:
-            assert self._server is not None
-            base: dist.Store = self._server
-        else:
-            node = result.nodes.get(rank0) or {}
-            host, port = str(node.get("addr")), int(node.get("store_port") or 0)
-            base = self._clients.get((host, port)) or dist.TCPStore(
-                host, port, is_master=False, timeout=self._store_timeout
-            )
-            self._clients[(host, port)] = base
-        store = dist.PrefixStore(f"elastic_train/round/{result.round}/", base)
-        info = RendezvousStoreInfo.build(result.rank, store, local_addr=self._addr)
-        return store, info
-
     def is_closed(self) -> bool:
         return self.participant.is_closed()
 
     def set_closed(self) -> None:
         if self._participant is not None and self._participant.refused:
             return
-        outcomes = read_outcomes(self._outcomes)
-        failed = [o for o in outcomes if o["state"] == "failed"]
-        steps = [o["step"] for o in outcomes if o["state"] == "finished" and isinstance(o.get("step"), int)]
+        outcomes = self._node.outcomes()
+        failed = [o for o in outcomes if o.state == "failed"]
+        steps = [o.step for o in outcomes if o.state == "finished" and o.step is not None]
         if failed:
-            self.participant.close("failed", str(failed[0].get("message") or "a worker failed"))
+            self.participant.close("failed", failed[0].message or "a worker failed")
         else:
             self.participant.close("finished", step=max(steps) if steps else None)
         self._closed_by_us = True
@@ -271,8 +308,11 @@ class Etcd3RendezvousHandler(RendezvousHandler):
     def num_nodes_waiting(self) -> int:
         if self._participant is None:
             return 0
+        self._leave_on_signal.arm()  # torchrun (re-)installs its SIGTERM handler when it starts workers
         hot = self._hot is not None and self._hot.engaged()
-        if self._standby is not None and self._standby.monitor(hot):
+        if self._hot is not None:  # the others start joiners on standby only while every member says so
+            self._participant.advertise_inproc(hot)
+        if self._standby is not None and self._standby.waiting:
             return 0  # standby workers build, then the node joins at the running job's step boundary
         if self._fence is not None:
             reason = self._fence.check(lease_loss_handled=hot)
@@ -284,7 +324,15 @@ class Etcd3RendezvousHandler(RendezvousHandler):
             return 0  # the workers re-form in-process; the hot path's thread runs the round
         return self._participant.num_waiting()
 
+    def _leave(self, reason: str) -> None:
+        """SIGTERM: leave the run cleanly (:mod:`elastic_train.rendezvous.leave`); torchrun then stops the
+        workers and the agent exits by the signal."""
+        if self._participant is not None and not self._participant.refused:
+            announce(self._participant, reason)
+
     def shutdown(self) -> bool:
+        if self._observer is not None:
+            self._observer.close()
         if self._hot is not None:
             self._hot.close()
         try:
@@ -297,7 +345,7 @@ class Etcd3RendezvousHandler(RendezvousHandler):
         finally:
             if self._fence is not None:
                 self._fence.close()
-            shutil.rmtree(self._outcomes, ignore_errors=True)
+            shutil.rmtree(self._node.directory, ignore_errors=True)
         return True
 
 
@@ -319,21 +367,4 @@ def local_identity(settings: ProtocolSettings) -> JobIdentity:
         raise ConfigError(f"job identity in the environment: {exc}") from exc
     if ident is not None:
         return ident
-    return JobIdentity(torchrun_settings(settings.min_nodes, settings.max_nodes, _torchrun_nproc_per_node()))
-
-
-def _torchrun_nproc_per_node() -> int | None:
-    """``nproc_per_node`` of the torchrun launch creating this handler, or ``None`` outside one.
-
-    torch passes a handler only the rendezvous parameters; the worker count per node lives in the
-    ``LaunchConfig`` of ``launch_agent``, the caller that creates the handler.
-    """
-    from torch.distributed.launcher.api import LaunchConfig
-
-    frame = sys._getframe(1)
-    while frame is not None:
-        config = frame.f_locals.get("config")
-        if isinstance(config, LaunchConfig):
-            return int(config.nproc_per_node)
-        frame = frame.f_back  # type: ignore[assignment]
-    return None
+    return JobIdentity(torchrun_settings(settings.min_nodes, settings.max_nodes, torchrun_nproc_per_node()))

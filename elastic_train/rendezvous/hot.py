@@ -2,27 +2,34 @@
 
 torchrun's agent restarts its worker group whenever ``num_nodes_waiting()`` is positive or a worker exits.
 With hot recovery the ``etcd3`` handler keeps a change from torchrun while its workers can re-form in-process
-(every local worker registered through the node's channel, :mod:`elastic_train.reform`), and runs the round
-itself, on a thread of the agent:
+(every local worker registered through the node's channel, :mod:`elastic_train.node`), and a thread of the
+agent, :class:`HotPath`, runs the change: every few milliseconds it observes the node (the run's view, its
+workers, its fence, its standby workers), asks :func:`decide` what to do, and does it:
 
-1. a local worker reports that its group broke (a collective failed: a peer died), or the run's watch shows
-   a change of this node's round (a member's lease expired, a newcomer or a member asks for the next round:
-   then the workers are told to stop at their next step boundary and report);
-2. the thread joins the next round (the same :class:`~elastic_train.rendezvous.protocol.Participant` and
-   the same rules as torchrun's path), sets up the round's bootstrap store, updates torchrun's own record of
-   the worker group (ranks, world size, store: its exit barrier then counts the nodes that are there), and
-   publishes the assignment to the local workers, which form the new group in-process.
+- *announce*: the run's watch shows a change of this node's round (a member's lease expired, a newcomer or
+  a member asks for the next round): the workers stop at their next step boundary and ask for the next
+  round;
+- *re-form*: a local worker asked (its group broke, or it stopped at the boundary): the thread joins the next
+  round (the same :class:`~elastic_train.rendezvous.protocol.Participant` and rules as torchrun's path),
+  sets up the round's bootstrap store, exchanges ranks with the round's other agents through torchrun's own
+  exchange (:mod:`elastic_train.rendezvous.exchange`) and assigns the round to its workers, which form the
+  new group in-process;
+- *admit*: this node's standby workers are built (:mod:`elastic_train.rendezvous.standby`): the same round,
+  joined for them;
+- *cut*, *shorten*, *give up*: workers blocked with a stopped peer are asked to cut their group's
+  connections; a grace that cannot end in a step boundary is shortened; what the workers cannot handle
+  in-process goes the restart path, with one ``hot_fallback`` event saying why.
 
-Anything the workers cannot handle in-process takes the restart path, with one ``hot_fallback`` event
-saying why: a worker that exits (torchrun sees it), workers that do not stop within a grace period after a
-member's lease expired (a hung peer blocks a gloo collective that cannot be aborted in-process), workers that
-never registered (a script of its own that does not use :func:`elastic_train.elastic.run`, an NCCL group).
-Once it gave up (a fallback above, or the node's fence fired) the thread publishes nothing more; a round it
-was joining meanwhile (a cut-off node's join waits for etcd) is handed to torchrun's ``next_rendezvous``,
-which starts the new workers in it: joining a second time would leave the round's other members forming a
-group with workers that never come. A member of a just-formed round that is gone before the agents
-exchanged ranks (a second death during a re-formation) abandons that round, and the next one forms
+Once it gave up (the decision, or the node's fence fired: :meth:`HotPath.give_up`) the thread publishes
+nothing more; a round it was joining meanwhile (a cut-off node's join waits for etcd) is handed to torchrun's
+``next_rendezvous``, which starts the new workers in it: joining a second time would leave the round's other
+members forming a group with workers that never come. A member of a just-formed round that is gone before
+the agents exchanged ranks (a second death during a re-formation) abandons that round, and the next one forms
 in-process.
+
+The decision is a pure function from one :class:`Observation` to one :class:`Action`, after the pattern of
+torch's dynamic rendezvous (``_Action`` and its executor): nothing in it reads a clock, a file or etcd, so its
+rules are tested as tables of observations (tests/unit/test_hotdecide.py).
 
 Hot recovery is on by default; the rdzv-conf key ``hot=0`` (job.yaml ``rendezvous.hot: false``) turns all of
 it off.
@@ -30,27 +37,25 @@ it off.
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import socket
 import sys
 import threading
 import time
-from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from enum import Enum
 
-from elastic_train.envvars import ENV_REFORM_DIR, ENV_ROUND
 from elastic_train.log import get_logger
-from elastic_train.procs import scratch_dir
-from elastic_train.reform import Assignment, Channel
-from elastic_train.rendezvous.errors import RunRefused
-from elastic_train.rendezvous.protocol import Participant, RoundRecord, RoundResult
+from elastic_train.node import AgentChannel, Assignment, Ready
+from elastic_train.procs import running
+from elastic_train.rendezvous.errors import FailureBudgetExhausted, NodeLeft, RendezvousClosed, RunRefused
+from elastic_train.rendezvous.exchange import RoundAbandoned, RoundStores, exchange_ranks
+from elastic_train.rendezvous.fence import Fence
+from elastic_train.rendezvous.protocol import Participant
+from elastic_train.rendezvous.records import RoundResult
+from elastic_train.rendezvous.standby import Standby
+from elastic_train.torchcompat import TorchrunAgent
 
 log = get_logger(__name__)
 
-#: Seconds between two looks of the agent's thread at its channel and at the run's view.
-TICK = 0.005
 #: Seconds the workers get to reach a step boundary after a member of their round lost its lease, before the
 #: agent restarts them (a peer that stopped, SIGSTOP or a partition, leaves them blocked in a collective).
 LOST_GRACE = 1.0
@@ -59,22 +64,180 @@ STEP_GRACE = 120.0
 #: Seconds gloo workers blocked with a stopped peer get to ask for the next round once their agent asked them
 #: to cut their group's connections (they fail at once), before the restart path.
 CUT_GRACE = 1.0
-#: Seconds the agents of a round formed here get to exchange their workers' ranks (all of them are at it
-#: already). A member found gone meanwhile (lease expired, store port refused, or it asked for a newer round)
-#: abandons the round at once and the others join the next one in-process; past this, the restart path.
-ASSIGN_TIMEOUT = 10.0
+
+
+class Act(Enum):
+    """What the hot path can do."""
+
+    NOTHING = "nothing"
+    ANNOUNCE = "announce"
+    """Tell the workers their group re-forms at the next step boundary, with a grace to reach it."""
+    CUT = "cut"
+    """Ask the workers to cut their group's connections (a stopped peer blocks their collective)."""
+    SHORTEN = "shorten"
+    """No step boundary is coming: wait :data:`LOST_GRACE` instead of the step grace."""
+    REFORM = "reform"
+    """Join the next round and hand it to the workers, which asked for it."""
+    ADMIT = "admit"
+    """Join the next round for the standby workers, which are built."""
+    END = "end"
+    """The run ended before the standby workers were admitted: they exit with status 0."""
+    GIVE_UP = "give_up"
+    """Leave the change to torchrun's restart path."""
+
+
+@dataclass(frozen=True, slots=True)
+class Action:
+    """One action and what it needs: a reason (re-form, end, give up, shorten) or a grace (announce)."""
+
+    act: Act
+    reason: str = ""
+    grace: float = 0.0
+
+
+NOTHING = Action(Act.NOTHING)
+
+
+@dataclass(frozen=True, slots=True)
+class StandbyState:
+    """This node's standby workers, while they build (a node joining a running job)."""
+
+    needed: int
+    """Local workers of the group."""
+    ready: int
+    """Of them, built and asking for admission."""
+    alive: bool = True
+    """Every one that asked still runs."""
+    finished: str | None = None
+    """The run finished meanwhile: the line a node of a finished run says."""
+    refused: str | None = None
+    """The run failed, or its failure budget is spent: why."""
+    generation: int = 0
+    """Which standby start of this node (its executor's bookkeeping; the decision does not read it)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Observation:
+    """What the hot path sees at one look."""
+
+    now: float
+    """The monotonic clock."""
+    round: int | None = None
+    """The round this node's workers train in (None before torchrun started any)."""
+    engaged: bool = False
+    """Every local worker re-forms in-process, and the hot path has not given up."""
+    asked: str | None = None
+    """Why a local worker asked for the next round (its group broke, or it stopped at a step boundary)."""
+    dead: tuple[int, ...] = ()
+    """Registered local workers whose process is gone (looked at when one asked)."""
+    waiting: int = 0
+    """The run's view says this node's round is obsolete (a member lost, re-joining, a newcomer)."""
+    lost: tuple[str, ...] = ()
+    """Members of the round whose lease expired."""
+    left: tuple[str, ...] = ()
+    """Other members of the round that ask for a newer round."""
+    forming: bool = False
+    """A local worker is still at an older round: the round's group is still forming."""
+    blocked: bool = False
+    """The fence saw no step for a stall's length: the workers wait in a collective."""
+    cuttable: bool = False
+    """Every registered worker cuts its group's connections when asked (gloo)."""
+    announced_at: float | None = None
+    """When the change was announced to the workers (None: not yet)."""
+    grace: float = 0.0
+    """The grace the announcement gave them."""
+    cut_at: float | None = None
+    """When the workers were asked to cut their group's connections, in this round."""
+    standby: StandbyState | None = None
+    """Set while standby workers wait for admission."""
+
+
+def decide(o: Observation) -> Action:
+    """The hot path's next action (see the module docstring and docs/rendezvous.md, *Hot recovery*).
+
+    In order: standby workers are admitted once all are built (or told the run ended); a local worker that
+    asked for the next round gets it (unless a registered worker died: torchrun restarts them all); a change
+    of the round is announced, with a short grace when a member's lease expired; workers blocked with a
+    stopped peer are asked to cut their links, and restarted if that does not free them; a grace that can no
+    longer end in a step boundary is shortened; a grace that ran out gives up.
+    """
+    if o.standby is not None:
+        return _admission(o.standby)
+    if not o.engaged or o.round is None:
+        return NOTHING
+    if o.asked is not None:
+        if o.dead:  # torchrun restarts the group when it sees them: no in-process round for the others
+            return Action(Act.GIVE_UP, f"local worker(s) {list(o.dead)} exited")
+        return Action(Act.REFORM, o.asked)
+    if o.waiting == 0:
+        return NOTHING
+    if o.announced_at is None:
+        return Action(Act.ANNOUNCE, grace=LOST_GRACE if o.lost else STEP_GRACE)
+    if o.grace <= LOST_GRACE and o.lost and o.blocked:
+        # a stopped peer: no step boundary comes. gloo workers cut their group's connections when asked,
+        # their collective fails and they ask for the next round; others restart
+        if o.cut_at is None and o.cuttable:
+            return Action(Act.CUT)
+        if o.cut_at is None or o.now - o.cut_at > CUT_GRACE:
+            after_cut = f", and still {CUT_GRACE:g} s after the cut" if o.cut_at is not None else ""
+            return Action(
+                Act.GIVE_UP,
+                "workers blocked in a collective with a member whose lease expired (a stopped peer): "
+                f"no step boundary to wait for{after_cut}",
+            )
+        return NOTHING
+    if o.grace > LOST_GRACE and (why := no_boundary_coming(o)) is not None:
+        # the workers cannot reach a step boundary: waiting the step grace would only delay the restart
+        return Action(Act.SHORTEN, why, grace=LOST_GRACE)
+    if o.now - o.announced_at > o.grace:
+        return Action(
+            Act.GIVE_UP,
+            f"workers did not reach a step boundary within {o.grace:g} s of the change "
+            "(a peer that stopped leaves them blocked in a collective)",
+        )
+    return NOTHING
+
+
+def no_boundary_coming(o: Observation) -> str | None:
+    """Why the workers will not reach the step boundary the change waits for, or None.
+
+    A member of the round that lost its lease (a peer that stopped or was cut off: the workers are blocked
+    in a collective with it), or a member that asks for a newer round (it left this round: its workers
+    exited, or its node was fenced and torchrun restarts them) while the workers still form the round's
+    group, which then never completes, or while no step finished for a stall's length (they wait on the
+    member's workers, which are gone). A member asking while the workers step is one whose workers reached
+    the boundary first.
+    """
+    if o.lost:
+        return f"member(s) {sorted(o.lost)} lost their lease"
+    if not o.left:
+        return None
+    left = sorted(o.left)
+    if o.forming:
+        return f"member(s) {left} asked for a newer round while the group of round {o.round} formed"
+    if o.blocked:
+        # formed, but the member's workers are gone: a collective (or a wait on the round's store) with them
+        # does not return, and no step finished for a stall's length
+        return f"member(s) {left} asked for a newer round while the workers are blocked"
+    return None  # formed and stepping: they stop at their next step
+
+
+def _admission(s: StandbyState) -> Action:
+    if s.finished is not None:
+        return Action(Act.END, s.finished)
+    if s.refused is not None:  # the restart path's next join says it again, with its line and status
+        return Action(Act.GIVE_UP, f"admission refused: {s.refused}")
+    if s.ready < s.needed or not s.alive:  # still building; or one died: torchrun restarts the group
+        return NOTHING
+    return Action(Act.ADMIT, f"{s.needed} standby worker(s) ready")
+
+
+# -- the executor -----------------------------------------------------------------------------------------
+
+#: Seconds between two looks of the agent's thread at its node.
+TICK = 0.005
 #: Rounds one re-formation may abandon in a row (a member gone before the rank exchange) before it gives up.
 MAX_ABANDONED = 3
-#: Seconds between two probes of a member of the forming round that has not written its rank information.
-PROBE_EVERY = 0.1
-#: Seconds one probe of a member's store port may take (an unanswered one counts as alive: the lease decides).
-PROBE_TIMEOUT = 0.2
-
-Bootstrap = Callable[[RoundResult], tuple[Any, Any]]
-
-
-class RoundAbandoned(Exception):
-    """A member of the round just formed is gone before the agents exchanged their workers' ranks."""
 
 
 class _Stopping(Exception):
@@ -89,31 +252,37 @@ class HotPath:
     """Re-forms this node's worker group in-process on membership changes (see the module docstring).
 
     Args:
-        participant: returns this node's participant (created lazily by the handler).
-        bootstrap: the round's agent store and workers' bootstrap info, as torchrun's path builds them.
+        participant: this node in the run.
+        channel: the node's channel to its workers.
+        fence: the node's fence (whether the workers are blocked).
+        standby: the node's standby starts (None: a node that never starts on standby).
+        stores: the round's store and the workers' bootstrap address, as torchrun's path builds them.
         lock: held while any join runs (this thread's, or torchrun's ``next_rendezvous``).
-        lease_ttl: the run's lease TTL (how fast a lost member shows).
     """
 
-    def __init__(self, participant: Callable[[], Participant], bootstrap: Bootstrap, lock: threading.Lock):
-        self._participant = participant
-        self._bootstrap = bootstrap
+    def __init__(
+        self,
+        participant: Participant,
+        channel: AgentChannel,
+        fence: Fence,
+        standby: Standby | None,
+        stores: RoundStores,
+        lock: threading.Lock,
+    ):
+        self.participant = participant
+        self.channel = channel
+        self.fence = fence
+        self.standby = standby
+        self.stores = stores
         self._lock = lock
-        self.directory = scratch_dir("reform")
-        os.environ[ENV_REFORM_DIR] = self.directory
-        self.channel = Channel(self.directory)
         self.round: int | None = None
         self.fallback: str | None = None
-        self._group: Any = None
-        self._agent: Any = None
+        self._agent: TorchrunAgent | None = None
         self._nproc = 0
-        self._announced: tuple[float, float] | None = None  # (when, grace)
+        self._announced_at: float | None = None
+        self._grace = 0.0
         #: When the workers were asked to cut their group's connections (a stopped peer), in this round.
         self._cut_at: float | None = None
-        #: True while this node's workers finish no step for as long as the fence counts as a stall (the
-        #: handler sets it to :meth:`Fence.workers_blocked`): after a member's lease expired, such workers
-        #: wait in a collective with a stopped peer and reach no step boundary, so there is no grace to wait.
-        self.blocked: Callable[[], bool] = lambda: False
         # give_up() and the publication of an assignment exclude each other: after give_up nothing is
         # published, and a round the thread joined meanwhile goes to torchrun's next_rendezvous (handoff)
         self._state = threading.RLock()
@@ -123,18 +292,18 @@ class HotPath:
 
     # -- torchrun's path ---------------------------------------------------------------------------------
     def started(self, result: RoundResult) -> None:
-        """torchrun starts a new worker group in round ``result`` (its first, or a restart): forget the old
-        workers' records and follow the new ones."""
+        """torchrun starts a new worker group in round ``result`` (its first, a restart, or a standby start):
+        forget the old workers' re-formation and follow the new ones."""
         if self.fallback is None and self.round is not None and self.channel.ready():
             # torchrun restarted workers that re-form in-process: one of them exited (an error no
             # re-formation fixes, a crash): torchrun's failure summary says which
             log.warning("hot_fallback", round=self.round, reason="a worker exited; torchrun restarts them")
-        self.channel.reset()
+        self.channel.start_group()
         self.round = result.round
         self.fallback = None
-        self._announced = None
-        self._cut_at = None
-        self._find_agent()
+        self._announced_at, self._grace, self._cut_at = None, 0.0, None
+        self._agent = TorchrunAgent.find()  # torch passes the handler neither agent nor worker group
+        self._nproc = self._agent.local_world_size if self._agent is not None else 0
         if self._thread is None and self._nproc > 0:
             self._thread = threading.Thread(target=self._loop, name="hot-recovery", daemon=True)
             self._thread.start()
@@ -144,150 +313,130 @@ class HotPath:
         """Workers of torchrun's worker group on this node (0: not under torchrun's agent)."""
         return self._nproc
 
-    def admit(self, reason: str) -> None:
-        """Join the next round for this node's standby workers and hand it to them
-        (:mod:`elastic_train.rendezvous.standby`): the round as an in-process re-formation forms it."""
-        self._reform(reason)
-
-    def _find_agent(self) -> None:
-        """torchrun's agent and worker group, from the frames calling ``next_rendezvous`` (torch passes the
-        handler neither): their record of ranks and store is updated after a round formed here."""
-        frame = sys._getframe(1)
-        while frame is not None:
-            group = frame.f_locals.get("worker_group")
-            agent = frame.f_locals.get("self")
-            if (
-                group is not None
-                and hasattr(group, "group_world_size")
-                and hasattr(group, "spec")
-                and hasattr(agent, "_assign_worker_ranks")
-            ):
-                self._group, self._agent = group, agent
-                self._nproc = int(group.spec.local_world_size)
-                return
-            frame = frame.f_back  # type: ignore[assignment]
-        self._nproc = 0  # not under torchrun's agent: the restart path only
-
-    def engaged(self) -> bool:
+    def engaged(self, ready: dict[int, Ready] | None = None) -> bool:
         """True while this node's workers re-form in-process (torchrun is then not told of changes)."""
         if self.fallback is not None or self._nproc == 0 or self.round is None:
             return False
-        return len(self.channel.ready()) >= self._nproc
+        return len(self.channel.ready() if ready is None else ready) >= self._nproc
 
-    # -- the thread --------------------------------------------------------------------------------------
+    # -- the executor ------------------------------------------------------------------------------------
     def _loop(self) -> None:
         while not self._stop.wait(TICK):
             try:
-                self._tick()
-            except (RunRefused, _Stopping):
+                observation = self.observe()
+                self._act(decide(observation), observation)
+            except (RunRefused, NodeLeft, _Stopping):  # refused, or this node left the run (SIGTERM)
                 return
             except Exception as exc:  # never die silently: give the change to torchrun's path
                 self.give_up(f"in-process re-formation failed: {exc!r}")
 
-    def _tick(self) -> None:
-        if not self.engaged():
-            return
-        assert self.round is not None
-        asked = {r: d for r, d in self.channel.requests().items() if d["round"] >= self.round}
-        if asked:
-            dead = self._dead_workers()
-            if dead:  # torchrun restarts the group when it sees them: no in-process round for the others
-                self.give_up(f"local worker(s) {sorted(dead)} exited")
-                return
-            reason = str(next(iter(asked.values())).get("reason") or "")
-            self._reform(reason)
-            return
-        participant = self._participant()
-        if participant.num_waiting() == 0:
-            return
+    def observe(self) -> Observation:
+        """What the node looks like now (see :class:`Observation`)."""
         now = time.monotonic()
-        if self._announced is None:
-            lost = participant.lost_members()
-            grace = LOST_GRACE if lost else STEP_GRACE
-            self._announced = (now, grace)
-            self.channel.announce(self.round)
-            log.info("hot_change_announced", round=self.round, lost=sorted(lost), grace_s=grace)
-        elif self._announced[1] <= LOST_GRACE and participant.lost_members() and self.blocked():
-            # a stopped peer: no step boundary comes. gloo workers cut their group's connections when asked,
-            # their collective fails and they ask for the next round (the tick above); others restart
-            if self._cut_at is None and self.channel.cuttable():
-                self._cut_at = now
-                self.channel.cut(self.round)
-                log.info("hot_links_cut", round=self.round, lost=sorted(participant.lost_members()))
-            elif self._cut_at is None or now - self._cut_at > CUT_GRACE:
-                after_cut = f", and still {CUT_GRACE:g} s after the cut" if self._cut_at is not None else ""
-                self.give_up(
-                    "workers blocked in a collective with a member whose lease expired (a stopped peer): "
-                    f"no step boundary to wait for{after_cut}"
-                )
-        elif self._announced[1] > LOST_GRACE and (why := self._no_boundary_coming(participant)):
-            # the workers cannot reach a step boundary: waiting the step grace would only delay the restart
-            self._announced = (now, LOST_GRACE)
-            log.info("hot_grace_shortened", round=self.round, why=why, grace_s=LOST_GRACE)
-        elif now - self._announced[0] > self._announced[1]:
-            self.give_up(
-                f"workers did not reach a step boundary within {self._announced[1]:g} s of the change "
-                "(a peer that stopped leaves them blocked in a collective)"
-            )
+        standby = self._standby_state()
+        if standby is not None:
+            return Observation(now, self.round, standby=standby)
+        ready = self.channel.ready()
+        round = self.round
+        if round is None or not self.engaged(ready):
+            return Observation(now, round)
+        asked = [q for _, q in sorted(self.channel.requests().items()) if q.round >= round]
+        if asked:
+            dead = tuple(r for r, m in sorted(ready.items()) if not running(m.pid))
+            return Observation(now, round, engaged=True, asked=asked[0].reason, dead=dead)
+        p = self.participant
+        waiting = p.num_waiting()
+        if waiting == 0:
+            return Observation(now, round, engaged=True)
+        left = (p.asking_beyond(round) & set(p.members)) - {p.node_id}
+        return Observation(
+            now,
+            round,
+            engaged=True,
+            waiting=waiting,
+            lost=tuple(sorted(p.lost_members())),
+            left=tuple(sorted(left)),
+            forming=any(r.round < round for r in ready.values()),
+            blocked=self.fence.workers_blocked(),
+            cuttable=all(r.cut for r in ready.values()),
+            announced_at=self._announced_at,
+            grace=self._grace,
+            cut_at=self._cut_at,
+        )
 
-    def _no_boundary_coming(self, participant: Participant) -> str | None:
-        """Why this node's workers will not reach the step boundary the change waits for, or None.
-
-        A member of the round that lost its lease after the change was announced (a peer that stopped or
-        was cut off: the workers are blocked in a collective with it), or a member that asks for a newer
-        round (it left this round: its workers exited, or its node was fenced and torchrun restarts them)
-        while the workers still form the round's group, which then never completes, or while no step
-        finished for a stall's length (:attr:`blocked`: they wait on the member's workers, which are gone).
-        A member asking while the workers step is one whose workers reached the boundary first.
-        """
-        lost = participant.lost_members()
-        if lost:
-            return f"member(s) {sorted(lost)} lost their lease"
-        assert self.round is not None
-        left = sorted(m for m in asking_beyond(participant, self.round) if m in participant.members)
-        left = [m for m in left if m != participant.node_id]
-        if not left:
+    def _standby_state(self) -> StandbyState | None:
+        standby = self.standby
+        pending = standby.pending() if standby is not None and self.fallback is None else None
+        if pending is None:
             return None
-        if any(r < self.round for r in self.channel.ready().values()):
-            return f"member(s) {left} asked for a newer round while the group of round {self.round} formed"
-        if self.blocked():
-            # formed, but the member's workers are gone: a collective (or a wait on the round's store) with
-            # them does not return, and no step finished for a stall's length
-            return f"member(s) {left} asked for a newer round while the workers are blocked"
-        return None  # formed and stepping: they stop at their next step
+        built = self.channel.standbys()
+        finished = refused = None
+        try:
+            self.participant.check_open()
+        except RendezvousClosed as exc:
+            finished = str(exc)
+        except (RunRefused, FailureBudgetExhausted) as exc:
+            refused = str(exc)
+        alive = len(built) < pending.needed or all(running(s.pid) for s in built.values())
+        return StandbyState(pending.needed, len(built), alive, finished, refused, pending.generation)
 
-    def _dead_workers(self) -> set[int]:
-        """Local ranks whose registered process is gone (exited, or a zombie not reaped yet)."""
-        import psutil
+    def _act(self, action: Action, o: Observation) -> None:
+        act = action.act
+        if act is Act.NOTHING:
+            return
+        if act is Act.ANNOUNCE:
+            assert o.round is not None
+            self._announced_at, self._grace = o.now, action.grace
+            self.channel.announce(o.round)
+            log.info("hot_change_announced", round=o.round, lost=list(o.lost), grace_s=action.grace)
+        elif act is Act.CUT:
+            assert o.round is not None
+            self._cut_at = o.now
+            self.channel.cut(o.round)
+            log.info("hot_links_cut", round=o.round, lost=list(o.lost))
+        elif act is Act.SHORTEN:
+            self._announced_at, self._grace = o.now, action.grace
+            log.info("hot_grace_shortened", round=o.round, why=action.reason, grace_s=action.grace)
+        elif act is Act.REFORM:
+            self._reform(action.reason)
+        elif act is Act.ADMIT:
+            assert o.standby is not None
+            self._admit(action.reason, o.standby.generation)
+        elif act is Act.END:
+            assert o.standby is not None
+            self._end(action.reason, o.standby.generation)
+        else:
+            self.give_up(action.reason)
 
-        dead = set()
-        for rank, d in self.channel.registered().items():
-            try:
-                if psutil.Process(int(d.get("pid") or 0)).status() == psutil.STATUS_ZOMBIE:
-                    dead.add(rank)
-            except (psutil.Error, ValueError):
-                dead.add(rank)
-        return dead
+    def _pause(self) -> None:
+        """Between two looks while the round's agents exchange ranks: stop waiting once the hot path gave up
+        or closes."""
+        if self.fallback is not None:
+            raise _GaveUp
+        if self._stop.wait(TICK):
+            raise _Stopping
 
     def _reform(self, reason: str) -> None:
+        """Join the next round, exchange ranks with its other agents, assign it to the workers."""
         started = time.perf_counter()
         old = self.round
         abandoned = 0
+        agent = self._agent
+        assert agent is not None
         with self._lock:
-            participant = self._participant()
             while True:
-                result = participant.join()
+                result = self.participant.join()
                 joined = time.perf_counter()
                 if self.fallback is not None:  # given up while the join ran (the fence fired): torchrun's
                     self._hand_over(result)  # path starts new workers in this round, it does not join again
                     return
                 try:
                     try:
-                        store, info = self._bootstrap(result)
+                        store, info = self.stores.bootstrap(result)
                     except RuntimeError as exc:  # rank 0 vanished between close and connect
                         raise RoundAbandoned(f"the round's store on rank 0 is unreachable: {exc}") from exc
                     ranked = time.perf_counter()
-                    workers = self._update_torchrun(result, store, info)
+                    workers = exchange_ranks(agent, self.participant, result, store, info, self._pause)
                     break
                 except _GaveUp:
                     self._hand_over(result)
@@ -303,19 +452,18 @@ class HotPath:
                 if self.fallback is not None:
                     self._hand_over(result)
                     return
-                os.environ[ENV_ROUND] = str(result.round)
                 self.round = result.round
-                self._announced = None
-                self._cut_at = None
-                self.channel.publish(
+                self._announced_at, self._grace, self._cut_at = None, 0.0, None
+                self.channel.assign(
                     Assignment(
                         round=result.round,
                         node_rank=result.rank,
                         nodes=result.world_size,
-                        ranks=[w.global_rank for w in sorted(workers, key=lambda w: w.local_rank)],
-                        world_size=workers[0].world_size,
                         master_addr=str(info.master_addr),
                         master_port=int(info.master_port),
+                        ranks=tuple(w.global_rank for w in workers),
+                        world_size=workers[0].world_size,
+                        reform=True,
                     )
                 )
         log.info(
@@ -331,6 +479,38 @@ class HotPath:
             seconds=round(time.perf_counter() - started, 3),
         )
 
+    def _admit(self, reason: str, generation: int) -> None:
+        """Join the next round for this node's standby workers and hand it to them: the round forms as an
+        in-process re-formation does."""
+        assert self.standby is not None
+        built = time.monotonic()
+        try:
+            self._reform(reason)
+            self.standby.admitted(generation)
+            log.info(
+                "standby_admitted",
+                round=self.round,
+                build_s=round(built - self.standby.started_at, 3),
+                admission_s=round(time.monotonic() - built, 3),
+            )
+        except RendezvousClosed as exc:  # the run finished without this node: one line, workers exit 0
+            self._end(str(exc), generation)
+        except (RunRefused, FailureBudgetExhausted) as exc:
+            # the restart path's next join raises it again, with its line and exit status
+            self.give_up(f"admission refused: {exc}")
+        except Exception as exc:  # never die silently: the restart path takes over
+            self.give_up(f"admission failed: {exc!r}")
+        finally:
+            self.standby.done(generation)
+
+    def _end(self, line: str, generation: int) -> None:
+        """The run finished before this node's standby workers were admitted: say so, and let them exit 0."""
+        assert self.standby is not None
+        if self.standby.done(generation):  # still this start's (its workers did not fail meanwhile)
+            sys.stderr.write(f"elastic-train: {line}\n")
+            sys.stderr.flush()
+            self.channel.end(line)
+
     def _hand_over(self, result: RoundResult) -> None:
         """Keep ``result``, a round this thread joined after the hot path gave up, for torchrun's
         ``next_rendezvous`` (join lock held): its workers are stopped and new ones start in it. Joining
@@ -344,93 +524,11 @@ class HotPath:
         result, self._handoff = self._handoff, None
         if result is None:
             return None
-        participant = self._participant()
-        latest = latest_round(participant)
-        if latest != result.round or participant.lost_members():
+        latest = self.participant.latest_round()
+        if latest != result.round or self.participant.lost_members():
             log.info("hot_handoff_stale", round=result.round, latest=latest)
             return None
         return result
-
-    def _update_torchrun(self, result: RoundResult, store: Any, info: Any) -> list[Any]:
-        """Assign the workers' global ranks the way torchrun's agent does after its own rendezvous (its
-        ``_assign_worker_ranks`` through the round's store: every agent of the round takes part, also one
-        that restarts or joins through torchrun's path), and make torchrun's record of the worker group that
-        of the new round (ranks, world size, store): its exit barrier then waits for this round's nodes.
-
-        Raises:
-            RoundAbandoned: a member of the round is gone before it wrote its part (:meth:`_await_members`).
-        """
-        from torch.distributed.elastic.utils.store import store_timeout
-
-        group, agent = self._group, self._agent
-        self._await_members(result, store)
-        with store_timeout(store, ASSIGN_TIMEOUT):
-            workers = agent._assign_worker_ranks(store, result.rank, result.world_size, group.spec)
-        for old, new in zip(sorted(group.workers, key=lambda w: w.local_rank), workers, strict=True):
-            old.global_rank, old.role_rank = new.global_rank, new.role_rank
-            old.world_size, old.role_world_size = new.world_size, new.role_world_size
-        group.group_rank, group.group_world_size, group.store = result.rank, result.world_size, store
-        group.master_addr, group.master_port = info.master_addr, info.master_port
-        agent._store = store
-        return list(workers)
-
-    def _await_members(self, result: RoundResult, store: Any) -> None:
-        """Wait, without blocking in the store, until every other agent of the round wrote its role for
-        torchrun's rank exchange: then ``_assign_worker_ranks`` does not wait on a dead member (torch's
-        blocking get would hold this thread for :data:`ASSIGN_TIMEOUT`, then the restart path).
-
-        Raises:
-            RoundAbandoned: a member that has not written its role is gone: its lease expired, its store
-                port refuses connections (its agent died), or it asks for a newer round; or the round's
-                store (on rank 0) is unreachable.
-            RuntimeError: not every member wrote within :data:`ASSIGN_TIMEOUT` (the restart path).
-        """
-        if os.environ.get("TORCH_ELASTIC_WORKER_IDENTICAL", "0") == "1":
-            return  # torch's fast path: no exchange through the store
-        from torch.distributed.elastic.agent.server.api import _RoleInstanceInfo
-
-        spec = self._group.spec
-        # what _assign_worker_ranks writes first, written here so that the members waiting here see it
-        mine = _RoleInstanceInfo(spec.role, result.rank, spec.local_world_size).serialize()
-        try:
-            store.set(f"torchelastic/role_info/{result.rank}", mine)
-        except RuntimeError as exc:
-            raise RoundAbandoned(f"the round's store on rank 0 is unreachable: {exc}") from exc
-        keys = {i: f"torchelastic/role_info/{i}" for i in range(result.world_size) if i != result.rank}
-        participant = self._participant()
-        deadline = time.monotonic() + ASSIGN_TIMEOUT
-        probed: dict[int, float] = {}
-        while keys:
-            try:
-                keys = {i: k for i, k in keys.items() if not store.check([k])}
-            except RuntimeError as exc:
-                raise RoundAbandoned(f"the round's store on rank 0 is unreachable: {exc}") from exc
-            if not keys:
-                return
-            lost = participant.lost_members()
-            beyond = asking_beyond(participant, result.round)
-            now = time.monotonic()
-            for i in keys:
-                node = result.members[i]
-                if node in lost:
-                    raise RoundAbandoned(f"member {node} (rank {i}) lost its lease")
-                if node in beyond:
-                    raise RoundAbandoned(f"member {node} (rank {i}) asks for a newer round")
-                if now - probed.get(i, 0.0) >= PROBE_EVERY:
-                    probed[i] = now
-                    if store_refused(result.nodes.get(node) or {}):
-                        raise RoundAbandoned(
-                            f"member {node} (rank {i}): its agent is gone (store port refused)"
-                        )
-            if now > deadline:
-                raise RuntimeError(
-                    f"rank(s) {sorted(keys)} of round {result.round} did not exchange ranks within "
-                    f"{ASSIGN_TIMEOUT:g} s"
-                )
-            if self.fallback is not None:
-                raise _GaveUp
-            if self._stop.wait(TICK):
-                raise _Stopping
 
     def give_up(self, reason: str) -> None:
         """Leave this change (and every later one in this round) to torchrun's restart path. Once this
@@ -444,52 +542,9 @@ class HotPath:
             log.warning("hot_fallback", round=self.round, reason=reason)
         # at once, not at the next monitor tick: a peer restarting its workers now must not start them on
         # standby for admission by this node's workers, which torchrun is about to restart too
-        self._participant().advertise_inproc(False)
+        self.participant.advertise_inproc(False)
 
     def close(self) -> None:
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(5.0)
-        shutil.rmtree(self.directory, ignore_errors=True)
-
-
-def latest_round(participant: Participant) -> int:
-    """The newest closed round of the run, from the participant's view (0 before the first)."""
-    with participant.view.cond:
-        kv = participant.view.get("round")
-    return RoundRecord.decode(kv.value).round if kv is not None else 0
-
-
-def asking_beyond(participant: Participant, round: int) -> set[str]:
-    """Live nodes whose join key asks for a round after ``round``, from the participant's view."""
-    with participant.view.cond:
-        live = set(participant.view.under("nodes/"))
-        keys = participant.view.under("join/")
-    out = set()
-    for node, kv in keys.items():
-        try:
-            target = int(json.loads(kv.value)["target"])
-        except (ValueError, KeyError, TypeError):
-            continue
-        if target > round and node in live:
-            out.add(node)
-    return out
-
-
-def store_refused(node: dict[str, Any]) -> bool:
-    """True when the node's agent store port (``{"addr", "store_port"}`` of a round record) refuses a TCP
-    connection: its agent process is gone although its lease has not expired yet. An unanswered probe
-    counts as alive (a stopped or cut-off node is left to its lease)."""
-    try:
-        addr, port = str(node["addr"]), int(node["store_port"])
-    except (KeyError, TypeError, ValueError):
-        return False
-    if port <= 0:
-        return False
-    try:
-        socket.create_connection((addr, port), timeout=PROBE_TIMEOUT).close()
-    except ConnectionRefusedError:
-        return True
-    except OSError:
-        return False
-    return False

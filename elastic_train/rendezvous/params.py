@@ -38,6 +38,8 @@ CONF_KEYS = (
     "join_window",
     "join_timeout",
     "failure_budget",
+    "failure_window",
+    "metrics_port",
     "keepalive_interval",
     "connect_timeout",
     "rpc_timeout",
@@ -86,6 +88,8 @@ DYNAMIC_INSTEAD = {
     "settle": "rounds close after torch's last_call_timeout",
     "join_window": "rounds close after torch's last_call_timeout",
     "failure_budget": "restarts are counted by torchrun's --max-restarts",
+    "failure_window": "restarts are counted by torchrun's --max-restarts",
+    "metrics_port": "the agent serves no metrics (docs/metrics.md: the etcd3 handler's)",
     "hot": "every membership change restarts the worker group",
 }
 #: Default of ``state_ttl`` (etcd3-dynamic): torch's etcd-v2 backend keeps its state two hours after a write.
@@ -99,8 +103,9 @@ _FLOATS = (
     "connect_timeout",
     "rpc_timeout",
     "identity_wait",
+    "failure_window",
 )
-_INTS = ("failure_budget",)
+_INTS = ("failure_budget", "metrics_port")
 _TLS = ("ca_file", "cert_file", "key_file")
 
 
@@ -286,6 +291,7 @@ def rdzv_conf(cfg: RendezvousConfig) -> dict[str, str]:
         "settle": f"{cfg.settle:g}",
         "join_timeout": f"{cfg.join_timeout:g}",
         "failure_budget": str(cfg.failure_budget),
+        "failure_window": f"{cfg.failure_window:g}",
         "connect_timeout": f"{cfg.connect_timeout:g}",
         "rpc_timeout": f"{cfg.rpc_timeout:g}",
         "identity_wait": f"{cfg.identity_wait:g}",
@@ -293,6 +299,8 @@ def rdzv_conf(cfg: RendezvousConfig) -> dict[str, str]:
     }
     if cfg.join_window is not None:
         out["join_window"] = f"{cfg.join_window:g}"
+    if cfg.metrics_port is not None:
+        out["metrics_port"] = str(cfg.metrics_port)
     if cfg.keepalive_interval is not None:
         out["keepalive_interval"] = f"{cfg.keepalive_interval:g}"
     if cfg.user is not None:

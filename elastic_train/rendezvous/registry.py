@@ -61,53 +61,34 @@ def _one_line_errors(create: Creator) -> Creator:
     return wrapper
 
 
-class ClosedRunExits(RendezvousHandler):
-    """torch's DynamicRendezvousHandler, except that a node finding the rendezvous closed leaves with one line
-    and status 0 (:class:`RunFinished`) instead of a traceback.
+def closed_run_exits(handler: RendezvousHandler) -> RendezvousHandler:
+    """``handler`` (torch's DynamicRendezvousHandler, and still one: a drop-in keeps its type), except that
+    a node finding the rendezvous closed leaves with one line and status 0 (:class:`RunFinished`) instead
+    of a traceback.
 
     torch 2.13's agent returns ``None`` on the ``RendezvousGracefulExitError`` that handler raises for a
     node on its redundancy list (the launcher then fails on ``result.is_failed()``), and lets the
-    ``RendezvousClosedError`` of a late node escape as a traceback. Everything else is the wrapped handler's.
+    ``RendezvousClosedError`` of a late node escape as a traceback. Only this instance's
+    ``next_rendezvous`` is replaced; everything else is torch's.
     """
+    inner = handler.next_rendezvous
 
-    def __init__(self, inner: RendezvousHandler) -> None:
-        self.inner = inner
-
-    def next_rendezvous(self) -> RendezvousInfo:
+    def next_rendezvous() -> RendezvousInfo:
         try:
-            return self.inner.next_rendezvous()
+            return inner()
         except (RendezvousClosedError, RendezvousGracefulExitError):
             from elastic_train.rendezvous.errors import RunFinished
 
             line = (
-                f"rendezvous of run {self.inner.get_run_id()} is closed (its job ended); this node has "
-                "nothing left to do"
+                f"rendezvous of run {handler.get_run_id()} is closed (its job ended); this node has nothing "
+                "left to do"
             )
             sys.stderr.write(f"elastic-train: {line}\n")
             sys.stderr.flush()
             raise RunFinished(line) from None
 
-    def get_backend(self) -> str:
-        return self.inner.get_backend()
-
-    def get_run_id(self) -> str:
-        return self.inner.get_run_id()
-
-    @property
-    def use_agent_store(self) -> bool:
-        return self.inner.use_agent_store
-
-    def is_closed(self) -> bool:
-        return self.inner.is_closed()
-
-    def set_closed(self) -> None:
-        self.inner.set_closed()
-
-    def num_nodes_waiting(self) -> int:
-        return self.inner.num_nodes_waiting()
-
-    def shutdown(self) -> bool:
-        return self.inner.shutdown()
+    handler.next_rendezvous = next_rendezvous  # type: ignore[method-assign]
+    return handler
 
 
 def create_etcd3_handler(params: RendezvousParameters) -> RendezvousHandler:
@@ -128,6 +109,7 @@ def create_etcd3_handler(params: RendezvousParameters) -> RendezvousHandler:
         ProtocolSettings.from_config(parsed.config),
         params.local_addr,
         store_timeout=parsed.store.read_timeout or STORE_TIMEOUT,
+        metrics_port=parsed.config.metrics_port,
     )
 
 
@@ -152,7 +134,7 @@ def create_etcd3_dynamic_handler(params: RendezvousParameters) -> RendezvousHand
 
 def torchrun_etcd3_dynamic_handler(params: RendezvousParameters) -> RendezvousHandler:
     """:func:`create_etcd3_dynamic_handler` as torchrun gets it: a closed rendezvous is one line, status 0."""
-    return ClosedRunExits(create_etcd3_dynamic_handler(params))
+    return closed_run_exits(create_etcd3_dynamic_handler(params))
 
 
 # One creator per backend for the life of the process: torch's registry refuses a second registration of a

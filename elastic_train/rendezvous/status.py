@@ -10,11 +10,14 @@ such, never a traceback.
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from elastic_train.etcd.client import Etcd
+from elastic_train.rendezvous.budget import BudgetRecord
 from elastic_train.rendezvous.config import run_prefix
+from elastic_train.rendezvous.records import RoundRecord, decode_join
 from elastic_train.straggler.record import StragglerRecord
 
 
@@ -46,7 +49,14 @@ class JobStatus:
     live_nodes: int = 0
     """Nodes holding a lease on the run (members or not)."""
     failures_used: int = 0
+    """Failures over the run's life."""
     failure_budget: int | None = None
+    failure_window: float | None = None
+    """Seconds over which ``failure_budget`` counts failures (0: the run's life; None: not recorded)."""
+    failures_in_window: int = 0
+    """Failures counted against the budget now (those in the window)."""
+    leaves: int = 0
+    """Members that left cleanly (SIGTERM), not counted against the budget."""
     closed: bool = False
     message: str = ""
     """Why the run failed (or the finishing node's note)."""
@@ -62,8 +72,15 @@ class JobStatus:
     unreadable: list[str] = field(default_factory=list)
     """Keys of the run that could not be read (their names)."""
 
+    @property
+    def failures_left(self) -> int | None:
+        """Failures the run may still survive (None when its budget is not recorded)."""
+        if self.failure_budget is None:
+            return None
+        return max(0, self.failure_budget - self.failures_in_window)
+
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "failures_left": self.failures_left}
 
 
 def _json(raw: bytes | None) -> dict[str, Any] | None:
@@ -74,6 +91,16 @@ def _json(raw: bytes | None) -> dict[str, Any] | None:
     except (UnicodeDecodeError, json.JSONDecodeError):
         return {}
     return d if isinstance(d, dict) else {}
+
+
+def _round(raw: bytes | None) -> RoundRecord | None:
+    """The run's last round; None before the first, or when its record does not decode."""
+    if raw is None:
+        return None
+    try:
+        return RoundRecord.decode(raw)
+    except ValueError:
+        return None
 
 
 def _int(value: Any, default: int = 0) -> int:
@@ -99,16 +126,14 @@ def read_status(etcd: Etcd, run_id: str) -> JobStatus:
     if not keys:
         return JobStatus(run_id=run_id, round=0, state="unknown", exists=False)
     live = {k[len("nodes/") :] for k in keys if k.startswith("nodes/")}
-    rec = _json(keys.get("round"))
+    rec = _round(keys.get("round"))
     cfg = _json(keys.get("config")) or {}
     closed = _json(keys.get("closed"))
     ident = _json(keys.get("identity")) or {}
-    rnd = _int(rec.get("round")) if rec else 0
+    rnd = rec.round if rec else 0
     members = []
-    nodes: dict[str, Any] = rec["nodes"] if rec and isinstance(rec.get("nodes"), dict) else {}
-    order: list[Any] = rec["members"] if rec and isinstance(rec.get("members"), list) else []
-    for rank, node in enumerate(str(n) for n in order):
-        entry = nodes.get(node)
+    for rank, node in enumerate(rec.members if rec else []):
+        entry = rec.nodes.get(node) if rec else None
         addr = entry.get("addr") if isinstance(entry, dict) else None
         members.append(Member(node=node, addr=addr, rank=rank, alive=node in live))
     stragglers, unreadable = [], []
@@ -119,11 +144,12 @@ def read_status(etcd: Etcd, run_id: str) -> JobStatus:
             except ValueError:
                 unreadable.append(k)
     waiting = []
-    for k, v in keys.items():
-        if k.startswith("join/"):
-            j = _json(v) or {}
-            if _int(j.get("target")) > rnd and k[5:] in live:
-                waiting.append(k[5:])
+    for kv in kvs:
+        name = kv.key[len(prefix) :]
+        if name.startswith("join/"):
+            j = decode_join(name[len("join/") :], kv)
+            if j is not None and j.target > rnd and j.node_id in live:
+                waiting.append(j.node_id)
     if closed is not None:
         state = "finished" if closed.get("reason") == "finished" else "failed"
     elif rec is None:
@@ -137,6 +163,10 @@ def read_status(etcd: Etcd, run_id: str) -> JobStatus:
     step = closed.get("step") if closed else None
     at = closed.get("time") if closed else None
     budget = cfg.get("failure_budget")
+    window = cfg.get("failure_window", 0)  # a run recorded before windows counted its whole life
+    window = float(window) if isinstance(window, int | float) and not isinstance(window, bool) else 0.0
+    used = _int(keys.get("failures", b"0"))
+    record = BudgetRecord.decode(keys.get("budget"))
     settings = ident.get("settings")
     return JobStatus(
         run_id=run_id,
@@ -146,8 +176,11 @@ def read_status(etcd: Etcd, run_id: str) -> JobStatus:
         world_size=len(members),
         waiting=sorted(waiting),
         live_nodes=len(live),
-        failures_used=_int(keys.get("failures", b"0")),
-        failure_budget=budget if isinstance(budget, int) else None,
+        failures_used=used,
+        failure_budget=budget if isinstance(budget, int) and not isinstance(budget, bool) else None,
+        failure_window=window,
+        failures_in_window=used if window <= 0 else min(used, record.in_window(time.time(), window)),
+        leaves=record.leaves,
         closed=closed is not None,
         message=str(closed.get("message", "")) if closed else "",
         finished_step=step if isinstance(step, int) and state == "finished" else None,

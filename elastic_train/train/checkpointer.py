@@ -4,9 +4,7 @@ checkpoint manager's two tiers, with the progress events ``elastic-train local``
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
-import weakref
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -16,16 +14,16 @@ import torch.distributed as dist
 
 from elastic_train.checkpoint.config import CheckpointConfig
 from elastic_train.log import get_logger
-from elastic_train.train import hot
-from elastic_train.train.env import mark_trained
 from elastic_train.train.errors import NotStateful, TrainingError
 from elastic_train.train.events import EventWriter
 from elastic_train.train.group import World, current_world
+from elastic_train.train.link import GroupChanged, ProcessLink, process_link
 from elastic_train.train.sampler import ElasticBatchSampler
 from elastic_train.train.state import TrainState
 
 if TYPE_CHECKING:
-    from elastic_train.checkpoint.manager import Committed
+    from elastic_train.checkpoint.writer import Committed
+    from elastic_train.node.gate import Link
 
 log = get_logger(__name__)
 
@@ -33,62 +31,14 @@ StepHook = Callable[[int], None]
 """Called with the step number at :meth:`Checkpointer.commit`, before the state is saved."""
 
 
-class LiveMark:
-    """Which step the live tensors of this process's model and optimizer hold, as far as it knows.
-
-    Set when a step's snapshot is taken from them or a restored step is loaded into them; cleared by the
-    next optimizer step (a pre-hook, registered once per optimizer). A worker that re-forms its group
-    in-process passes it to the restore, which then hashes those tensors where they are instead of reading
-    its snapshot again (``CheckpointManager.restore(live=...)``). It is a hint: the slot's checksum decides,
-    so a tensor changed some other way (a buffer updated in a forward pass, weights edited by hand) costs a
-    second read, never a wrong state.
-    """
-
-    def __init__(self) -> None:
-        self._model: weakref.ref[Any] | None = None
-        self._optimizer: Callable[[], Any] = _none
-        self._step: int | None = None
-        self._watched: weakref.WeakSet[Any] = weakref.WeakSet()
-
-    def set(self, state: TrainState, step: int) -> None:
-        if self._model is not None and self._model() is state.model and self._optimizer() is state.optimizer:
-            self._step = step  # every commit: the same objects as the last time
-            return
-        optimizer = state.optimizer
-        if isinstance(optimizer, torch.optim.Optimizer) and optimizer not in self._watched:
-            optimizer.register_step_pre_hook(self._changed)
-            self._watched.add(optimizer)
-        self._model, self._optimizer = weakref.ref(state.model), _ref(optimizer)
-        self._step = step
-
-    def get(self, state: TrainState) -> int | None:
-        return self._step if self._model is not None and self._model() is state.model else None
-
-    def clear(self) -> None:
-        self._model, self._step = None, None
-
-    def _changed(self, *args: Any) -> None:
-        self._step = None
-
-
-def _none() -> None:
-    return None
-
-
-def _ref(obj: Any) -> Callable[[], Any]:
-    return _none if obj is None else weakref.ref(obj)
-
-
-#: The process's one :class:`LiveMark` (a worker trains one state).
-LIVE = LiveMark()
-
-
 class Manager(Protocol):
     """What :class:`Checkpointer` and the built-in loop need from
     :class:`elastic_train.checkpoint.CheckpointManager`."""
 
-    last_committed: Committed | None
-    """The newest durable checkpoint committed so far (None before the first)."""
+    @property
+    def last_committed(self) -> Committed | None:
+        """The newest durable checkpoint committed so far (None before the first)."""
+        ...
 
     def restore(self, model: Mapping[str, Any] | None = None) -> Any:
         """Collective: the newest valid state anywhere (``.step``, ``.state``, ``.source``) or ``None``."""
@@ -108,6 +58,23 @@ class Manager(Protocol):
 
 
 @runtime_checkable
+class Planned(Protocol):
+    """A manager that takes a state flattened once and reused (``TrainState.snapshot``) and restores into
+    the live tensors (``into=``, ``live=``), when its ``planned_snapshots`` says so."""
+
+    planned_snapshots: bool
+
+
+@runtime_checkable
+class LeavesAtBoundary(Protocol):
+    """A manager that can keep the step's memory snapshot when the group re-forms after it."""
+
+    def save_before_leaving(self, step: int, state: Callable[[], Any]) -> bool:
+        """Take the step's snapshot without a collective; whether one was taken."""
+        ...
+
+
+@runtime_checkable
 class Fenced(Protocol):
     """A manager whose snapshots may copy an optimizer's parameters and state until its next step."""
 
@@ -118,6 +85,28 @@ class Fenced(Protocol):
     def fence(self) -> None:
         """Wait until the last snapshot no longer reads the parameters and optimizer state."""
         ...
+
+
+def _manager(cfg: CheckpointConfig, run_id: str, state: TrainState, world: World, link: Link) -> Manager:
+    """The checkpoint manager of ``state``: the sharded one when the model's parameters are DTensors
+    (FSDP2's ``fully_shard``), the replicated one otherwise."""
+    group = dist.group.WORLD if world.world_size > 1 else None
+    from elastic_train.checkpoint.sharded.local import is_sharded
+
+    if is_sharded(state.model):
+        from elastic_train.checkpoint.sharded.manager import ShardedCheckpointManager
+
+        return ShardedCheckpointManager(
+            cfg, run_id, rank=world.rank, world_size=world.world_size, local_rank=world.local_rank,
+            local_world_size=world.local_world_size, round=world.round, model=state.model,
+            optimizer=state.optimizer, current_state=state.state_dict, group=group, link=link,
+        )  # fmt: skip
+    from elastic_train.checkpoint import CheckpointManager
+
+    return CheckpointManager(
+        cfg, run_id, rank=world.rank, world_size=world.world_size, local_rank=world.local_rank, group=group,
+        device=world.device, link=link,
+    )  # fmt: skip
 
 
 class Checkpointer:
@@ -142,6 +131,8 @@ class Checkpointer:
         events: progress events (default: rank 0 writes to ``$ELASTIC_TRAIN_EVENTS``).
         hooks: called with the step number at each commit before the save (progress probes, fault
             injection in tests).
+        link: this process's end of the node contract (default: :func:`~elastic_train.train.link.
+            process_link`): the step beat and the announced membership changes at each commit.
 
     Raises:
         StorageError: the URL's filesystem cannot be opened.
@@ -161,10 +152,12 @@ class Checkpointer:
         manager: Manager | None = None,
         events: EventWriter | None = None,
         hooks: Sequence[StepHook] = (),
+        link: ProcessLink | None = None,
     ) -> None:
         if not isinstance(state, TrainState):
             raise NotStateful(f"state: a {type(state).__name__} is not an elastic_train TrainState")
         self.state = state
+        self.link = link or process_link()
         self._unverified_snapshot = partial(state.snapshot, verify=False)
         self.world = world or current_world()
         state.meta = {"world_size": self.world.world_size, "round": self.world.round}
@@ -176,25 +169,17 @@ class Checkpointer:
             cfg = config or CheckpointConfig()
             changes: dict[str, Any] = {"url": url, "every_steps": every_steps, "resume_from": resume_from}
             cfg = dataclasses.replace(cfg, **{k: v for k, v in changes.items() if v is not None})
-            from elastic_train.checkpoint import CheckpointManager
-
-            manager = CheckpointManager(
-                cfg,
-                run_id or self.world.run_id,
-                rank=self.world.rank,
-                world_size=self.world.world_size,
-                local_rank=self.world.local_rank,
-                group=dist.group.WORLD if self.world.world_size > 1 else None,
-                device=self.world.device,
+            manager = _manager(
+                cfg, run_id or self.world.run_id, state, self.world, self.link.checkpoint_link()
             )
         elif url is not None or every_steps is not None or resume_from is not None or config is not None:
             raise ValueError("Checkpointer: give either a manager or checkpoint settings, not both")
         self.manager: Manager = manager
+        self._planned = isinstance(manager, Planned) and manager.planned_snapshots is True
         self.hooks = list(hooks)
         #: Where the restored state came from (``memory``, ``durable``, ``resume_from``), None when fresh.
         self.source: str | None = None
         self._restored = False
-        self._trained_marked = False
         self._reported: Any = None
         self._last_commit = time.perf_counter()
         # With a manager that can copy the optimizer's tensors while the next step computes (its step
@@ -220,13 +205,13 @@ class Checkpointer:
             CheckpointError: storage failure or an unreadable ``resume_from``.
         """
         model = self.state.model.state_dict()
-        if getattr(self.manager, "planned_snapshots", False) is True:
+        if self._planned:
             # Restored bytes land in the parameters and optimizer buffers themselves where they fit: no
             # snapshot copy may still be reading them.
             if isinstance(self.manager, Fenced):
                 self.manager.fence()
             restored = self.manager.restore(  # type: ignore[call-arg]
-                model=model, into=self.state.restore_targets, live=LIVE.get(self.state)
+                model=model, into=self.state.restore_targets, live=self.link.live.get(self.state)
             )
         else:
             restored = self.manager.restore(model=model)
@@ -239,10 +224,8 @@ class Checkpointer:
             self.events.emit("started", 0)
             return 0
         self.load(restored.state)
-        LIVE.set(self.state, self.step)
+        self.link.live.set(self.state, self.step)
         self.source = restored.source
-        if self.step > 0:
-            self._mark_trained()
         sampler = self.state.sampler
         epoch = sampler.epoch if sampler is not None else None
         log.info("training_resumed", step=self.step, source=restored.source, epoch=epoch)
@@ -258,7 +241,7 @@ class Checkpointer:
         # no snapshot copy may be reading what load_state_dict overwrites
         if isinstance(self.manager, Fenced):
             self.manager.fence()
-        LIVE.clear()
+        self.link.live.clear()
         self.state.load_state_dict(state)
         self._restored = True
 
@@ -289,14 +272,7 @@ class Checkpointer:
         """
         samples = self.advance()
         self.save(loss=loss, samples=samples)
-        if not self._trained_marked:
-            self._mark_trained()
         return self.step
-
-    def _mark_trained(self) -> None:
-        """Once: tell the agent this run has trained (a later failure is not one at start-up)."""
-        self._trained_marked = True
-        mark_trained(os.environ)
 
     def advance(self) -> int:
         """The first half of :meth:`commit`: count the step and move the sampler past it; returns its size."""
@@ -323,18 +299,24 @@ class Checkpointer:
         for hook in self.hooks:
             hook(step)
         # A manager that takes a flattened state gets the planned one (no state dicts built per step).
-        planned = getattr(self.manager, "planned_snapshots", False) is True
+        planned = self._planned
         # Such a manager checks the snapshot's full structure before it publishes the copy (the memory tier
         # on its copier thread): the training thread checks only what costs no tensor access.
         snapshot = self._unverified_snapshot if planned else self.state.state_dict
         try:
-            hot.boundary(step)
-        except hot.GroupChanged:
+            self.link.boundary(step)  # the step beat; a membership change announced: leave here
+        except GroupChanged:
             self._leave(step, snapshot)
             raise
+        started = time.perf_counter()
         self.manager.save(step, snapshot)
-        LIVE.set(self.state, step)
-        self._report_commit()
+        saved_s = time.perf_counter() - started
+        self.link.live.set(self.state, step)
+        self.link.mark_trained()  # once per round: a failure from now on is not one at start-up
+        committed = self._report_commit()
+        if self.link.stats is not None:  # the agent's metrics (none outside an agent)
+            durable = (committed.step, committed.seconds, committed.bytes) if committed is not None else None
+            self.link.committed(step, saved_s, durable)
         if self.events.enabled:
             now = time.perf_counter()
             rate = samples / max(now - self._last_commit, 1e-9)
@@ -348,21 +330,22 @@ class Checkpointer:
     def _leave(self, step: int, snapshot: Callable[[], Any]) -> None:
         """The group re-forms after this step: keep its snapshot (memory tier only), so that the members
         start the next group from it instead of redoing it, and nothing is sent to those that hold it."""
-        leave = getattr(self.manager, "save_before_leaving", None)
-        if leave is None:
+        if not isinstance(self.manager, LeavesAtBoundary):
             return
         try:
-            if leave(step, snapshot):
-                LIVE.set(self.state, step)
+            if self.manager.save_before_leaving(step, snapshot):
+                self.link.live.set(self.state, step)
         except Exception as exc:  # the step is then redone from the previous snapshot, as without this
             log.warning("snapshot_before_leaving_failed", step=step, error=str(exc))
 
-    def _report_commit(self) -> None:
-        """Emit a ``checkpoint`` event for a durable checkpoint committed since the last call."""
+    def _report_commit(self) -> Committed | None:
+        """Emit a ``checkpoint`` event for a durable checkpoint committed since the last call; returns the
+        newest committed."""
         committed = self.manager.last_committed
         if committed is not None and committed is not self._reported:
             self._reported = committed
             self.events.emit("checkpoint", committed.step, seconds=committed.seconds, bytes=committed.bytes)
+        return committed
 
     # -- the end -------------------------------------------------------------------------------------------
     def finalize(self) -> Committed | None:
@@ -373,7 +356,9 @@ class Checkpointer:
             WriteFailed: the final checkpoint could not be written (after retries).
         """
         committed: Committed | None = self.manager.finalize(self.step, self.state.state_dict())
-        self._report_commit()
+        final = self._report_commit()
+        if self.link.stats is not None and final is not None:  # the final checkpoint, for the metrics
+            self.link.stats.count_durable(final.step, final.seconds, final.bytes)
         self.events.emit("done", self.step)
         log.info("training_done", step=self.step)
         self._release()
@@ -385,6 +370,8 @@ class Checkpointer:
         self._release()
 
     def _release(self) -> None:
+        if self.link.stats is not None:
+            self.link.stats.flush()
         if isinstance(self.state.sampler, ElasticBatchSampler):
             self.state.sampler.close()
         if self._own_events:

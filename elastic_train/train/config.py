@@ -28,6 +28,8 @@ class TrainConfig:
     """Directory where every rank appends one JSON line per step with the sample indices it trained."""
     backend: str = "auto"
     """Process-group backend: auto (nccl with CUDA, else gloo), gloo or nccl."""
+    fsdp: bool = False
+    """Shard the model with FSDP2 (fully_shard per block) instead of replicating it with DDP."""
 
     def __post_init__(self) -> None:
         if not self.task:

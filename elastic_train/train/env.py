@@ -1,26 +1,14 @@
-"""What torchrun tells a worker through its environment (pure parsing, no side effects)."""
+"""What torchrun tells a worker through its environment, and the round its agent assigned (pure parsing)."""
 
 from __future__ import annotations
 
-import contextlib
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from elastic_train.envvars import ENV_OUTCOME_DIR, ENV_ROUND, OUTCOME_TRAINED
 from elastic_train.errors import ConfigError
+from elastic_train.node import Assignment
 
-__all__ = ["WorkerEnv", "mark_trained"]
-
-
-def mark_trained(environ: Mapping[str, str]) -> None:
-    """Tell this worker's agent that the run has trained a step (a failure from now on is not a start-up
-    failure; see docs/operating.md). A no-op outside an ``etcd3`` agent; best effort."""
-    directory = environ.get(ENV_OUTCOME_DIR)
-    if not directory:
-        return
-    with contextlib.suppress(OSError):
-        os.close(os.open(os.path.join(directory, OUTCOME_TRAINED), os.O_WRONLY | os.O_CREAT, 0o644))
+__all__ = ["WorkerEnv"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,7 +24,8 @@ class WorkerEnv:
     round: int
     """Rendezvous round of the group (increases with every re-rendezvous)."""
     round_is_global: bool
-    """True when ``round`` came from the rendezvous (same on every node), not from a node's restart count."""
+    """True when ``round`` came from the rendezvous (the agent's assignment: the same on every node), not
+    from a node's restart count."""
     local_world_size: int
     """Workers on this node."""
     restart_count: int
@@ -64,8 +53,13 @@ class WorkerEnv:
         return None
 
     @classmethod
-    def from_environ(cls, environ: Mapping[str, str]) -> WorkerEnv:
+    def from_environ(cls, environ: Mapping[str, str], assignment: Assignment | None = None) -> WorkerEnv:
         """Read torchrun's variables; without ``RANK`` this is a single-process world on loopback.
+
+        Args:
+            environ: the process's environment.
+            assignment: the assignment of this worker's agent (:mod:`elastic_train.node`), which carries the
+                round; None outside an ``etcd3`` agent (the round is then the restart count).
 
         Raises:
             ConfigError: a variable is present but not an integer, or rank/world size are inconsistent.
@@ -89,8 +83,8 @@ class WorkerEnv:
             rank=rank,
             world_size=world_size,
             local_rank=num("LOCAL_RANK", 0),
-            round=num(ENV_ROUND, restart),
-            round_is_global=bool(environ.get(ENV_ROUND)),
+            round=assignment.round if assignment is not None else restart,
+            round_is_global=assignment is not None,
             local_world_size=num("LOCAL_WORLD_SIZE", world_size),
             restart_count=restart,
             run_id=environ.get("TORCHELASTIC_RUN_ID") or None,

@@ -9,6 +9,11 @@ class TrainingError(ElasticTrainError):
     """Training cannot go on (bad task, incompatible state, broken collective set-up)."""
 
 
+class ReformAbandoned(TrainingError):
+    """The group could not be re-formed in-process; the worker exits and its agent restarts it (the restart
+    path: not a failure of the script's own)."""
+
+
 class TaskError(TrainingError, NonRetryableError):
     """The configured task cannot be loaded or does not return a valid ``Task`` (the same on every retry)."""
 

@@ -5,6 +5,7 @@ Used by the built-in worker and by scripts with their own loop alike (``elastic_
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import stat
@@ -12,6 +13,7 @@ import sys
 import threading
 import time
 import types
+from collections.abc import MutableMapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -19,11 +21,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from elastic_train import torchcompat
 from elastic_train.errors import ElasticTrainError
 from elastic_train.log import bind_context, configure_logging
 from elastic_train.net import free_port
 from elastic_train.train.env import WorkerEnv
 from elastic_train.train.errors import TrainingError
+from elastic_train.train.link import process_link
 
 #: Run id of the checkpoints when torchrun gives none (``TORCHELASTIC_RUN_ID`` unset: a plain process).
 DEFAULT_RUN_ID = "default"
@@ -44,6 +48,19 @@ _LINKS: dict[int, int] = {}
 _LINKS_ROUND = [-1]
 #: Orders recording and cutting: a watcher thread may cut while the training thread re-forms.
 _LINKS_LOCK = threading.Lock()
+#: The NCCL watchdog mode hot recovery needs: abort the failed communicator and raise on the training thread
+#: (torch's ``ErrorHandlingMode::CleanUpOnly``); torch's default (3, ``SkipCleanUp``) takes the process down.
+NCCL_CLEAN_UP_ONLY = "2"
+ENV_NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+
+
+def nccl_error_handling(environ: MutableMapping[str, str], reform: bool) -> None:
+    """Under an agent that re-forms in-process (``reform``), make NCCL's watchdog abort a failed communicator
+    and raise instead of ending the process (unless the user chose a mode: then hot recovery leaves NCCL
+    groups to the restart path, ``hot.Reformer.register``). torch reads the variable when an NCCL group
+    forms: :func:`init` calls this first."""
+    if reform:
+        environ.setdefault(ENV_NCCL_ERROR_HANDLING, NCCL_CLEAN_UP_ONLY)
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,7 +138,8 @@ def init(backend: str = "auto", *, timeout: timedelta | None = None, env: Worker
     global _WORLD
     if _WORLD is not None and dist.is_initialized():
         return _WORLD
-    env = env or WorkerEnv.from_environ(os.environ)
+    link = process_link()
+    env = env or WorkerEnv.from_environ(os.environ, link.assignment)
     import structlog
 
     if not structlog.is_configured():
@@ -140,6 +158,7 @@ def init(backend: str = "auto", *, timeout: timedelta | None = None, env: Worker
                 raise TrainingError("backend nccl needs CUDA, and no GPU is visible")
             device = torch.device("cuda", env.local_rank)
             torch.cuda.set_device(device)
+            nccl_error_handling(os.environ, link.reform)
         else:
             device = torch.device("cpu")
         _form_group(chosen, device, env, timeout)
@@ -253,6 +272,7 @@ def shutdown(*, broken: bool = False) -> None:
             _abort_nccl()
         if dist.is_initialized():
             dist.destroy_process_group()
+    _forget_meshes()
     _WORLD = None
     with _LINKS_LOCK:
         _LINKS.clear()
@@ -326,20 +346,34 @@ def _backend_of_default_group() -> str:
 
 
 def _abort_nccl() -> None:
-    """Abort every NCCL communicator of this process (torch's ``_abort_process_group``: all groups, within
-    one NCCL group call so that no abort waits on another); it also unregisters the groups."""
-    from torch.distributed.distributed_c10d import _abort_process_group
+    """Abort every NCCL communicator of this process (all groups, within one NCCL group call so that no
+    abort waits on another); it also unregisters the groups."""
+    torchcompat.abort_groups()
 
-    _abort_process_group()
+
+def _forget_meshes() -> None:
+    """Drop DTensor's sharding-propagation caches (torch's Python and C++ ones) with the group.
+
+    They key a device mesh by equality, which ignores this process's rank in it: after a group re-forms
+    in-process with this process at another rank (a world of a size it trained at before), DTensors made
+    by an operator — FSDP2's sharded parameters included (``nn.Parameter`` of a DTensor detaches it) —
+    would carry the old group's mesh and so the old coordinate, and a DCP checkpoint written from them
+    would hold overlapping chunks. Only when DTensor was imported (a DDP job never is).
+    """
+    if "torch.distributed.tensor" in sys.modules:
+        torchcompat.clear_sharding_caches()
 
 
 def _install_excepthook() -> None:
-    """Render an :class:`ElasticTrainError` that ends the script as one line on stderr (exit code 1)."""
+    """Render an :class:`ElasticTrainError` that ends the script as one line on stderr (exit code 1), and
+    tell the worker's agent how the script ended (:meth:`.link.ProcessLink.report_exit`)."""
     previous = sys.excepthook
     if getattr(previous, "_elastic_train", False):
         return
 
     def hook(kind: type[BaseException], exc: BaseException, tb: types.TracebackType | None) -> None:
+        with contextlib.suppress(Exception):  # best effort: the error itself is what must be seen
+            process_link().report_exit(exc)
         if isinstance(exc, ElasticTrainError):
             rank = _WORLD.rank if _WORLD is not None else os.environ.get("RANK", "0")
             prog = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "python"

@@ -3,10 +3,10 @@
 One seam, used by the built-in worker and by :func:`elastic_train.elastic.run` alike: a training body is
 called with the current :class:`~elastic_train.train.group.World`; when it fails because the group broke (a
 collective error: a peer died) or the node's agent announced a membership change (the body stops at its
-next step boundary, :meth:`Reformer.boundary`), the :class:`Reformer` destroys the group, tells the agent,
-waits for the next round's assignment (:mod:`elastic_train.reform`), forms the new group and calls the body
-again. The body rebuilds what depends on the group (DDP wrapper, checkpoint manager, sampler shares) and
-restores: every member agrees on the newest step anyone holds and a failed step is redone.
+next step boundary, :meth:`~elastic_train.train.link.ProcessLink.boundary`), the :class:`Reformer` destroys
+the group, tells the agent, waits for the next round's assignment (:mod:`elastic_train.node`), forms the new
+group and calls the body again. The body rebuilds what depends on the group (DDP wrapper, checkpoint manager,
+sampler shares) and restores: every member agrees on the newest step anyone holds and a failed step is redone.
 
 A worker started on standby (its node joins a running job, :mod:`elastic_train.rendezvous.standby`) forms no
 group of the job's before ``run()``: the model, optimizer and data are built by then, so it reports ready,
@@ -19,10 +19,11 @@ that does not re-form in time, an agent that gave up on the in-process path (a h
 cannot be aborted). Which error is which is :func:`classify_failure`.
 
 On NCCL the same path works because the communicator is aborted, not the process: with hot recovery on,
-torch's watchdog runs in ``CleanUpOnly`` mode (``TORCH_NCCL_ASYNC_ERROR_HANDLING=2``, set here before the
-first group forms): on a peer's failure or a collective timeout it aborts the communicator and the error is
-raised on the training thread instead of taking the process down; :func:`~elastic_train.train.group.shutdown`
-aborts what is left of the group, and the next group forms on the same device (``device_id``: eager init).
+torch's watchdog runs in ``CleanUpOnly`` mode (``TORCH_NCCL_ASYNC_ERROR_HANDLING=2``, set before the first
+NCCL group forms, :func:`~elastic_train.train.group.nccl_error_handling`): on a peer's failure or a
+collective timeout it aborts the communicator and the error is raised on the training thread instead of
+taking the process down; :func:`~elastic_train.train.group.shutdown` aborts what is left of the group, and
+the next group forms on the same device (``device_id``: eager init).
 The CUDA context, the model and the optimizer state stay on the device.
 """
 
@@ -32,16 +33,16 @@ import gc
 import os
 import threading
 import time
-from collections.abc import Callable, MutableMapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from elastic_train.envvars import ENV_REFORM_DIR, ENV_ROUND, ENV_STANDBY
 from elastic_train.log import get_logger
-from elastic_train.reform import Channel
 from elastic_train.train import group
 from elastic_train.train.env import WorkerEnv
-from elastic_train.train.errors import TrainingError
+from elastic_train.train.errors import ReformAbandoned
+from elastic_train.train.group import ENV_NCCL_ERROR_HANDLING, NCCL_CLEAN_UP_ONLY
+from elastic_train.train.link import GroupChanged, ProcessLink, process_link, worker_env
 
 log = get_logger(__name__)
 
@@ -90,29 +91,6 @@ _NCCL_GROUP_MARKERS = (
     "NCCL timeout in",  # C10D_CHECK_TIMEOUT of a non-blocking NCCL call
     "Process group watchdog thread terminated",  # the watchdog's exception, relayed
 )
-#: The NCCL watchdog mode hot recovery needs: abort the failed communicator and raise on the training thread
-#: (torch's ``ErrorHandlingMode::CleanUpOnly``); torch's default (3, ``SkipCleanUp``) takes the process down.
-NCCL_CLEAN_UP_ONLY = "2"
-ENV_NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
-
-
-def nccl_error_handling(environ: MutableMapping[str, str]) -> None:
-    """Under an agent that re-forms in-process, make NCCL's watchdog abort a failed communicator and raise
-    instead of ending the process (unless the user chose a mode: then :meth:`Reformer.register` leaves NCCL
-    groups to the restart path). torch reads the variable when a group forms, so this runs at import."""
-    if environ.get(ENV_REFORM_DIR):
-        environ.setdefault(ENV_NCCL_ERROR_HANDLING, NCCL_CLEAN_UP_ONLY)
-
-
-nccl_error_handling(os.environ)
-
-
-class GroupChanged(Exception):
-    """Raised at a step boundary when the agent announced that this group must re-form."""
-
-
-class ReformAbandoned(TrainingError):
-    """The group could not be re-formed in-process; the worker exits and its agent restarts it."""
 
 
 class RunEnded(SystemExit):
@@ -184,40 +162,41 @@ class Reformer:
     """Re-forms this worker's process group in-process through its agent's channel.
 
     Args:
-        channel: the node's re-formation channel.
+        link: this process's end of the node contract (its channel, its assignment).
         env: this worker's place in the current group.
         backend: process-group backend to re-form with.
     """
 
-    def __init__(self, channel: Channel, env: WorkerEnv, backend: str = "auto") -> None:
-        self.channel = channel
+    def __init__(self, link: ProcessLink, env: WorkerEnv, backend: str = "auto") -> None:
+        assert link.channel is not None
+        self.link = link
+        self.channel = link.channel
         self.env = env
         self.backend = backend
         self.reformations = 0
-        self.registered = False
-        """True once the agent was told this worker re-forms in-process (:meth:`register`)."""
         #: Seconds this worker may wait for its admission when its agent started it on standby, else None.
-        self.standby: float | None = None
+        self.standby: float | None = link.standby_s
         self._watcher: threading.Thread | None = None
 
     @classmethod
-    def from_environ(cls, env: WorkerEnv, backend: str = "auto") -> Reformer | None:
-        """The reformer of a worker whose agent re-forms in-process, or None (hot recovery off)."""
-        channel = Channel.from_environ(os.environ)
-        if channel is None or not env.round_is_global:
+    def of(cls, link: ProcessLink, env: WorkerEnv, backend: str = "auto") -> Reformer | None:
+        """The reformer of a worker whose agent re-forms in-process, or None (hot recovery off, or not
+        under an ``etcd3`` agent)."""
+        if not link.reform or not env.round_is_global:
             return None
-        reformer = cls(channel, env, backend)
-        wait = os.environ.get(ENV_STANDBY)
-        if wait:
-            reformer.standby = float(wait)
-        return reformer
+        return cls(link, env, backend)
+
+    @property
+    def registered(self) -> bool:
+        """True once the agent was told this worker re-forms in-process (:meth:`register`)."""
+        return self.link.registered
 
     def register(self, world: group.World) -> None:
         """Tell the agent this worker re-forms in-process.
 
         An NCCL group does only when torch's watchdog aborts a failed communicator and raises on the training
-        thread (``TORCH_NCCL_ASYNC_ERROR_HANDLING=2``, :func:`nccl_error_handling`); in another mode an NCCL
-        error ends the process (1, 3) or is never raised (0), and membership changes restart.
+        thread (``TORCH_NCCL_ASYNC_ERROR_HANDLING=2``, :func:`.group.nccl_error_handling`); in another mode
+        an NCCL error ends the process (1, 3) or is never raised (0), and membership changes restart.
         """
         if world.backend == "nccl":
             mode = os.environ.get(ENV_NCCL_ERROR_HANDLING)
@@ -235,8 +214,7 @@ class Reformer:
         if gloo and self._watcher is None:
             self._watcher = threading.Thread(target=self._watch_cuts, name="group-cut-watch", daemon=True)
             self._watcher.start()
-        self.channel.register(self.env.local_rank, world.round, cut=gloo)
-        self.registered = True
+        self.link.register(world.round, cut=gloo)
 
     def _watch_cuts(self) -> None:
         """Cut the gloo group's connections when the agent asks (a thread): the training thread is blocked in
@@ -252,11 +230,6 @@ class Reformer:
                 done = current
                 log.warning("group_links_cut", round=current, links=group.cut_links(current))
 
-    def boundary(self, step: int) -> None:
-        """Call at each step boundary: raises :class:`GroupChanged` once the agent announced a change."""
-        if self.channel.change_after(self.env.round):
-            raise GroupChanged(f"the group of round {self.env.round} re-forms after step {step}")
-
     def reform(self, reason: str, *, broken: bool = True) -> WorkerEnv:
         """Destroy the current group, ask for the next round, form its group; returns the new environment.
 
@@ -268,7 +241,7 @@ class Reformer:
         """
         started = time.perf_counter()
         # the agent joins the next round while this process takes the old group down
-        self.channel.request(self.env.local_rank, self.env.round, reason)
+        self.channel.request(self.env.round, reason)
         group.shutdown(broken=broken)
         return self._form_next(reason, started, ASSIGNMENT_TIMEOUT)
 
@@ -281,14 +254,13 @@ class Reformer:
             ReformAbandoned: the agent gave up on the admission, or none came in time.
         """
         started = time.perf_counter()
-        self.channel.standby(self.env.local_rank, self.env.round)
+        self.channel.standby(self.env.round)
         if dist_initialized():  # a provisional group of this node's workers (the script's init() formed it):
             group.shutdown()  # taken down while the agent joins the round
         try:
             return self._form_next("admitted from standby", started, self.standby or ASSIGNMENT_TIMEOUT)
         finally:
             self.standby = None
-            os.environ.pop(ENV_STANDBY, None)
 
     def _form_next(self, reason: str, started: float, timeout: float) -> WorkerEnv:
         old = self.env.round
@@ -300,8 +272,11 @@ class Reformer:
                 raise RunEnded(ended)
             why = self.channel.fallback() or f"no new round within {timeout:.0f} s"
             raise ReformAbandoned(f"the group of round {old} could not re-form in-process: {why}")
+        if not assignment.ranks:
+            raise ReformAbandoned(f"the agent's assignment of round {assignment.round} names no ranks")
         waited = time.perf_counter() - started
-        rank = assignment.rank(self.env.local_rank)
+        rank = assignment.rank(self.channel.local_rank)
+        # what torchrun would have set for a worker of the new round, for code that reads it
         os.environ.update(
             {
                 "RANK": str(rank),
@@ -312,10 +287,10 @@ class Reformer:
                 "ROLE_WORLD_SIZE": str(assignment.world_size),
                 "MASTER_ADDR": assignment.master_addr,
                 "MASTER_PORT": str(assignment.master_port),
-                ENV_ROUND: str(assignment.round),
             }
         )
-        self.env = WorkerEnv.from_environ(os.environ)
+        self.link.adopt(assignment)
+        self.env = WorkerEnv.from_environ(os.environ, assignment)
         world = group.init(self.backend, env=self.env)
         formation = dict(group.last_formation)
         self.reformations += 1
@@ -342,21 +317,10 @@ def dist_initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-_ACTIVE: Reformer | None = None
-
-
-def boundary(step: int) -> None:
-    """A step boundary of the training loop (:class:`~elastic_train.train.checkpointer.Checkpointer` calls
-    it at every commit): raises :class:`GroupChanged` when the agent announced a change; a no-op outside
-    :func:`run` or with hot recovery off."""
-    if _ACTIVE is not None:
-        _ACTIVE.boundary(step)
-
-
 def change_pending() -> bool:
     """True when the agent announced that this worker's group re-forms at its next step boundary (a test's
-    gate that holds a step stops holding then); False outside :func:`run` or with hot recovery off."""
-    return _ACTIVE is not None and _ACTIVE.channel.change_after(_ACTIVE.env.round)
+    gate that holds a step stops holding then); False outside an agent that re-forms in-process."""
+    return process_link().change_pending()
 
 
 def run(body: Callable[[group.World], T], env: WorkerEnv, backend: str = "auto") -> T:
@@ -374,8 +338,7 @@ def run(body: Callable[[group.World], T], env: WorkerEnv, backend: str = "auto")
         RunEnded: a standby worker's run ended before it was admitted (exit status 0).
         Whatever ``body`` raises that is not a broken group.
     """
-    global _ACTIVE
-    reformer = Reformer.from_environ(env, backend)
+    reformer = Reformer.of(process_link(), env, backend)
     standby = reformer is not None and reformer.standby is not None
     log.info("model_built", standby=standby, pid=os.getpid())
     if reformer is None:
@@ -394,7 +357,6 @@ def run(body: Callable[[group.World], T], env: WorkerEnv, backend: str = "auto")
     else:
         world = group.init(backend, env=env)
         reformer.register(world)
-    _ACTIVE = reformer
     try:
         while True:
             # What exists now (torch's modules, the model, the optimizer ...) outlives every group: keep it
@@ -412,7 +374,7 @@ def run(body: Callable[[group.World], T], env: WorkerEnv, backend: str = "auto")
             reformer.reform(reason, broken=broken)
             world = group.current_world()
     finally:
-        _ACTIVE = None
+        reformer.link.registered = False  # outside run() a step boundary never stops for a change
 
 
 def elastic_run(train: Callable[[group.World], T], backend: str = "auto") -> T:
@@ -427,4 +389,4 @@ def elastic_run(train: Callable[[group.World], T], backend: str = "auto") -> T:
         ReformAbandoned: the group could not re-form in-process (the worker exits; torchrun restarts it).
         Whatever ``train`` raises that is not a broken group.
     """
-    return run(train, WorkerEnv.from_environ(os.environ), backend)
+    return run(train, worker_env(), backend)

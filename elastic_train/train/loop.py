@@ -63,6 +63,15 @@ def to_device(batch: Any, device: torch.device) -> Any:
     return batch
 
 
+@contextlib.contextmanager
+def _fsdp_no_sync(model: torch.nn.Module) -> Iterator[None]:
+    model.set_requires_gradient_sync(False)  # type: ignore[operator]
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)  # type: ignore[operator]
+
+
 def step_seed(seed: int, step: int, rank: int) -> int:
     """Seed of the RNGs at ``step`` on ``rank``: training randomness is a function of (seed, step, rank)."""
     return (seed * 1_000_003 + step * 7919 + rank) % 2**63
@@ -81,6 +90,8 @@ class Trainer:
         checkpointer: where state is restored from and saved to after every optimizer step.
         events: progress events (a writer that does nothing on ranks other than 0).
         audit_dir: where the sampler appends this rank's per-step audit lines, or ``None``.
+        sharded: the task's model sharded over this group with FSDP2 (``train.fsdp``), trained as it is
+            (no DDP); a first start loads its initial weights (each rank its rows).
     """
 
     def __init__(
@@ -95,6 +106,7 @@ class Trainer:
         checkpointer: Manager,
         events: EventWriter,
         audit_dir: str | None = None,
+        sharded: tuple[torch.nn.Module, Mapping[str, torch.Tensor]] | None = None,
     ) -> None:
         self.cfg = cfg
         self.task = task
@@ -104,7 +116,8 @@ class Trainer:
         self.device = device
         self.checkpointer = checkpointer
         self.events = events
-        self.model = task.model.to(device)
+        self.sharded = sharded
+        self.model = sharded[0] if sharded is not None else task.model.to(device)
         self.sampler = ElasticBatchSampler(
             len(task.dataset),
             cfg.global_batch,
@@ -159,6 +172,10 @@ class Trainer:
         """Collective: load the newest state anywhere, or start fresh; emits ``resumed`` or ``started``."""
         self._batches = None
         self.ckpt.restore()
+        if self.sharded is not None and self.ckpt.source is None:  # a first start: the initial weights
+            from elastic_train.train.fsdp import load_full
+
+            load_full(self.model, self.sharded[1])
 
     # -- training --------------------------------------------------------------------------------------------
 
@@ -168,6 +185,9 @@ class Trainer:
         After a restore every rank holds the same broadcast state, so DDP's own broadcast of every parameter
         and buffer at construction is skipped (``init_sync=False``): it would send the model a second time.
         """
+        if self.sharded is not None:  # FSDP2 reduces the gradients itself
+            self.ddp = self.model
+            return self.model
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         # Buffers are synced once at construction, never per forward (torch >= 2.13 spells this
         # forward_sync_buffers; older releases broadcast_buffers).
@@ -221,7 +241,7 @@ class Trainer:
         chunks = micro_batches(indices, self.cfg.micro_batch)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         for i, chunk in enumerate(chunks):
-            sync = contextlib.nullcontext() if i == len(chunks) - 1 else self.ddp.no_sync()  # type: ignore[operator]
+            sync = contextlib.nullcontext() if i == len(chunks) - 1 else self._no_sync()
             with sync:
                 batch = to_device(self.task.make_batch(chunk), self.device)
                 losses = self.task.loss_fn(self.ddp, batch)
@@ -253,6 +273,12 @@ class Trainer:
             loss=total_loss / plan.size,
             seconds=time.perf_counter() - started,
         )
+
+    def _no_sync(self) -> Any:
+        """Gradients of a micro-batch that is not the step's last are accumulated, not reduced yet."""
+        if self.sharded is None:
+            return self.ddp.no_sync()  # type: ignore[union-attr,operator]
+        return _fsdp_no_sync(self.model)
 
     def _next_share(self) -> list[int]:
         """This rank's indices of the next step, from the sampler (which writes the step's audit line)."""

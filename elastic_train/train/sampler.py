@@ -28,7 +28,7 @@ import torch
 
 from elastic_train.envvars import ENV_AUDIT_DIR
 from elastic_train.train.batching import share_weight
-from elastic_train.train.env import WorkerEnv
+from elastic_train.train.link import worker_env
 
 
 @dataclass(frozen=True, slots=True)
@@ -299,4 +299,4 @@ def _default_world() -> tuple[int, int]:
 
 def _round() -> int:
     """This worker group's rendezvous round (audit lines of a redone step must sort after the first try)."""
-    return WorkerEnv.from_environ(os.environ).round
+    return worker_env().round

@@ -12,6 +12,7 @@ import torch
 
 from elastic_train.checkpoint.plan import Fixed, Planned, Planner
 from elastic_train.log import get_logger
+from elastic_train.torchcompat import uncompiled
 from elastic_train.train import rng
 from elastic_train.train.errors import NotStateful, StateMismatch
 from elastic_train.train.sampler import ElasticBatchSampler, ElasticSampler
@@ -35,12 +36,12 @@ def _is_stateful(obj: Any) -> bool:
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The module whose ``state_dict`` keys are the model's own (no ``module.`` / ``_orig_mod.`` prefix)."""
+    """The module whose ``state_dict`` keys are the model's own (no DDP or ``torch.compile`` prefix)."""
     while True:
         if isinstance(model, torch.nn.parallel.DistributedDataParallel):
             model = model.module
-        elif hasattr(model, "_orig_mod") and isinstance(model._orig_mod, torch.nn.Module):  # torch.compile
-            model = model._orig_mod
+        elif (inner := uncompiled(model)) is not None:  # torch.compile's wrapper
+            model = inner
         else:
             return model
 

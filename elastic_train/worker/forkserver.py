@@ -35,6 +35,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from elastic_train import torchcompat
 from elastic_train.envvars import ENV_SHM_OWNER
 
 #: Unix socket of this node's fork server; when set, ``python -m elastic_train.worker`` is a stand-in.
@@ -45,7 +46,7 @@ PRELOAD = (
     "torch.distributed",
     "torch.nn.parallel",
     "torch.optim",
-    "torch._dynamo",  # imported lazily by the first Optimizer(): over a second on its own
+    *torchcompat.PRELOAD,  # torch._dynamo: imported lazily by the first Optimizer(), over a second on its own
     "elastic_train.train.tasks.charlm",
     "elastic_train.train.tasks.regression",
     "elastic_train.worker.main",
@@ -62,6 +63,8 @@ ENV_PID = "ELASTIC_TRAIN_FORKSERVER_PID"
 CONNECT_WAIT = 60.0
 _LEN = struct.Struct("!I")
 _FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+#: Signals whose default action stops a process rather than ending it.
+_STOP_SIGNALS = frozenset({signal.SIGSTOP, signal.SIGTSTP, signal.SIGTTIN, signal.SIGTTOU})
 
 
 def _send(sock: socket.socket, obj: dict[str, Any], fds: Sequence[int] = ()) -> None:
@@ -94,7 +97,11 @@ def _recv(sock: socket.socket) -> dict[str, Any]:
 
 
 def run_standin(
-    path: str, argv: Sequence[str], entry: Sequence[str] = (), on_start: Callable[[], None] | None = None
+    path: str,
+    argv: Sequence[str],
+    entry: Sequence[str] = (),
+    on_start: Callable[[], None] | None = None,
+    on_signal: Callable[[int], None] | None = None,
 ) -> int:
     """Have the fork server start the worker, mirror its life, return its exit code.
 
@@ -103,6 +110,7 @@ def run_standin(
         argv: the worker's arguments.
         entry: what the worker runs: empty for ``elastic_train.worker``, ``["-m", MODULE]`` or ``[SCRIPT]``.
         on_start: called once the worker runs (forked, or about to run here).
+        on_signal: called with each signal forwarded to the worker (its agent stops it).
 
     Falls back to running the worker in this process when the server cannot be reached.
     """
@@ -126,6 +134,8 @@ def run_standin(
         on_start()
 
     def forward(signum: int, _frame: object) -> None:
+        if on_signal is not None:
+            on_signal(signum)
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signum)
 
@@ -174,12 +184,24 @@ def _alive(pid: str | None) -> bool:
 
 
 def exit_like(code: int) -> None:
-    """Exit this process the way the worker did (re-raising its signal when it was killed by one)."""
+    """Exit this process the way the worker did: killed by its signal when it was killed by one.
+
+    The signal's default action is restored first where a handler can be set (SIGKILL has none: its default
+    applies anyway) and it is unblocked; a signal that killed the worker ends a process by default. A stop
+    signal is never raised here (it would stop this process instead of ending it), and should this process
+    still live, it exits with the shell's code for the signal, 128 + its number.
+    """
     sys.stdout.flush()
     sys.stderr.flush()
     if code < 0:
-        signal.signal(-code, signal.SIG_DFL)
-        os.kill(os.getpid(), -code)
+        sig = -code
+        if sig not in _STOP_SIGNALS:
+            with contextlib.suppress(OSError, ValueError):
+                signal.signal(sig, signal.SIG_DFL)
+            with contextlib.suppress(OSError, ValueError):
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, {sig})
+                os.kill(os.getpid(), sig)
+        code = 128 + sig
     sys.exit(code)
 
 
@@ -387,7 +409,12 @@ def serve(path: str, preload: Sequence[str] = ()) -> None:
     it reports the error itself.
     """
     import importlib
+    import time
 
+    from elastic_train.log import get_logger  # not at the top: a stand-in needs no structlog
+
+    started = time.perf_counter()
+    inherited = "torch" in sys.modules  # a fork of an agent that imported torch: imported once on this node
     for name in PRELOAD:
         importlib.import_module(name)
     for name in preload:
@@ -395,11 +422,21 @@ def serve(path: str, preload: Sequence[str] = ()) -> None:
             importlib.import_module(name)
         except Exception as exc:  # the user's module: its own workers report it with a traceback
             sys.stderr.write(f"elastic_train: fork server: --preload {name}: not preloaded ({exc})\n")
-    ForkServer(path).serve()
+    server = ForkServer(path)
+    # a stand-in waits for this moment: a joining node's start is timed against it (benchmarks/hot.py)
+    get_logger("elastic_train.worker.forkserver").info(  # __name__ is __main__ in a fresh server
+        "forkserver_ready",
+        pid=os.getpid(),
+        import_s=round(time.perf_counter() - started, 3),
+        torch_inherited=inherited,
+    )
+    server.serve()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     import argparse
+
+    from elastic_train.log import configure_logging
 
     p = argparse.ArgumentParser(prog="python -m elastic_train.worker.forkserver")
     p.add_argument("--socket", required=True, help="Unix socket path to listen on")
@@ -409,6 +446,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         preload = parse_preload(args.preload)
     except ValueError as exc:
         p.error(str(exc))
+    configure_logging()  # a fresh server (a replacement): its events as the agent's (JSON off a terminal)
     serve(args.socket, preload)
     return 0
 

@@ -21,6 +21,7 @@ from elastic_train.config import load_job_config
 from elastic_train.config.options import OneLineParser, add_job_options, collect_overrides
 from elastic_train.errors import ElasticTrainError, is_non_retryable
 from elastic_train.log import bind_context, configure_logging
+from elastic_train.node import Outcome, WorkerChannel
 
 PROG = "elastic_train.worker"
 
@@ -64,10 +65,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.perf_counter()
     args = build_parser().parse_args(argv)
     try:
-        from elastic_train.train.env import WorkerEnv
+        from elastic_train.train.link import worker_env
 
         cfg = load_job_config(args.config, collect_overrides(args))
-        env = WorkerEnv.from_environ(os.environ)
+        env = worker_env()
     except ElasticTrainError as exc:
         _report_failure(exc, os.environ.get("RANK", "0"))
         return report_error(exc)
@@ -82,16 +83,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ElasticTrainError as exc:
         _report_failure(exc, env.rank)
         return report_error(exc, f"rank {env.rank}: ")
-    if code == 0:
-        from elastic_train.rendezvous.outcome import record_outcome
+    except Exception as exc:  # torch's @record and the interpreter show it; the agent learns what it was
+        from elastic_train.train.link import process_link
 
-        record_outcome(os.environ, env.rank, "finished", step=cfg.train.steps)
+        process_link().report_exit(exc)
+        raise
+    if code == 0:
+        _report(Outcome(env.rank, "finished", step=cfg.train.steps))
     return code
 
 
 def _report_failure(exc: ElasticTrainError, rank: int | str) -> None:
-    """Tell the agent when no restart can fix this failure (it then ends the job instead of retrying)."""
+    """Tell the agent how this worker failed: for good when no restart can fix it (it then ends the job
+    instead of retrying), else what it exits with (the start-up failure rule)."""
     if is_non_retryable(exc):
-        from elastic_train.rendezvous.outcome import record_outcome
+        _report(Outcome(int(rank) if str(rank).isdigit() else 0, "failed", message=str(exc)))
+    else:
+        from elastic_train.train.link import process_link
 
-        record_outcome(os.environ, int(rank) if str(rank).isdigit() else 0, "failed", message=str(exc))
+        process_link().report_exit(exc, code=exc.exit_code)
+
+
+def _report(outcome: Outcome) -> None:
+    """Leave ``outcome`` for this worker's agent (nothing outside an ``etcd3`` agent)."""
+    channel = WorkerChannel.from_environ(os.environ)
+    if channel is not None:
+        channel.report(outcome)

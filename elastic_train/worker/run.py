@@ -17,10 +17,25 @@ log = get_logger(__name__)
 
 
 def _since_exec() -> float:
-    """Seconds since this process was created (includes the interpreter's own start-up)."""
-    import psutil
+    """Seconds since this process was created (includes the interpreter's own start-up; for a worker a fork
+    server forked, since the fork).
 
-    return time.time() - psutil.Process().create_time()
+    Read from the kernel's own clock (``/proc/uptime`` less the process's start in ``/proc/self/stat``, both
+    since boot, 10 ms resolution): psutil's ``create_time`` adds the boot time, which Linux gives in whole
+    seconds, so against ``time.time()`` it is up to a second early.
+    """
+    import os
+
+    try:
+        with open("/proc/uptime", encoding="ascii") as f:
+            uptime = float(f.read().split()[0])
+        with open("/proc/self/stat", encoding="ascii", errors="replace") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        import psutil
+
+        return time.time() - psutil.Process().create_time()
 
 
 def run_worker(cfg: JobConfig, env: WorkerEnv, *, started: float) -> int:
@@ -34,6 +49,7 @@ def run_worker(cfg: JobConfig, env: WorkerEnv, *, started: float) -> int:
     from elastic_train.train import hot, rng
     from elastic_train.train.api import load_task
     from elastic_train.train.events import EventWriter
+    from elastic_train.train.link import process_link
     from elastic_train.train.loop import Trainer
 
     timings["import_s"] = time.perf_counter() - t
@@ -46,6 +62,13 @@ def run_worker(cfg: JobConfig, env: WorkerEnv, *, started: float) -> int:
     t = time.perf_counter()
     rng.seed_all(cfg.train.seed)
     task: Any = load_task(cfg.train.task, cfg.train.task_args)
+    sharded_task = None
+    if cfg.train.fsdp:  # the model is sharded anew in each group; its initial weights are kept
+        from elastic_train.train.fsdp import ShardedTask
+
+        sharded_task = ShardedTask(task.model, task.optimizer)
+    elif cfg.checkpoint.shard_replicas:
+        log.warning("shard_replicas_ignored", reason="train.fsdp is off: every rank holds the whole state")
     timings["task_build_s"] = time.perf_counter() - t
     t = time.perf_counter()
 
@@ -54,15 +77,30 @@ def run_worker(cfg: JobConfig, env: WorkerEnv, *, started: float) -> int:
         if "pg_init_s" not in timings:
             timings["pg_init_s"] = time.perf_counter() - t
         run_id = world.run_id if env.run_id else cfg.rendezvous.run_id
-        manager = CheckpointManager(
-            cfg.checkpoint,
-            run_id,
-            rank=world.rank,
-            world_size=world.world_size,
-            local_rank=world.local_rank,
-            group=dist.group.WORLD,
-            device=world.device,
-        )
+        link = process_link().checkpoint_link()
+        sharded = None
+        manager: Any
+        if sharded_task is not None:
+            from elastic_train.checkpoint.sharded.manager import ShardedCheckpointManager
+
+            model = sharded_task.build(world.device)
+            sharded = (model, sharded_task.initial)
+            manager = ShardedCheckpointManager(
+                cfg.checkpoint, run_id, rank=world.rank, world_size=world.world_size,
+                local_rank=world.local_rank, local_world_size=world.local_world_size, round=world.round,
+                model=model, optimizer=task.optimizer, group=dist.group.WORLD, link=link,
+            )  # fmt: skip
+        else:
+            manager = CheckpointManager(
+                cfg.checkpoint,
+                run_id,
+                rank=world.rank,
+                world_size=world.world_size,
+                local_rank=world.local_rank,
+                group=dist.group.WORLD,
+                device=world.device,
+                link=link,
+            )
         events = EventWriter.from_env(rank=world.rank, round=world.round, world_size=world.world_size)
         trainer = Trainer(
             cfg.train,
@@ -74,7 +112,10 @@ def run_worker(cfg: JobConfig, env: WorkerEnv, *, started: float) -> int:
             checkpointer=manager,
             events=events,
             audit_dir=cfg.train.audit_dir,
+            sharded=sharded,
         )
+        if sharded is not None:
+            manager.current_state = trainer.train_state.state_dict
         try:
             t0 = time.perf_counter()
             trainer.restore()

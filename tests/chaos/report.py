@@ -27,6 +27,41 @@ FALLBACK_LABELS = (
 )
 
 
+#: The recovery path a fault took (each fault's ``path`` in the results; see :func:`recovery_path`).
+IN_PROCESS, RESTART, HOT_OFF, NO_ROUND = "in-process", "restart", "restart (hot off)", "-"
+#: Seconds after a fault's recovery within which an agent's event still belongs to it.
+PATH_SLACK_S = 1.0
+
+Event = tuple[float, int, str]
+"""An agent's log event: when, on which node, and its reason (empty for a ``hot_round``)."""
+
+
+def recovery_path(
+    kind: str, node: int | None, fired_at: float | None, resumed_at: float | None, hot: bool,
+    rounds: list[Event], fallbacks: list[Event],
+) -> str:  # fmt: skip
+    """How the job got from a fault to training in a new round, from the agents' events in between.
+
+    ``in-process``: the agents formed the new round on the hot path (``hot_round``) and no node but the one
+    the fault hit fell back (a killed worker's own node restarting its workers is the fault itself);
+    ``restart (...)``: a surviving node fell back to torchrun's restart path, with the first reason label;
+    ``restart (hot off)``: the run had hot recovery off; ``-``: no new round was formed (a fault that needs
+    none, or one the job ended before recovering from).
+    """
+    if kind not in ROUND_KINDS or fired_at is None or resumed_at is None:
+        return NO_ROUND
+    if not hot:
+        return HOT_OFF
+    end = resumed_at + PATH_SLACK_S
+    fell_back = [(n, why) for t, n, why in fallbacks if fired_at <= t <= end and n != node]
+    if fell_back:
+        why = fell_back[0][1]
+        return f"{RESTART} ({next((label for marker, label in FALLBACK_LABELS if marker in why), why[:40])})"
+    if any(fired_at <= t <= end for t, _, _ in rounds):
+        return IN_PROCESS
+    return RESTART
+
+
 def hot_summary(results: list[dict[str, Any]]) -> list[str]:
     """The hot/restart mix: runs of each, survivors that kept their workers, fallbacks by reason."""
     hot = [r for r in results if r.get("hot")]
@@ -50,6 +85,7 @@ def hot_summary(results: list[dict[str, Any]]) -> list[str]:
 def render(results: list[dict[str, Any]]) -> str:
     kinds: Counter[str] = Counter()
     recovered: Counter[str] = Counter()
+    paths: dict[str, Counter[str]] = {}
     redone: list[int] = []
     resume_s: list[float] = []
     head = f"{'seed':>5} {'etcd':>4} {'hot':>3} {'faults':>7} {'wall s':>7}  "
@@ -60,6 +96,7 @@ def render(results: list[dict[str, Any]]) -> str:
             if f["kind"] in ROUND_KINDS and f.get("resumed_s") is not None:
                 recovered[f["kind"]] += 1
                 resume_s.append(f["resumed_s"])
+                paths.setdefault(f["kind"], Counter())[f.get("path", "?")] += 1
             if f.get("steps_redone") is not None:
                 redone.append(f["steps_redone"])
         marks = " ".join(f"{'ok' if r['invariants'].get(i) else 'FAIL':>12}" for i in INVARIANTS)
@@ -69,11 +106,17 @@ def render(results: list[dict[str, Any]]) -> str:
             f"{r['seed']:>5} {members:>4} {hot:>3} {len(r['faults']):>7} {r['wall_s']:>7.1f}  {marks}"
         )
     lines.append("")
-    lines.append(f"{'fault kind':<24}{'injected':>9}{'recovered in a new round':>26}")
+    lines.append(f"{'fault kind':<24}{'injected':>9}{'recovered in a new round':>26}  recovery path")
     for kind, n in sorted(kinds.items()):
-        lines.append(f"{kind:<24}{n:>9}{recovered[kind] if kind in ROUND_KINDS else 'n/a (no round)':>26}")
+        how = ", ".join(f"{p} {c}" for p, c in sorted(paths.get(kind, Counter()).items()))
+        lines.append(
+            f"{kind:<24}{n:>9}{recovered[kind] if kind in ROUND_KINDS else 'n/a (no round)':>26}"
+            f"  {how or '-'}"
+        )
     total = sum(kinds.values())
-    lines.append(f"{'total':<24}{total:>9}{sum(recovered.values()):>26}")
+    every = sum((c for c in paths.values()), Counter())
+    how = ", ".join(f"{p} {c}" for p, c in sorted(every.items()))
+    lines.append(f"{'total':<24}{total:>9}{sum(recovered.values()):>26}  {how or '-'}")
     if resume_s:
         resume_s.sort()
         lines.append(
@@ -85,6 +128,34 @@ def render(results: list[dict[str, Any]]) -> str:
     passed = sum(all(r["invariants"].get(i) for i in INVARIANTS) for r in results)
     lines.append(f"runs with every invariant held: {passed}/{len(results)}")
     return "\n".join(lines)
+
+
+def fault_rows(results: list[dict[str, Any]]) -> list[str]:
+    """A markdown table of every fault of every run, with the recovery path it took."""
+
+    def cell(v: Any, unit: str = "") -> str:
+        return "-" if v is None else f"{v:.2f}{unit}" if isinstance(v, float) else str(v)
+
+    rows = [
+        "| seed | hot | fault | detected | training again | world | steps redone | state from "
+        "| recovery path |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        for f in r["faults"]:
+            label = f"{f['kind']} {'' if f.get('node') is None else f['node']}@step={f['step']}"
+            if f["kind"] not in ROUND_KINDS:  # training goes on through it: no recovery to time
+                rows.append(
+                    f"| {r['seed']} | {'on' if r.get('hot') else 'off'} | `{label}` | | | | | | no round |"
+                )
+                continue
+            rows.append(
+                f"| {r['seed']} | {'on' if r.get('hot') else 'off'} | `{label}` "
+                f"| {cell(f.get('detected_s'), ' s')} "
+                f"| {cell(f.get('resumed_s'), ' s')} | {cell(f.get('resumed_world_size'))} "
+                f"| {cell(f.get('steps_redone'))} | {cell(f.get('source'))} | {f.get('path', '?')} |"
+            )
+    return rows
 
 
 def markdown(results: list[dict[str, Any]], *, command: str) -> str:
@@ -136,9 +207,21 @@ def markdown(results: list[dict[str, Any]], *, command: str) -> str:
             'that node for "exited", a partition or an etcd fault for "fenced". With hot off it checks that '
             "no group re-formed in-process.",
             "",
-            "```",
+            "```text",
             render(results),
             "```",
+            "",
+            "## Every fault and the path it took",
+            "",
+            "*recovery path*: `in-process` — the agents formed the new round on the hot path and every "
+            "surviving node kept its worker processes (the node a killed worker belonged to restarts its "
+            "own); `restart (why)` — a surviving node fell back to torchrun's restart path, for the reason "
+            "its agent's `hot_fallback` line gave; `restart (hot off)` — the run had hot recovery off; "
+            "`no round` — a fault training goes on through (etcd, storage, a corrupted checkpoint, a refused "
+            "intruder); `-` — the job ended before a new round formed. "
+            "*detected* and *training again* count from the fault.",
+            "",
+            *fault_rows(results),
             "",
             "Recovery: from a membership fault (kill, hang, resume, join) to the first step completed in a "
             "later rendezvous round. etcd restarts, leader kills and quorum losses, storage outages and "

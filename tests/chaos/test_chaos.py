@@ -36,7 +36,7 @@ import torch
 
 from elastic_train.checkpoint import durable
 from elastic_train.checkpoint.codec import tensor_at, unflatten
-from elastic_train.checkpoint.memory import snapshot_files
+from elastic_train.checkpoint.shmfiles import snapshot_files
 from elastic_train.checkpoint.storage import open_storage
 from elastic_train.config import load_job_config
 from elastic_train.launch.faults import COLLISION_KINDS, Fault, FaultRecord
@@ -46,6 +46,7 @@ from elastic_train.train.audit import check_exactly_once
 from elastic_train.train.events import read_events
 from tests.chaos.chaos_task import ENV_FLAG
 from tests.chaos.plan import PlanSpec, etcd_members, hot_recovery, make_plan
+from tests.chaos.report import recovery_path
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -286,6 +287,8 @@ def test_chaos_invariants(
 
     fallbacks, rounds = agent_events(job, "hot_fallback"), agent_events(job, "hot_round")
     inv["hot_kept"], detail["hot"] = hot_kept(fallbacks, rounds, records, pids.samples, hot)
+    fell_back = [(t, n, str(rec.get("reason", ""))) for t, n, rec in fallbacks]
+    formed = [(t, n, "") for t, n, _ in rounds]
 
     inv["no_orphans"] = not [p.pid for p in job.known_procs.values() if _running(p)]
     inv["no_shm_leak"] = not snapshot_files(cfg.checkpoint.memory_dir, run_id)
@@ -296,7 +299,15 @@ def test_chaos_invariants(
             "etcd_members": etcd_members(chaos_seed),
             "hot": hot,
             "hot_detail": detail["hot"],
-            "faults": [f.to_json() for f in records],
+            "faults": [
+                {
+                    **f.to_json(),
+                    "path": recovery_path(
+                        f.kind, f.fault.node, f.fired_at, f.resumed_at, hot, formed, fell_back
+                    ),
+                }
+                for f in records
+            ],
             "wall_s": summary.wall_s,
             "invariants": inv,
         }

@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 
 from elastic_train.train import group
-from elastic_train.train.env import WorkerEnv
 from elastic_train.train.hot import Reformer, group_failure
+from elastic_train.train.link import process_link, worker_env
 
 
 def main() -> None:
@@ -31,8 +31,8 @@ def main() -> None:
         "--backend", default="nccl"
     )  # gloo: the same loop on the CPU (a check of the harness)
     args = parser.parse_args()
-    env = WorkerEnv.from_environ(os.environ)
-    reformer = Reformer.from_environ(env, args.backend)
+    env = worker_env()
+    reformer = Reformer.of(process_link(), env, args.backend)
     assert reformer is not None, "no re-formation channel"
     world = group.init(args.backend, env=env)
     reformer.register(world)

@@ -194,7 +194,9 @@ def test_async_snapshot_copies_on_a_side_stream_into_a_pinned_slot(tmp_path, mem
         model(x * 3 + 1).square().mean().backward()  # moves BN statistics; the fence orders the step
         opt.step()
         opt.zero_grad()
-    assert mgr.memory is not None and mgr.memory._stream is not None and mgr.memory._pinned_ptr
+    assert (
+        mgr.memory is not None and mgr.memory._device._stream is not None and mgr.memory._device._pinned_ptr
+    )
     torch.cuda.synchronize()
     mgr.close()
     got = CheckpointManager(cfg, "run", rank=0, world_size=1, local_rank=0).restore()

@@ -30,8 +30,8 @@ from typing import Any
 import pytest
 import torch
 
-from elastic_train.envvars import ENV_REFORM_DIR, ENV_ROUND
-from elastic_train.reform import Assignment, Channel
+from elastic_train.envvars import ENV_NODE_DIR
+from elastic_train.node import AgentChannel, Assignment
 from elastic_train.train.env import WorkerEnv
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -92,12 +92,14 @@ class Worker:
     """One worker process of hot_nccl_worker.py on GPU ``gpu``, its step lines read on a thread."""
 
     def __init__(self, tmp: Path, rank: int, world_size: int, port: int, gpu: int, *args: str) -> None:
-        self.dir = tmp / f"reform-{rank}"
+        self.dir = tmp / f"node-{rank}"
         self.dir.mkdir()
-        self.channel = Channel(str(self.dir))
+        self.channel = AgentChannel(str(self.dir))  # the test plays the node's agent
+        self.channel.assign(Assignment(round=1, node_rank=rank, nodes=world_size, master_addr="127.0.0.1",
+                                       master_port=port, reform=True))  # fmt: skip
         env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS}
         env.update(
-            {ENV_ROUND: "1", ENV_REFORM_DIR: str(self.dir)},
+            {ENV_NODE_DIR: str(self.dir)},
             RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
             MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), CUDA_VISIBLE_DEVICES=str(gpu),
             NCCL_P2P_DISABLE="1", NCCL_SHM_DISABLE="1", NCCL_IB_DISABLE="1", NCCL_SOCKET_IFNAME="lo",
@@ -136,7 +138,7 @@ class Worker:
                 return d
         raise AssertionError(f"no such step line within {WAIT:.0f} s: {self.tail()}")
 
-    def request(self) -> dict[str, Any]:
+    def request(self) -> Any:
         deadline = time.monotonic() + WAIT
         while time.monotonic() < deadline:
             asked = self.channel.requests().get(0)
@@ -175,11 +177,11 @@ def test_survivors_of_a_kill_keep_their_processes_and_their_cuda_state(
     survivors, victim = workers[:-1], workers[-1]
     victim.proc.send_signal(signal.SIGKILL)
     asked = [w.request() for w in survivors]  # each survivor's collective failed, its group is down
-    assert all(a["round"] == 1 for a in asked), asked
+    assert all(a.round == 1 for a in asked), asked
     new_port = _port()
     for rank, w in enumerate(survivors):
-        w.channel.publish(Assignment(round=2, node_rank=rank, nodes=n - 1, ranks=[rank], world_size=n - 1,
-                                     master_addr="127.0.0.1", master_port=new_port))  # fmt: skip
+        w.channel.assign(Assignment(round=2, node_rank=rank, nodes=n - 1, ranks=(rank,), world_size=n - 1,
+                                    master_addr="127.0.0.1", master_port=new_port, reform=True))  # fmt: skip
     after = [w.step_line(lambda d: d["round"] == 2) for w in survivors]
     for before, now in zip(first, after, strict=False):
         assert now["pid"] == before["pid"], "the survivor is another process"

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from elastic_train.checkpoint import durable
-from elastic_train.checkpoint.memory import snapshot_files
+from elastic_train.checkpoint.shmfiles import snapshot_files
 from elastic_train.checkpoint.storage import open_storage
 from elastic_train.net import free_port
 

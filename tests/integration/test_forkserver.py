@@ -33,7 +33,7 @@ def run_id(request: pytest.FixtureRequest) -> Iterator[str]:
 
     Their owner is this pytest process (the stand-in's parent), so the stale-owner sweep cannot take them.
     """
-    from elastic_train.checkpoint.memory import snapshot_files
+    from elastic_train.checkpoint.shmfiles import snapshot_files
 
     rid = f"fs-{request.node.name.split('[')[0][-40:].replace('_', '-')}-{os.getpid()}"
     yield rid
@@ -159,7 +159,7 @@ def test_standin_runs_any_script(forkserver: dict[str, str], tmp_path: Path, wit
     if not with_server:
         env.pop(ENV_SOCKET)
     proc = subprocess.run(
-        [sys.executable, "-m", "elastic_train.standin", str(script), "--lr", "0.1"],
+        [sys.executable, "-m", "elastic_train.worker.standin", str(script), "--lr", "0.1"],
         env=env,
         capture_output=True,
         text=True,
@@ -174,25 +174,26 @@ def test_standin_marks_its_script_pending_then_started_and_reports_how_long_it_r
     forkserver: dict[str, str], tmp_path: Path
 ) -> None:
     """The agent's start-up failure hold reads these: a script waiting for a slow fork server is pending."""
-    from elastic_train.envvars import ENV_OUTCOME_DIR
-    from elastic_train.rendezvous.outcome import exit_ran_s, read_outcomes, script_clock
+    from elastic_train.envvars import ENV_NODE_DIR
+    from elastic_train.node import AgentChannel, Outcome
+    from elastic_train.rendezvous.decide import exit_ran_s
 
     script = tmp_path / "train.py"
     script.write_text("import sys, time\ntime.sleep(0.3)\nsys.exit('train.py: error: no data')\n")
-    outcomes = tmp_path / "outcome"
+    outcomes = tmp_path / "node"
     outcomes.mkdir()
-    env = dict(forkserver, **{ENV_OUTCOME_DIR: str(outcomes)}, RANK="0")
+    agent = AgentChannel(str(outcomes))
+    env = dict(forkserver, **{ENV_NODE_DIR: str(outcomes)}, RANK="0")
     server = int(forkserver[ENV_PID])
     os.kill(server, signal.SIGSTOP)  # a fork server still busy: the script cannot start
     try:
-        standin = subprocess.Popen(
-            [sys.executable, "-m", "elastic_train.standin", str(script)], env=env, stderr=subprocess.PIPE
-        )
+        command = [sys.executable, "-m", "elastic_train.worker.standin", str(script)]
+        standin = subprocess.Popen(command, env=env, stderr=subprocess.PIPE)
         deadline = time.monotonic() + 60
-        while script_clock(str(outcomes)) is None and time.monotonic() < deadline:
+        while agent.script_clock() is None and time.monotonic() < deadline:
             time.sleep(0.05)
         time.sleep(0.5)
-        assert script_clock(str(outcomes)) == (True, None)
+        assert agent.script_clock() == (True, None)
         assert standin.poll() is None
     finally:
         resumed = time.monotonic()
@@ -200,13 +201,9 @@ def test_standin_marks_its_script_pending_then_started_and_reports_how_long_it_r
     _, err = standin.communicate(timeout=120)
     since_resumed = time.monotonic() - resumed
     assert standin.returncode == 1, err
-    pending, started = script_clock(str(outcomes))  # type: ignore[misc]
+    pending, started = agent.script_clock()  # type: ignore[misc]
     assert not pending and started is not None and started >= resumed
-    [outcome] = read_outcomes(str(outcomes))
-    assert (outcome["state"], outcome["code"], outcome["message"]) == (
-        "exited",
-        1,
-        "train.py: error: no data",
-    )
+    [outcome] = agent.outcomes()
+    assert outcome == Outcome(0, "exited", code=1, message="train.py: error: no data", ran_s=outcome.ran_s)
     # timed from the fork, not from the stand-in's start (which was over 0.5 s before the server resumed)
     assert 0.3 <= exit_ran_s([outcome]) <= since_resumed

@@ -20,7 +20,7 @@ import pytest
 
 from elastic_train.etcd.client import connect
 from elastic_train.procs import kill_tree, signal_tree, tree
-from elastic_train.rendezvous.hot import ASSIGN_TIMEOUT
+from elastic_train.rendezvous.exchange import ASSIGN_TIMEOUT
 from elastic_train.train.audit import check_exactly_once
 from elastic_train.train.events import read_events
 from tests.integration.test_training_elastic_etcd import ROOT, STEPS, ElasticJob, env

@@ -1,9 +1,9 @@
 """A node partitioned from etcd: its fence, its publish gate and the failure budget, on a real etcd.
 
 In-process participants; the victim reaches etcd through a loopback proxy that goes silent (holds every byte,
-no reset), the others directly. Its workers are played by a thread counting steps through the same
-:class:`~elastic_train.agentlink.AgentLink` a worker uses. Real torchrun agents and workers under a partition
-are in ``test_partition_torchrun.py`` and the chaos suite (``partition-etcd``, ``partition-full``).
+no reset), the others directly. Its workers are played by a thread counting steps through the same step
+beat and publish gate a worker uses (:mod:`elastic_train.node`). Real torchrun agents and workers under a
+partition are in ``test_partition_torchrun.py`` and the chaos suite (``partition-etcd``, ``partition-full``).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from elastic_train.agentlink import CURRENT, STALE, UNKNOWN, AgentLink
 from elastic_train.etcd.client import connect
+from elastic_train.node import CURRENT, STALE, UNKNOWN, AgentChannel, Beat, Link
 from elastic_train.rendezvous.fence import FENCE_GRACE, STALL_MIN, Fence
 from elastic_train.rendezvous.protocol import Participant, ProtocolSettings
 from tests.netproxy import LatencyProxy
@@ -37,7 +37,9 @@ class Steps:
     """A worker's step counter, beating every 50 ms while ``running`` is set."""
 
     def __init__(self, directory: str, round: int) -> None:
-        self.link = AgentLink(directory, round)
+        self.link = Link(directory, round)
+        self.beat = Beat(directory)
+        self.count = 0
         self.running = threading.Event()
         self.running.set()
         self.stop = threading.Event()
@@ -48,7 +50,8 @@ class Steps:
     def _run(self) -> None:
         while not self.stop.wait(0.05):
             if self.running.is_set():
-                self.link.beat()
+                self.beat.step()
+                self.count += 1
                 self.last = time.monotonic()
 
 
@@ -86,11 +89,11 @@ def test_a_cut_off_node_fences_itself_only_when_its_workers_stall_and_a_healed_c
     try:
         results = join_all(nodes)
         assert {r.round for r in results} == {1} and {r.world_size for r in results} == {3}
-        fence = Fence(victim, str(tmp_path), gate_wait=1.0)
+        fence = Fence(victim, AgentChannel(str(tmp_path)), gate_wait=1.0)
         fence.start_gate()
         fence.arm()
         steps = Steps(str(tmp_path), 1)
-        until(lambda: fence.check() is None and steps.link._count > 3, 5, "steps counted")
+        until(lambda: fence.check() is None and steps.count > 3, 5, "steps counted")
         assert steps.link.may_publish() == CURRENT
 
         proxy.silence()  # etcd traffic of the victim is dropped from now on; its workers go on for now
@@ -141,7 +144,7 @@ def test_a_node_that_learns_its_lease_is_gone_fences_at_once(etcd_server, tmp_pa
     ]
     try:
         join_all(nodes)
-        fence = Fence(nodes[1], str(tmp_path))
+        fence = Fence(nodes[1], AgentChannel(str(tmp_path)))
         fence.arm()
         steps = Steps(str(tmp_path), 1)
         assert fence.check() is None

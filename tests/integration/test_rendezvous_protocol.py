@@ -260,10 +260,10 @@ def _ident(**settings):
 
 
 def test_identity_binds_live_runs_and_an_abandoned_run_is_taken_over(etcd_server, monkeypatch):
-    from elastic_train.rendezvous import protocol
+    from elastic_train.rendezvous import claim
     from elastic_train.rendezvous.errors import RunRefused
 
-    monkeypatch.setattr(protocol, "IDENTITY_FRESH", 0.0)
+    monkeypatch.setattr(claim, "IDENTITY_FRESH", 0.0)
     a = make(etcd_server.endpoint, 1, min_nodes=1, identity=_ident(), identity_wait=1.0)[0]
     b = make(etcd_server.endpoint, 1, min_nodes=1, identity=_ident(**{"rendezvous.max_nodes": 3}),
              identity_wait=1.0)[0]  # fmt: skip
@@ -300,9 +300,9 @@ def test_a_run_whose_nodes_formed_a_round_and_are_gone_is_taken_over_at_once(etc
     """An identity recorded moments ago binds the run while its writer may still be starting (no lease yet);
     once a round closed after it, its nodes were past their start, and with none live the run is abandoned:
     a node with other settings takes it over without waiting for the identity to age."""
-    from elastic_train.rendezvous import protocol
+    from elastic_train.rendezvous import claim
 
-    assert protocol.IDENTITY_FRESH >= 10.0  # the default: the take-over below is well inside it
+    assert claim.IDENTITY_FRESH >= 10.0  # the default: the take-over below is well inside it
     a = make(etcd_server.endpoint, 1, min_nodes=1, identity=_ident(), identity_wait=1.0)[0]
     try:
         assert a.join().world_size == 1
@@ -321,9 +321,9 @@ def test_a_run_whose_nodes_formed_a_round_and_are_gone_is_taken_over_at_once(etc
 
 
 def test_a_closed_runs_record_expires_so_the_name_can_be_used_again(etcd_server, monkeypatch):
-    from elastic_train.rendezvous import protocol
+    from elastic_train.rendezvous import closing
 
-    monkeypatch.setattr(protocol, "RUN_RECORD_TTL", 2)
+    monkeypatch.setattr(closing, "RUN_RECORD_TTL", 2)
     ps = make(etcd_server.endpoint, 1, min_nodes=1, identity=_ident())
     try:
         join_all(ps)

@@ -33,9 +33,9 @@ def state(step: int) -> dict:
     return {"model": {"w": torch.rand(n, generator=gen), "b": torch.arange(9.0) + step}, "step": step}
 
 
-def _damage(memdir: str, run: str, local_rank: int) -> None:
+def _damage(memdir: str, run: str, local_rank: int, scope: str) -> None:
     """Flip a byte of ``/model/w`` in the newest slot (its data checksum no longer holds)."""
-    snap = MemorySnapshot(memdir, run, local_rank)
+    snap = MemorySnapshot(memdir, run, local_rank, scope)
     held = snap.newest_valid()
     assert held is not None and held.step == STEP
     w = next(s for s in held.specs if s.path == "/model/w")
@@ -61,7 +61,7 @@ def _rank(rank: int, scenario: str, port: int, url: str, memdir: str, out: str) 
         alone.close()
         hint = STEP if scenario != "stale" else STEP - 1
         if scenario in ("kept", "stale"):
-            _damage(memdir, run, 0)
+            _damage(memdir, run, 0, alone.run_path)
         else:
             live["/model/w"][7] += 1.0
     dist.barrier()

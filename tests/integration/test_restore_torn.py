@@ -38,8 +38,8 @@ def state(step: int) -> dict:
     return {"model": {"w": torch.rand(n, generator=gen), "b": torch.arange(9.0) + step}, "step": step}
 
 
-def _tear(memdir: str, run: str, local_rank: int, step: int) -> None:
-    snap = MemorySnapshot(memdir, run, local_rank)
+def _tear(memdir: str, run: str, local_rank: int, step: int, scope: str) -> None:
+    snap = MemorySnapshot(memdir, run, local_rank, scope)
     held = snap.newest_valid()
     assert held is not None and held.step == step
     data = snap.data(held.slot, held.nbytes)
@@ -65,7 +65,7 @@ def _rank(rank: int, scenario: str, port: int, url: str, memdir: str, out: str) 
             alone.save(step, state(step))
         alone.close()
         if rank == torn_rank:
-            _tear(memdir, run, rank, torn_step)
+            _tear(memdir, run, rank, torn_step, alone.run_path)
     dist.barrier()
     m = CheckpointManager(cfg, run, rank=rank, world_size=WORLD, local_rank=rank, group=dist.group.WORLD)
     live = torch.zeros_like(state(want)["model"]["w"])

@@ -108,7 +108,7 @@ def test_through_the_fork_server_a_user_script_exception_reaches_the_summary(
 ):
     script = str(tmp_path / "failing_script.py")
     proc = torchrun(
-        etcd_server.endpoint, "rec-script", ["-m", "elastic_train.standin", script], forkserver_env
+        etcd_server.endpoint, "rec-script", ["-m", "elastic_train.worker.standin", script], forkserver_env
     )
     text = summary(proc)
     assert "fork server unavailable" not in proc.stderr

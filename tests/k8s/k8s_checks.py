@@ -31,7 +31,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "k8s"
-OVERLAYS = ("cpu-demo", "gpu", "s3", "etcd-ha")
+OVERLAYS = ("cpu-demo", "gpu", "s3", "etcd-ha", "production", "two-jobs", "own-script")
 
 #: Kubernetes versions every object must validate against: the oldest supported and the newest bundled.
 MIN_KUBERNETES = "1.33"
@@ -40,8 +40,9 @@ MIN_KUBERNETES = "1.33"
 #: USER and group (see :func:`check_image_user`), so files on shared volumes have one owner.
 IMAGE_NAME = "elastic-train"
 
-#: Labels the Job controller puts on the pods it creates (value: the Job's name).
+#: Labels the Job controller puts on the pods it creates (value: the Job's name, the Job's UID).
 JOB_NAME_LABELS = ("batch.kubernetes.io/job-name", "job-name")
+JOB_UID_LABELS = ("batch.kubernetes.io/controller-uid", "controller-uid")
 
 _DNS1123_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
 _DNS1123_SUBDOMAIN = rf"{_DNS1123_LABEL}(\.{_DNS1123_LABEL})*"
@@ -187,8 +188,73 @@ def _refined_definitions(schema_dir: str, version: str) -> dict[str, Any]:
     return defs
 
 
+#: Strict schemas of the custom resources the manifests use (kubernetes-validate bundles none): the fields of
+#: prometheus-operator's PodMonitor (monitoring.coreos.com/v1) that k8s/ uses, as its CRD types them.
+_STR_MAP = {"type": "object", "additionalProperties": {"type": "string"}}
+CRD_SCHEMAS: dict[tuple[str, str], dict[str, Any]] = {
+    ("monitoring.coreos.com/v1", "PodMonitor"): {
+        "type": "object",
+        "required": ["apiVersion", "kind", "metadata", "spec"],
+        "additionalProperties": False,
+        "properties": {
+            "apiVersion": {"const": "monitoring.coreos.com/v1"},
+            "kind": {"const": "PodMonitor"},
+            "metadata": {
+                "type": "object",
+                "required": ["name"],
+                "additionalProperties": False,
+                "properties": {
+                    "name": {"type": "string", "pattern": f"^{_DNS1123_SUBDOMAIN}$"},
+                    "namespace": {"type": "string"},
+                    "labels": _STR_MAP,
+                    "annotations": _STR_MAP,
+                },
+            },
+            "spec": {
+                "type": "object",
+                "required": ["selector", "podMetricsEndpoints"],
+                "additionalProperties": False,
+                "properties": {
+                    "jobLabel": {"type": "string"},
+                    "podTargetLabels": {"type": "array", "items": {"type": "string"}},
+                    "selector": {
+                        "type": "object",
+                        "additionalProperties": False,
+                        "properties": {"matchLabels": _STR_MAP},
+                    },
+                    "podMetricsEndpoints": {
+                        "type": "array",
+                        "minItems": 1,
+                        "items": {
+                            "type": "object",
+                            "additionalProperties": False,
+                            "properties": {
+                                "port": {"type": "string"},
+                                "path": {"type": "string"},
+                                "scheme": {"enum": ["http", "https"]},
+                                "interval": {"type": "string", "pattern": r"^(0|(\d+(ms|s|m|h))+)$"},
+                                "scrapeTimeout": {"type": "string", "pattern": r"^(0|(\d+(ms|s|m|h))+)$"},
+                                "honorLabels": {"type": "boolean"},
+                            },
+                        },
+                    },
+                },
+            },
+        },
+    },
+}
+
+
 def schema_errors(obj: dict[str, Any], version: str) -> list[str]:
     """Every strict-schema error of ``obj`` for Kubernetes ``version`` (a missing schema is an error too)."""
+    crd = CRD_SCHEMAS.get((str(obj.get("apiVersion")), str(obj.get("kind"))))
+    if crd is not None:
+        import jsonschema
+
+        return [
+            f"{ident(obj)} [crd] {'.'.join(map(str, e.absolute_path)) or '(root)'}: {e.message}"
+            for e in jsonschema.Draft202012Validator(crd).iter_errors(obj)
+        ]
     validator = _validator(str(obj.get("kind")), str(obj.get("apiVersion")), version)
     if validator is None:
         return [
@@ -256,6 +322,8 @@ class Workload:
         if self.owner["kind"] == "Job":
             for key in JOB_NAME_LABELS:
                 labels[key] = self.owner["metadata"]["name"]
+            for key in JOB_UID_LABELS:
+                labels[key] = "00000000-0000-0000-0000-000000000000"
         return labels
 
     def containers(self, init: bool = True) -> list[dict[str, Any]]:
@@ -347,6 +415,7 @@ def structural_errors(objs: list[dict[str, Any]], dockerfile: Path | None = REPO
         check_training_command,
         check_etcd,
         check_network_policies,
+        check_monitors,
     ):
         errors.extend(check(objs))
     if dockerfile is not None:
@@ -738,15 +807,15 @@ def check_training_command(objs: list[dict[str, Any]]) -> list[str]:
             low, high = int(lo), int(hi or lo)
             if not 1 <= low <= high:
                 errors.append(f"{where}: --nodes {nodes}: need 1 <= MIN <= MAX")
-            if spec.get("parallelism") != high:
-                errors.append(f"{where}: --nodes MAX {high} != Job parallelism {spec.get('parallelism')}")
-            if spec.get("completions") != high:
-                errors.append(f"{where}: --nodes MAX {high} != Job completions {spec.get('completions')}")
-            if spec.get("maxFailedIndexes", 0) > high - low:
-                errors.append(
-                    f"{where}: maxFailedIndexes {spec.get('maxFailedIndexes')} > MAX - MIN = {high - low} "
-                    "(the Job would keep running with fewer than MIN nodes possible)"
-                )
+            errors.extend(size_errors(spec, low, high, where))
+            for pdb in find(objs, "PodDisruptionBudget"):
+                if selects(pdb["spec"].get("selector"), tc.workload.labels):
+                    floor = pdb["spec"].get("minAvailable")
+                    if floor != low:
+                        errors.append(
+                            f"{ident(pdb)}: minAvailable {floor!r} != MIN nodes {low} (drains would take the "
+                            "job below MIN, or be blocked above it)"
+                        )
             for rule in (spec.get("successPolicy") or {}).get("rules") or []:
                 count = rule.get("succeededCount")
                 if count is not None and not 1 <= count <= low:
@@ -757,12 +826,14 @@ def check_training_command(objs: list[dict[str, Any]]) -> list[str]:
             errors.append(f"{where}: no --endpoint")
         else:
             errors.extend(_check_endpoint(objs, job, where, endpoint))
-        # --run-id: the Job's name.
+        # --run-id: the Job's name and UID, from the labels the Job controller sets.
         run_id = option(args, "--run-id")
         job_name = job["metadata"]["name"]
-        label_sources = {f"<fieldRef:metadata.labels['{k}']>" for k in JOB_NAME_LABELS}
-        if run_id != job_name and run_id not in label_sources:
-            errors.append(f"{where}: --run-id {run_id!r} is not the Job's name {job_name!r}")
+        if run_id not in RUN_ID_SOURCES:
+            errors.append(
+                f"{where}: --run-id {run_id!r} is not the Job's name and UID ({RUN_ID_FORM}): a re-applied "
+                "Job would find its finished run and be refused"
+            )
         local_addr = option(args, "--local-addr")
         if local_addr is not None and local_addr != "<fieldRef:status.podIP>":
             errors.append(f"{where}: --local-addr {local_addr!r} should be the pod IP (status.podIP)")
@@ -785,7 +856,7 @@ def check_training_command(objs: list[dict[str, Any]]) -> list[str]:
             overrides["rendezvous.min_nodes"], overrides["rendezvous.max_nodes"] = low, high
         if endpoint:
             overrides["rendezvous.endpoint"] = endpoint
-        overrides["rendezvous.run_id"] = job_name
+        overrides["rendezvous.run_id"] = f"{job_name}-00000000-0000-0000-0000-000000000000"
         for i, arg in enumerate(args):
             if arg == "--set" and i + 1 < len(args):
                 key, value = parse_override(args[i + 1])
@@ -796,6 +867,32 @@ def check_training_command(objs: list[dict[str, Any]]) -> list[str]:
             errors.append(f"{where}: job config {config_path}: {exc}")
             continue
         errors.extend(_check_config_vs_pod(objs, tc, cfg, where))
+    return errors
+
+
+#: The form of a training pod's ``--run-id`` (``$(JOB_NAME)-$(JOB_UID)``, both from the pod's labels).
+RUN_ID_FORM = "$(JOB_NAME)-$(JOB_UID) from the labels batch.kubernetes.io/job-name and controller-uid"
+RUN_ID_SOURCES = {
+    f"<fieldRef:metadata.labels['{name}']>-<fieldRef:metadata.labels['{uid}']>"
+    for name in JOB_NAME_LABELS
+    for uid in JOB_UID_LABELS
+}
+
+
+def size_errors(spec: dict[str, Any], low: int, high: int, where: str) -> list[str]:
+    """The Job's size (parallelism = completions) against ``--nodes LOW:HIGH``: what an in-place resize
+    (docs/kubernetes.md) must keep too."""
+    errors = []
+    parallelism, completions = spec.get("parallelism"), spec.get("completions")
+    if not isinstance(completions, int) or not low <= completions <= high:
+        errors.append(f"{where}: Job completions {completions} not in --nodes {low}:{high}")
+    if parallelism != completions:
+        errors.append(f"{where}: Job parallelism {parallelism} != completions {completions}")
+    if isinstance(completions, int) and spec.get("maxFailedIndexes", 0) > completions - low:
+        errors.append(
+            f"{where}: maxFailedIndexes {spec.get('maxFailedIndexes')} > completions - MIN = "
+            f"{completions - low} (the Job would keep running with fewer than MIN nodes possible)"
+        )
     return errors
 
 
@@ -867,19 +964,29 @@ def _check_config_vs_pod(objs: list[dict[str, Any]], tc: TrainingCommand, cfg: A
         pw = env.get(cfg.rendezvous.password_env)
         if pw is None and not cfg.rendezvous.password_file:
             errors.append(f"{where}: rendezvous.user is set but {cfg.rendezvous.password_env} is not")
-        sidecars = [
-            c
-            for w in workloads(objs)
-            for c in w.containers()
-            if "ensure" in (c.get("args") or []) or "wait" in (c.get("args") or [])
-        ]
-        for c in sidecars:
+        own = [c for c in tc.workload.containers() if "wait" in (c.get("args") or [])]
+        ensures = [c for w in workloads(objs) for c in w.containers() if "ensure" in (c.get("args") or [])]
+        for c in own:
             user = option(list(c.get("args") or []), "--user")
             if user != cfg.rendezvous.user:
                 errors.append(f"{where}: etcd user {cfg.rendezvous.user!r} != {c['name']} --user {user!r}")
+        mine = [c for c in ensures if option(list(c.get("args") or []), "--user") == cfg.rendezvous.user]
+        if ensures and not mine:
+            users = [option(list(c.get("args") or []), "--user") for c in ensures]
+            errors.append(
+                f"{where}: etcd user {cfg.rendezvous.user!r} is created by no auth sidecar ({users})"
+            )
+        for c in own + mine:
             sidecar_pw = env_map(c).get("ETCD_TRAINING_PASSWORD")
             if pw is not None and sidecar_pw is not None and _value_source(pw) != _value_source(sidecar_pw):
                 errors.append(f"{where}: {cfg.rendezvous.password_env} and {c['name']} use different Secrets")
+        keys = f"/elastic_train/{tc.workload.owner['metadata']['name']}-"
+        for c in mine:
+            prefix = option(list(c.get("args") or []), "--prefix") or ""
+            if not keys.startswith(prefix):
+                errors.append(
+                    f"{where}: {c['name']} --prefix {prefix!r} does not cover this job's keys {keys}..."
+                )
     # Checkpoints: a local path must be on a ReadWriteMany PVC shared by all pods.
     url = cfg.checkpoint.url
     if "://" not in url:
@@ -925,6 +1032,64 @@ def _check_config_vs_pod(objs: list[dict[str, Any]], tc: TrainingCommand, cfg: A
             errors.append(f"{where}: /dev/shm sizeLimit is not below the memory limit")
     if env.get("GLOO_SOCKET_IFNAME", {}).get("value") == "lo":
         errors.append(f"{where}: GLOO_SOCKET_IFNAME=lo inside a pod cannot reach other pods")
+    errors.extend(_check_metrics(objs, tc, cfg.rendezvous.metrics_port, where))
+    return errors
+
+
+def _check_metrics(
+    objs: list[dict[str, Any]], tc: TrainingCommand, port: int | None, where: str
+) -> list[str]:
+    """The agent's metrics port (rendezvous.metrics_port), the container's port named ``metrics``, the scrape
+    annotations and a NetworkPolicy rule that lets scrapers in all agree."""
+    errors = []
+    ports = {p.get("name"): p.get("containerPort") for p in tc.container.get("ports") or []}
+    annotations = (tc.workload.template.get("metadata") or {}).get("annotations") or {}
+    scraped = annotations.get("prometheus.io/scrape") == "true"
+    if port is None:
+        if "metrics" in ports or scraped:
+            errors.append(f"{where}: the pod announces metrics but rendezvous.metrics_port is not set")
+        return errors
+    if ports.get("metrics") != port:
+        errors.append(
+            f"{where}: rendezvous.metrics_port {port} is not the container's port named metrics "
+            f"({ports.get('metrics')})"
+        )
+    if scraped and annotations.get("prometheus.io/port") != str(port):
+        errors.append(f"{where}: prometheus.io/port {annotations.get('prometheus.io/port')!r} != {port}")
+    admitted = False
+    for p in find(objs, "NetworkPolicy"):
+        if not selects(p["spec"].get("podSelector"), tc.workload.labels):
+            continue
+        for rule in p["spec"].get("ingress") or []:
+            numbers = {x.get("port") for x in rule.get("ports") or []}
+            peers = rule.get("from")
+            # a scraper runs elsewhere (its own namespace): the job's own pods alone do not count
+            beyond = not peers or any("namespaceSelector" in x or "ipBlock" in x for x in peers)
+            if (not rule.get("ports") or numbers & {port, "metrics"}) and beyond:
+                admitted = True
+    policed = any(
+        selects(p["spec"].get("podSelector"), tc.workload.labels) for p in find(objs, "NetworkPolicy")
+    )
+    if policed and not admitted:
+        errors.append(f"{where}: no NetworkPolicy rule admits scrapes of the metrics port {port}")
+    return errors
+
+
+def check_monitors(objs: list[dict[str, Any]]) -> list[str]:
+    """A PodMonitor (prometheus-operator) selects the training pods and names a port they have."""
+    errors = []
+    ws = workloads(objs)
+    for pm in find(objs, "PodMonitor"):
+        spec = pm.get("spec") or {}
+        selected = [w for w in ws if selects(spec.get("selector"), w.labels)]
+        if not selected:
+            errors.append(f"{ident(pm)}: selects no pod template in the render")
+        names = {
+            p.get("name") for w in selected for c in w.containers(init=False) for p in c.get("ports") or []
+        }
+        for ep in spec.get("podMetricsEndpoints") or []:
+            if selected and ep.get("port") not in names:
+                errors.append(f"{ident(pm)}: port {ep.get('port')!r} is not a port of the pods it selects")
     return errors
 
 

@@ -62,7 +62,9 @@ def test_overlays_differ_where_they_should(rendered: dict[str, list[dict[str, An
     assert k.find(rendered["etcd-ha"], "StatefulSet", "etcd")[0]["spec"]["replicas"] == 3
     assert k.find(rendered["cpu-demo"], "StatefulSet", "etcd")[0]["spec"]["replicas"] == 1
     for name, objs in rendered.items():
-        namespaces = {o["metadata"].get("namespace") for o in objs if o["kind"] != "Namespace"}
+        namespaces = {
+            o["metadata"].get("namespace") for o in objs if o["kind"] not in ("Namespace", "PriorityClass")
+        }
         assert len(namespaces) == 1 and None not in namespaces, name
 
 
@@ -87,7 +89,25 @@ def _set_env(obj: dict[str, Any], name: str, value: str) -> None:
 
 
 BROKEN: dict[str, tuple[str, str, Any, str]] = {
-    "parallelism": ("Job", "elastic-train", lambda o: o["spec"].update(parallelism=5), "!= Job parallelism"),
+    "parallelism": (
+        "Job", "elastic-train", lambda o: o["spec"].update(parallelism=2), "parallelism 2 != completions 3",
+    ),
+    "size-above-max": (
+        "Job", "elastic-train", lambda o: o["spec"].update(parallelism=5, completions=5),
+        "completions 5 not in --nodes 2:4",
+    ),
+    "max-failed-indexes": (
+        "Job", "elastic-train", lambda o: o["spec"].update(maxFailedIndexes=2),
+        "maxFailedIndexes 2 > completions - MIN = 1",
+    ),
+    "metrics-port": (
+        "Job", "elastic-train", lambda o: _node(o)["ports"][0].update(containerPort=9500),
+        "rendezvous.metrics_port 9400 is not the container's port named metrics (9500)",
+    ),
+    "metrics-netpol": (
+        "NetworkPolicy", "elastic-train", lambda o: o["spec"]["ingress"].pop(1),
+        "admits scrapes of the metrics port",
+    ),
     "min>max": (
         "Job", "elastic-train", lambda o: _set_env(o, "ELASTIC_TRAIN_NODES", "3:2"), "1 <= MIN <= MAX",
     ),
@@ -100,7 +120,8 @@ BROKEN: dict[str, tuple[str, str, Any, str]] = {
         "is not a Service in the render",
     ),
     "run-id": (
-        "Job", "elastic-train", lambda o: _set_arg(o, "--run-id", "--run-id=demo"), "is not the Job's name",
+        "Job", "elastic-train", lambda o: _set_arg(o, "--run-id", "--run-id=$(JOB_NAME)"),
+        "is not the Job's name and UID",
     ),
     "no-completions": ("Job", "elastic-train", lambda o: o["spec"].pop("completions"), "needs completions"),
     "quantity": (
@@ -236,7 +257,7 @@ def test_checks_catch_a_broken_overlay_rendered_by_kustomize(tmp_path: Path) -> 
             """
         )
     )
-    # A typical mistake: scaling the Job up without changing --nodes, and pointing the endpoint elsewhere.
+    # A typical mistake: growing the Job past its --nodes range, and pointing the endpoint elsewhere.
     (tmp_path / "patch.yaml").write_text(
         textwrap.dedent(
             """\
@@ -265,7 +286,7 @@ def test_checks_catch_a_broken_overlay_rendered_by_kustomize(tmp_path: Path) -> 
     objs = k.render(tmp_path)
     errors = k.structural_errors(objs)
     joined = "\n".join(errors)
-    assert "--nodes MAX 3 != Job parallelism 6" in joined
+    assert "Job completions 6 not in --nodes 2:4" in joined
     assert "refers to Secret 'etcd-credentials', which is not in the render" in joined
     assert not [e for v in k.validation_versions() for o in objs for e in k.schema_errors(o, v)]
 
@@ -294,13 +315,23 @@ def test_dockerfile_is_pinned_and_non_root() -> None:
     text = (k.REPO / "Dockerfile").read_text()
     images = re.findall(r"^ARG PYTHON_IMAGE=(\S+)$", text, re.M)
     assert images and re.fullmatch(r"python:\d+\.\d+\.\d+-slim-\w+(@sha256:[0-9a-f]{64})?", images[0])
-    assert all(line.split()[1] in ("${PYTHON_IMAGE}",) for line in re.findall(r"^FROM .*$", text, re.M))
+    # every stage starts from the pinned base, from scratch, or from a stage before it
+    stages: list[str] = []
+    for words in (line.split() for line in re.findall(r"^FROM .*$", text, re.M)):
+        assert words[1] in ("${PYTHON_IMAGE}", "scratch", *stages), words
+        stages.append(words[3] if len(words) > 3 and words[2].upper() == "AS" else "")
+    # the default target (the last stage) is the image the manifests run; with-script adds a directory
+    assert re.findall(r"^FROM (\S+)", text, re.M)[-1] == "runtime" and "with-script" in stages
+    assert "COPY --from=training / /opt/training/" in text
     assert "download.pytorch.org/whl/cpu" in text
     uid, gid = k.dockerfile_user(k.REPO / "Dockerfile")
     assert uid == 10001 and gid == 10001
     assert re.search(r'pip install "/src\[', text)
     ignore = (k.REPO / ".dockerignore").read_text().split()
     assert ignore[ignore.index("*") :][:1] == ["*"] and "!elastic_train/" in ignore
+    # what the training stage copies by default is in the build context
+    for source in re.findall(r"^COPY (\S+) /$", text, re.M):
+        assert f"!{source}" in ignore and (k.REPO / source).is_file(), source
 
 
 def test_quantity_parser() -> None:

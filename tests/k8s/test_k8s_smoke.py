@@ -7,10 +7,14 @@ and only what a cluster would provide replaced by local equivalents:
 * the etcd client Service (``etcd-client:2379``) → the test's etcd on loopback,
 * volume mount paths → temporary directories (ConfigMaps written out, the checkpoint PVC a directory),
 * downward API values → the Job name, ``127.0.0.1`` for the pod IP, ``GLOO_SOCKET_IFNAME=lo``,
-* the job config (ConfigMap) → the same file with a tiny task (regression, few steps, short lease) for speed.
+* the job config (ConfigMap) → the same file with a tiny task (regression, few steps, short lease) for speed,
+  and metrics on a free port (the pods share this machine's addresses).
 
 One "pod" is killed with SIGKILL (its whole process tree) mid-run and re-created for its index, as the
-Job controller would; the job must finish with every index exiting 0.
+Job controller would; it joins the running job through the hot path. Then the Job is resized in place from
+3 to 2 nodes, as docs/kubernetes.md patches it: the Job controller sends the pod of the index that is no
+longer part of it SIGTERM, and that pod leaves the run cleanly (exit 143, a leave, not a failure). The job
+must finish with every remaining index exiting 0, its run having spent one failure and one leave.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -31,7 +36,9 @@ import k8s_checks as k
 import pytest
 import yaml
 
+from elastic_train.etcd.client import connect
 from elastic_train.procs import kill_tree, tree, wait_gone
+from elastic_train.rendezvous.status import read_status
 
 pytest.importorskip("elastic_train.cli.run")
 pytest.importorskip("elastic_train.rendezvous.registry")
@@ -46,10 +53,16 @@ VENV_BIN = Path(sys.executable).parent
 SMOKE_CONFIG = {
     "train": {"task": "regression", "steps": 400, "global_batch": 32, "log_every": 50},
     "checkpoint": {"every_steps": 25},
-    "rendezvous": {"lease_ttl": 3.0, "settle": 1.0, "join_timeout": 120.0},
+    # every "pod" is a process of this machine: each agent serves its metrics on a port of its own
+    "rendezvous": {"lease_ttl": 3.0, "settle": 1.0, "join_timeout": 120.0, "metrics_port": 0},
 }
 KILL_AT_STEP = 30
 KILLED_INDEX = 1
+#: Steps after the killed pod is back in the job that the job waits for its shrink by one index (whose pod
+#: then gets SIGTERM).
+SHRINK_AFTER = 60
+#: The Job's UID as the Job controller labels its pods (the run id is the Job's name and UID).
+JOB_UID = "5f0c3a9e-7d1b-4c2a-9e8f-0123456789ab"
 
 
 @dataclass
@@ -63,8 +76,15 @@ class PodCommand:
 class LocalCluster:
     """Maps what Kubernetes would provide for the rendered objects onto local resources."""
 
-    def __init__(self, objs: list[dict[str, Any]], etcd_endpoint: str, root: Path) -> None:
+    def __init__(
+        self,
+        objs: list[dict[str, Any]],
+        etcd_endpoint: str,
+        root: Path,
+        config: dict[str, Any] = SMOKE_CONFIG,
+    ) -> None:
         self.objs = objs
+        self.config = config
         self.etcd_endpoint = etcd_endpoint
         self.root = root
         svc = k.find(objs, "Service", "etcd-client")[0]
@@ -93,7 +113,7 @@ class LocalCluster:
                 if key in vol:
                     for file, text in self._data(kind, vol[key][name_key]).items():
                         if kind == "ConfigMap" and file.endswith(".yaml") and "train" in yaml.safe_load(text):
-                            text = yaml.safe_dump(_merge(yaml.safe_load(text), SMOKE_CONFIG))
+                            text = yaml.safe_dump(_merge(yaml.safe_load(text), self.config))
                         (local / file).write_text(text)
             if m["mountPath"] == "/dev/shm":
                 continue  # the host's /dev/shm stands in for the pod's memory-backed emptyDir
@@ -109,6 +129,7 @@ class LocalCluster:
             "metadata.namespace": w.owner["metadata"].get("namespace", "default"),
             "status.podIP": "127.0.0.1",
             **{f"metadata.labels['{key}']": job for key in k.JOB_NAME_LABELS},
+            **{f"metadata.labels['{key}']": JOB_UID for key in k.JOB_UID_LABELS},
         }
         env: dict[str, str] = {}
         for ef in c.get("envFrom") or []:
@@ -138,6 +159,9 @@ class LocalCluster:
             {
                 # What the cluster or the image provides; loopback networking per the project's rules.
                 "PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+                # the image's code is the code under test (a checkout on PYTHONPATH wins over the install),
+                # with the tests' task module (tests.fault_task)
+                "PYTHONPATH": os.pathsep.join(filter(None, [str(k.REPO), os.environ.get("PYTHONPATH")])),
                 "HOSTNAME": pod,
                 "ELASTIC_TRAIN_NODE_ID": pod,
                 "JOB_COMPLETION_INDEX": str(index),
@@ -184,7 +208,13 @@ def test_cpu_demo_manifest_trains_loses_a_pod_and_finishes(
 ) -> None:
     objs = k.render(k.K8S / "overlays" / "cpu-demo")
     assert not k.structural_errors(objs)
-    cluster = LocalCluster(objs, etcd_server.endpoint, tmp_path)
+    # The shrunk job (2 nodes) waits past step KILL_AT_STEP + 30 for the re-created pod (tests/fault_task.py)
+    gate = tmp_path / "gate"
+    gate.write_text(f"2 {KILL_AT_STEP + 30}")
+    config = _merge(
+        SMOKE_CONFIG, {"train": {"task": "tests.fault_task:build", "task_args": {"hold": str(gate)}}}
+    )
+    cluster = LocalCluster(objs, etcd_server.endpoint, tmp_path, config)
     logs = tmp_path / "logs"
     logs.mkdir()
 
@@ -236,6 +266,23 @@ def test_cpu_demo_manifest_trains_loses_a_pod_and_finishes(
         # The Job controller re-creates the failed index's pod; it waits for etcd and rejoins.
         time.sleep(SMOKE_CONFIG["rendezvous"]["lease_ttl"])
         procs[f"pod-{KILLED_INDEX}-retry"] = run_pod(KILLED_INDEX, f"pod-{KILLED_INDEX}-retry")
+        _wait(
+            lambda: any(
+                e["event"] == "step" and e["world_size"] == pods and e["step"] > killed_at
+                for e in _events(cluster.events)
+            ),
+            120,
+            "the re-created pod back in the job",
+            procs,
+        )
+        # ... then the whole job waits a little later for its resize
+        back = max(e["step"] for e in _events(cluster.events) if e["event"] == "step")
+        gate.write_text(f"{pods} {back + SHRINK_AFTER}")
+        # Resized in place to pods - 1 nodes: the pod of the last index gets SIGTERM and leaves.
+        shrunk = procs.pop(f"pod-{pods - 1}")
+        shrunk.send_signal(signal.SIGTERM)
+        assert shrunk.wait(timeout=60) == 143, tail(f"pod-{pods - 1}")
+        assert "this node left the run" in tail(f"pod-{pods - 1}")
         deadline = time.monotonic() + 150
         for name, proc in procs.items():
             try:
@@ -248,12 +295,18 @@ def test_cpu_demo_manifest_trains_loses_a_pod_and_finishes(
     elapsed = time.monotonic() - started
 
     events = _events(cluster.events)
-    steps = SMOKE_CONFIG["train"]["steps"]
+    steps = config["train"]["steps"]
     done = [e for e in events if e["event"] == "done"]
     assert done and done[-1]["step"] == steps, events[-5:]
     assert any(e["event"] == "resumed" for e in events), "the worker group was never restarted after the kill"
     assert killed_at < steps, "the pod was killed after training had finished"
-    ckpt_root = tmp_path / "pvc" / "elastic-train-checkpoints" / job["metadata"]["name"]
+    assert any(e["event"] == "step" and e["world_size"] == pods - 1 for e in events), "never trained shrunk"
+    secret = next(o for o in objs if o["kind"] == "Secret" and o["metadata"]["name"].startswith("etcd-auth"))
+    password = k.secret_or_configmap_data(secret)["training-password"]
+    with connect(etcd_server.endpoint, user="elastic-train", password=password) as etcd:
+        status = read_status(etcd, f"{job['metadata']['name']}-{JOB_UID}")
+    assert (status.state, status.failures_used, status.leaves) == ("finished", 1, 1), status
+    ckpt_root = tmp_path / "pvc" / "elastic-train-checkpoints" / f"{job['metadata']['name']}-{JOB_UID}"
     manifests = sorted(ckpt_root.glob("step-*/manifest.json"))
     assert manifests, f"no durable checkpoint under {ckpt_root}"
     assert json.loads(manifests[-1].read_text())["step"] == steps

@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -177,3 +178,59 @@ def test_a_late_node_of_the_dynamic_backend_exits_0_with_one_line(
         "elastic-train: rendezvous of run fin-dyn is closed (its job ended); this node has nothing left to do"
     ], err
     assert not (tmp_path / "b.jsonl").exists()
+
+
+def test_a_worker_killed_by_any_signal_leaves_no_traceback_of_ours(
+    runs: Runs, etcd: Etcd, tmp_path: Path
+) -> None:
+    """SIGKILL, SIGTERM and SIGSEGV on the worker a fork server forked: its stand-in ends as the worker did,
+    torchrun starts the next one, and the node's output has no traceback through elastic_train (a crash's
+    own output, such as faulthandler's dump of where it stood, is the worker's)."""
+    import glob
+    import signal
+
+    import psutil
+
+    from elastic_train.node import AgentChannel
+    from tests.operator.test_startup_failure import fork_server_of
+
+    node = runs.start("sigs", tmp_path / "ck", steps=100000, delay=0.05)
+    server = fork_server_of(node)
+
+    def channel() -> AgentChannel | None:
+        found = glob.glob(f"{tempfile.gettempdir()}/elastic_train-node-{node.pid}-*")
+        return AgentChannel(found[0]) if found else None
+
+    def trained_worker(seen: set[int]) -> psutil.Process | None:
+        """The fork server's worker that committed a step in its round (a failure before would be one at
+        start-up: the run would end)."""
+        ch = channel()
+        assignment, mark = (ch.assignment(), ch.trained()) if ch is not None else (None, None)
+        if assignment is None or mark is None or mark.round != assignment.round:
+            return None
+        fresh = [p for p in server.children() if p.pid not in seen]
+        return fresh[0] if len(fresh) == 1 else None
+
+    def next_worker(seen: set[int], what: str) -> psutil.Process:
+        deadline = time.monotonic() + 120
+        while (worker := trained_worker(seen)) is None:
+            assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            assert node.poll() is None, "the node ended"
+            time.sleep(0.1)
+        return worker
+
+    seen: set[int] = set()
+    for sig in (signal.SIGKILL, signal.SIGTERM, signal.SIGSEGV):
+        worker = next_worker(seen, f"a worker that trained, to send {sig.name}")
+        seen.add(worker.pid)
+        worker.send_signal(sig)
+    next_worker(seen, "the worker after the last kill training")
+    assert node.poll() is None, "the node ended"
+    node.send_signal(signal.SIGTERM)  # how Kubernetes stops a pod: one line, the shell's code for it
+    _, err = node.communicate(timeout=120)
+    ours = [
+        block for block in err.split("Traceback (most recent call last):")[1:] if "elastic_train/" in block
+    ]
+    assert not ours, err
+    assert node.returncode == 128 + signal.SIGTERM and "elastic-train: node stopped by SIGTERM" in err, err
+    assert read_status(etcd, "sigs").failures_used == 3

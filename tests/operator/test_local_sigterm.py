@@ -15,7 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from elastic_train.checkpoint.memory import snapshot_files
+from elastic_train.checkpoint.shmfiles import snapshot_files
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

@@ -54,11 +54,6 @@ def test_first_step_at_filters_world_event_and_time() -> None:
     assert harness.first_step_at(records, 4, after=0.0) is None
 
 
-def test_timeline_is_rank0_steps_relative_to_origin_in_window() -> None:
-    records = [step(97.0, 3), step(99.0, 3), step(99.5, 3, rank=1), step(104.0, 2), step(120.0, 2)]
-    assert harness.timeline(records, origin=100.0, start=-2.0, end=10.0) == [(-1.0, 3), (4.0, 2)]
-
-
 def test_phases_reports_first_of_each_event_after_origin() -> None:
     records = [
         step(10.5, 2, event="start"),

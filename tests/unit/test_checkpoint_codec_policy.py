@@ -23,7 +23,7 @@ from elastic_train.checkpoint.policy import (
     Candidate,
     durable_due,
     parse_step_dir,
-    restore_plan,
+    restore_order,
     retention,
     share_ranges,
     step_dir,
@@ -128,17 +128,17 @@ def test_retention_keeps_last_k_every_n_and_the_newest():
     assert retention([7], keep_last=1, keep_every=0) == []
 
 
-def test_restore_plan_prefers_newest_and_memory_on_ties():
-    assert restore_plan([5, None, 7], [3, 6]) == [
+def test_restore_order_prefers_newest_and_memory_on_ties():
+    assert restore_order([5, None, 7], [3, 6]) == [
         Candidate("memory", 7, 2),
         Candidate("durable", 6),
         Candidate("durable", 3),
     ]
-    assert restore_plan([7, 7], [7]) == [Candidate("memory", 7, 0), Candidate("durable", 7)]
-    assert restore_plan([None, 4], [9, 8, 2]) == [
+    assert restore_order([7, 7], [7]) == [Candidate("memory", 7, 0), Candidate("durable", 7)]
+    assert restore_order([None, 4], [9, 8, 2]) == [
         Candidate("durable", 9),
         Candidate("durable", 8),
         Candidate("memory", 4, 1),
         Candidate("durable", 2),
     ]
-    assert restore_plan([None], []) == []
+    assert restore_order([None], []) == []

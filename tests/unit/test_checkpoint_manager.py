@@ -24,7 +24,8 @@ from elastic_train.checkpoint import (
 )
 from elastic_train.checkpoint import storage as storage_mod
 from elastic_train.checkpoint.codec import flatten
-from elastic_train.checkpoint.memory import MemorySnapshot, snapshot_files, sweep_stale
+from elastic_train.checkpoint.memory import MemorySnapshot
+from elastic_train.checkpoint.shmfiles import snapshot_files, sweep_stale
 from elastic_train.checkpoint.storage import open_storage
 
 
@@ -294,6 +295,22 @@ def test_close_with_release_and_stale_owner_sweep(tmp_path, memdir):
     assert len(sweep_stale(memdir)) == 1 and snapshot_files(memdir, "run") == []
 
 
+def test_runs_of_one_id_with_other_checkpoint_directories_never_share_a_snapshot(tmp_path, memdir):
+    """Two scripts run in turn from one shell, each a world of one (run id ``default``, one owner): the
+    second, with its own checkpoint directory, starts fresh instead of reading the first's memory tier."""
+    first = manager(cfg(str(tmp_path / "a"), memdir, memory=True), "default")
+    first.save(3, make_state(3, width=4))
+    second = manager(cfg(str(tmp_path / "b"), memdir, memory=True), "default")
+    assert second.restore(model=make_state(0)["model"]) is None
+    again = manager(cfg(str(tmp_path / "a"), memdir, memory=True), "default")
+    held = again.restore(model=make_state(0, width=4)["model"])
+    assert held is not None and (held.step, held.source) == (3, "memory")
+    second.save(1, make_state(1))
+    assert len(snapshot_files(memdir, "default")) == 2  # one per durable location, both found by run id
+    for m in (first, second, again):
+        m.close(release_memory=True)
+
+
 def test_manifest_is_json_with_checksums(tmp_path, memdir):
     manager(cfg(str(tmp_path / "c"), memdir)).finalize(2, make_state(2))
     m = json.loads((tmp_path / "c" / "run" / "step-00000002" / "manifest.json").read_text())
@@ -303,9 +320,9 @@ def test_manifest_is_json_with_checksums(tmp_path, memdir):
 
 
 def test_final_checkpoint_is_retried_and_never_silently_lost(tmp_path, memdir, monkeypatch):
-    from elastic_train.checkpoint import manager as manager_module
+    from elastic_train.checkpoint import writer as writer_module
 
-    monkeypatch.setattr(manager_module, "retry_delay", lambda attempt: 0.0)
+    monkeypatch.setattr(writer_module, "retry_delay", lambda attempt: 0.0)
     # on_error=log: the regular checkpoint of step 2 fails and is only logged ...
     m = manager(cfg(str(tmp_path / "c"), memdir, every_steps=2, on_error="log", retries=1))
     m.storage = FailingStorage(m.storage, 1)

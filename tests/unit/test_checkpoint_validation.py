@@ -21,7 +21,7 @@ from elastic_train.checkpoint import (
     durable,
     schema,
 )
-from elastic_train.checkpoint import memory as memory_mod
+from elastic_train.checkpoint import slots as slots_mod
 from elastic_train.checkpoint.codec import flatten
 from elastic_train.checkpoint.memory import MemorySnapshot
 from elastic_train.checkpoint.preflight import check_resume_source, check_root, check_settings
@@ -149,18 +149,16 @@ def test_an_invalid_newest_checkpoint_is_skipped_at_restore(saved, memdir, tmp_p
 
 def _reseal(snap: MemorySnapshot, slot: int, meta: bytes) -> None:
     """Rewrite a slot's metadata and seal it again with valid checksums (a buggy or hostile writer)."""
-    mm = snap._mm
+    mm = snap._file.mm
     assert mm is not None
-    base = snap._slot_base(slot)
-    fields = list(memory_mod._SLOT.unpack_from(mm, base))
-    mm[base + memory_mod.PAGE : base + memory_mod.PAGE + len(meta)] = meta
-    fields[4] = memory_mod.checksum(memoryview(meta))
+    base = snap._file.base(slot)
+    fields = list(slots_mod._SLOT.unpack_from(mm, base))
+    mm[base + slots_mod.PAGE : base + slots_mod.PAGE + len(meta)] = meta
+    fields[4] = slots_mod.checksum(memoryview(meta))
     fields[5] = len(meta)
-    header = memory_mod._SLOT.pack(*fields)
-    mm[base + memory_mod._SLOT.size : base + memory_mod._SLOT.size + 4] = struct.pack(
-        "<I", zlib.crc32(header)
-    )
-    mm[base : base + memory_mod._SLOT.size] = header
+    header = slots_mod._SLOT.pack(*fields)
+    mm[base + slots_mod._SLOT.size : base + slots_mod._SLOT.size + 4] = struct.pack("<I", zlib.crc32(header))
+    mm[base : base + slots_mod._SLOT.size] = header
 
 
 @pytest.mark.parametrize(
@@ -207,9 +205,9 @@ def test_a_lookup_of_a_slot_this_process_wrote_parses_only_its_skeleton(memdir, 
         flat = flatten(state(1))
         assert held.specs == flat.specs
         # the same as a full parse of the slot's metadata
-        base = snap._slot_base(held.slot)
-        fields = memory_mod._SLOT.unpack_from(snap._mm, base)
-        raw = bytes(snap._mm[base + memory_mod.PAGE : base + memory_mod.PAGE + fields[5]])
+        base = snap._file.base(held.slot)
+        fields = slots_mod._SLOT.unpack_from(snap._file.mm, base)
+        raw = bytes(snap._file.mm[base + slots_mod.PAGE : base + slots_mod.PAGE + fields[5]])
         assert whole(raw, held.nbytes) == (held.skeleton, held.specs)
     finally:
         snap.release()
@@ -228,8 +226,8 @@ def test_a_slot_with_this_process_s_specs_but_a_bad_skeleton_is_skipped(memdir, 
     try:
         snap.save(1, flatten(state(1)), background=False)
         newest = snap.save(2, flatten(state(2)), background=False)
-        assert snap._known_meta is not None
-        _reseal(snap, newest, snap._known_meta[0] + skeleton.encode() + b"}")
+        assert snap._meta.known is not None
+        _reseal(snap, newest, snap._meta.known[0] + skeleton.encode() + b"}")
         held = snap.newest_valid()
         assert held is not None and held.step == 1, "the older slot is used"
     finally:

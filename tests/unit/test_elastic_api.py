@@ -25,7 +25,7 @@ from elastic_train.train.sampler import share_bounds
 ROOT = Path(__file__).resolve().parents[2]
 TORCHRUN_VARS = (
     *("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"),
-    *("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "ELASTIC_TRAIN_RDZV_ROUND"),
+    *("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "ELASTIC_TRAIN_NODE_DIR"),
     *("TORCHELASTIC_USE_AGENT_STORE", "ELASTIC_TRAIN_EVENTS", "ELASTIC_TRAIN_AUDIT_DIR"),
 )
 
@@ -315,32 +315,32 @@ def test_a_step_boundary_that_re_forms_the_group_keeps_the_step(
     """The agent announced a membership change: commit() leaves at the step boundary with the step's memory
     snapshot taken (the next group starts from it, nothing redone) and the live state marked as that step,
     unless a durable checkpoint is due at the step (a collective: the step is then redone and written)."""
-    from elastic_train.train import hot
-    from elastic_train.train.checkpointer import LIVE
+    from elastic_train.train.link import GroupChanged
 
     ckpt = make(tmp_path, memdir, every=every)
+    live = ckpt.link.live
     ckpt.restore()
     train(ckpt, 2)
-    assert LIVE.get(ckpt.state) == 2
+    assert live.get(ckpt.state) == 2
     opt = ckpt.state.optimizer
     assert isinstance(opt, torch.optim.Optimizer)
     ckpt.state.model(torch.ones(1, 4, dtype=torch.float64)).sum().backward()
     opt.step()  # the live tensors change: they no longer hold step 2
-    assert LIVE.get(ckpt.state) is None
+    assert live.get(ckpt.state) is None
 
     def announced(step: int) -> None:
-        raise hot.GroupChanged(f"re-forms after step {step}")
+        raise GroupChanged(f"re-forms after step {step}")
 
-    monkeypatch.setattr(hot, "boundary", announced)
-    with pytest.raises(hot.GroupChanged):
+    monkeypatch.setattr(ckpt.link, "boundary", announced)
+    with pytest.raises(GroupChanged):
         ckpt.commit()
     manager = ckpt.manager
     assert isinstance(manager, CheckpointManager) and manager.memory is not None
     held = manager.memory.newest_valid()
     assert held is not None
     if every == 100:
-        assert held.step == 3 and LIVE.get(ckpt.state) == 3
+        assert held.step == 3 and live.get(ckpt.state) == 3
     else:  # due at step 3: no snapshot; the next group redoes step 3 from step 2's
-        assert held.step == 2 and LIVE.get(ckpt.state) is None
+        assert held.step == 2 and live.get(ckpt.state) is None
     ckpt.close()
-    LIVE.clear()
+    live.clear()

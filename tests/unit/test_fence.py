@@ -1,10 +1,10 @@
-"""The fencing rule (pure) and the worker's step counter as its agent reads it."""
+"""The fencing rule (pure), and the workers' progress as the fence reads it from their beats."""
 
 from __future__ import annotations
 
-import os
+from pathlib import Path
 
-from elastic_train.agentlink import CURRENT, AgentLink, clear_beats, read_beats
+from elastic_train.node import AgentChannel, Beat
 from elastic_train.rendezvous.fence import FENCE_GRACE, STALL_MIN, fence_reason
 
 TTL = 3.0
@@ -44,21 +44,26 @@ def test_once_a_step_time_is_known_a_short_stall_fences_a_silent_node() -> None:
     assert fence_reason(stalled_s=4.0, step_s=1.0, **kw) == "cut_off"  # type: ignore[arg-type]
 
 
-def test_step_counters_round_trip_and_clear(tmp_path) -> None:
-    link = AgentLink(str(tmp_path), 7)
-    for _ in range(5):
-        link.beat()
-    assert read_beats(str(tmp_path)) == {os.getpid(): 5}
-    link.close()
-    clear_beats(str(tmp_path))
-    assert read_beats(str(tmp_path)) == {}
+def test_the_step_time_comes_from_steps_and_other_progress_only_moves_the_clock(tmp_path: Path) -> None:
+    """A worker waiting on its own durable writer beats without a step: progress (no stall), not a step
+    time (which would make the stall limit shorter)."""
+    from elastic_train.rendezvous.fence import Fence, _Progress
 
-
-def test_without_an_agent_nothing_is_counted_and_publishing_is_allowed(tmp_path) -> None:
-    link = AgentLink(None, None)
-    link.beat()
-    assert link.may_publish() == CURRENT and not link.fenced
-    assert AgentLink(str(tmp_path), 3).may_publish() == "unknown"  # an agent dir without a gate: unconfirmed
+    fence = Fence.__new__(Fence)
+    fence.channel, fence._procs = AgentChannel(str(tmp_path)), {}
+    fence._progress = _Progress({}, 0.0)
+    beat = Beat(str(tmp_path))
+    beat.step()
+    fence._read_progress(100.0)  # the first step: its time includes start-up, no sample
+    assert fence._progress.step_s is None and fence._progress.moved_at == 100.0
+    beat.progress()
+    fence._read_progress(100.5)  # progress, not a step
+    assert fence._progress.step_s is None and fence._progress.moved_at == 100.5
+    beat.step()
+    beat.step()
+    fence._read_progress(101.0)  # two steps in a second since the last step
+    assert fence._progress.step_s == 0.5 and fence._progress.moved_at == 101.0
+    beat.close()
 
 
 def test_workers_blocked_needs_step_counters_and_a_stall() -> None:

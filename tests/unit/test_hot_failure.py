@@ -17,20 +17,20 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from elastic_train.envvars import ENV_REFORM_DIR, ENV_ROUND
-from elastic_train.reform import Channel
+from elastic_train.envvars import ENV_NODE_DIR
+from elastic_train.node import AgentChannel, Assignment
 from elastic_train.train.env import WorkerEnv
-from elastic_train.train.group import World
+from elastic_train.train.group import ENV_NCCL_ERROR_HANDLING, NCCL_CLEAN_UP_ONLY, World, nccl_error_handling
 from elastic_train.train.hot import (
-    ENV_NCCL_ERROR_HANDLING,
-    NCCL_CLEAN_UP_ONLY,
     Failure,
     GroupChanged,
     Reformer,
+    RunEnded,
     classify_failure,
     group_failure,
-    nccl_error_handling,
+    run,
 )
+from elastic_train.train.link import ProcessLink, use_process_link
 
 PG = "/pytorch/torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp"
 PREFIX = "[PG ID 0 PG GUID 0(default_pg) Rank 1] "
@@ -136,14 +136,23 @@ def test_other_errors_are_not_group_failures() -> None:
 
 def test_nccl_error_handling_is_clean_up_only_under_a_re_forming_agent() -> None:
     env: dict[str, str] = {}
-    nccl_error_handling(env)
+    nccl_error_handling(env, reform=False)
     assert ENV_NCCL_ERROR_HANDLING not in env  # hot recovery off: torch's default
-    env = {ENV_REFORM_DIR: "/tmp/x"}
-    nccl_error_handling(env)
+    nccl_error_handling(env, reform=True)
     assert env[ENV_NCCL_ERROR_HANDLING] == NCCL_CLEAN_UP_ONLY
-    env = {ENV_REFORM_DIR: "/tmp/x", ENV_NCCL_ERROR_HANDLING: "3"}
-    nccl_error_handling(env)
+    env = {ENV_NCCL_ERROR_HANDLING: "3"}
+    nccl_error_handling(env, reform=True)
     assert env[ENV_NCCL_ERROR_HANDLING] == "3"  # the user's choice stays (and register() restarts instead)
+
+
+def start_assignment(round_: int, **kw: Any) -> Assignment:
+    return Assignment(round=round_, node_rank=0, nodes=1, master_addr="127.0.0.1", master_port=29500, **kw)
+
+
+def link_in(directory: Path, assignment: Assignment) -> ProcessLink:
+    """The link of a worker whose agent published ``assignment`` in ``directory``."""
+    AgentChannel(str(directory)).assign(assignment)
+    return ProcessLink.from_environ({ENV_NODE_DIR: str(directory), "LOCAL_RANK": "0"})
 
 
 @pytest.mark.parametrize(("mode", "registers"), [(NCCL_CLEAN_UP_ONLY, True), ("3", False), (None, False)])
@@ -154,14 +163,15 @@ def test_an_nccl_group_re_forms_in_process_only_in_clean_up_only_mode(
         monkeypatch.delenv(ENV_NCCL_ERROR_HANDLING, raising=False)
     else:
         monkeypatch.setenv(ENV_NCCL_ERROR_HANDLING, mode)
-    channel = Channel(str(tmp_path))
-    env = WorkerEnv.from_environ({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "0", ENV_ROUND: "4"})
+    link = link_in(tmp_path, start_assignment(4, reform=True))
+    env = WorkerEnv.from_environ({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}, link.assignment)
     world = World(
         rank=1, world_size=2, local_rank=0, local_world_size=1, device=torch.device("cuda", 0),
         backend="nccl", round=4, run_id="r", restart_count=0,
     )  # fmt: skip
-    Reformer(channel, env, "nccl").register(world)
-    assert channel.ready() == ({0: 4} if registers else {})
+    Reformer(link, env, "nccl").register(world)
+    ready = AgentChannel(str(tmp_path)).ready()
+    assert {r: m.round for r, m in ready.items()} == ({0: 4} if registers else {})
 
 
 def test_shutdown_aborts_an_nccl_group_before_destroying_it(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -192,3 +202,48 @@ def _recording(calls: list[str], fn: Any) -> Any:
         return fn(*args, **kwargs)
 
     return wrapped
+
+
+def test_only_a_broken_group_is_re_formed_in_process() -> None:
+    gloo = RuntimeError(
+        "[../third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:1455: "
+        "Connection reset by peer"
+    )
+    assert group_failure(gloo) is not None
+    try:
+        try:
+            raise gloo
+        except RuntimeError as exc:
+            raise ValueError("a checkpoint write failed") from exc
+    except ValueError as wrapped:
+        assert group_failure(wrapped) is not None  # the cause counts
+    assert group_failure(GroupChanged("round 3")) == "membership change announced"
+    assert group_failure(RuntimeError("shapes do not match")) is None  # the user's own error
+    assert group_failure(KeyError("x")) is None
+
+
+def test_a_worker_re_forms_only_under_an_agent_that_re_forms(tmp_path: Path) -> None:
+    env = WorkerEnv.from_environ({})
+    assert Reformer.of(ProcessLink(None), env) is None  # not under an etcd3 agent
+    (tmp_path / "off").mkdir()
+    off = link_in(tmp_path / "off", start_assignment(3))  # hot recovery off
+    assert Reformer.of(off, WorkerEnv.from_environ({}, off.assignment)) is None
+    on = link_in(tmp_path, start_assignment(3, reform=True))
+    assert Reformer.of(on, WorkerEnv.from_environ({}, on.assignment)) is not None
+
+
+def test_a_standby_worker_exits_0_when_its_run_ended_before_admission(tmp_path: Path) -> None:
+    link = link_in(tmp_path, start_assignment(3, standby_s=30.0, reform=True))
+    env = WorkerEnv.from_environ({}, link.assignment)
+    reformer = Reformer.of(link, env)
+    assert reformer is not None and reformer.standby == 30.0
+    AgentChannel(str(tmp_path)).end("run r finished")
+    called: list[Any] = []
+    use_process_link(link)
+    try:
+        with pytest.raises(RunEnded) as ended:
+            run(called.append, env)
+    finally:
+        use_process_link(None)
+    assert ended.value.code == 0 and ended.value.message == "run r finished" and called == []
+    assert AgentChannel(str(tmp_path)).standbys()[0].round == 3

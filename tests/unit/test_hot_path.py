@@ -1,58 +1,59 @@
-"""The agent's hot path against a fake run view and a real TCPStore: the rank exchange of a round formed
-in-process waits for its members without deadlock, abandons the round at once when a member is gone, and
-after ``give_up`` nothing is published while a round joined meanwhile goes to torchrun's path."""
+"""The hot path's executor: what it observes of its node (workers through the node's directory, the run
+through a fake participant, the fence), what each action leaves in the directory, and the hand-over of a round
+joined after it gave up. The rules themselves are tables in test_hotdecide.py."""
 
 from __future__ import annotations
 
 import json
-import socket
+import subprocess
+import sys
 import threading
-import time
-from collections.abc import Iterator
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
-import torch.distributed as dist
 
-from elastic_train.envvars import ENV_REFORM_DIR
-from elastic_train.rendezvous import hot as hot_mod
-from elastic_train.rendezvous.hot import HotPath, RoundAbandoned
-from elastic_train.rendezvous.protocol import RoundRecord, RoundResult
-
-
-class FakeView:
-    """The keys of a run as a participant's watch holds them (relative keys)."""
-
-    def __init__(self) -> None:
-        self.cond = threading.Condition()
-        self.keys: dict[str, bytes] = {}
-
-    def get(self, key: str) -> Any:
-        value = self.keys.get(key)
-        return None if value is None else SimpleNamespace(value=value)
-
-    def under(self, sub: str) -> dict[str, Any]:
-        return {k[len(sub) :]: SimpleNamespace(value=v) for k, v in self.keys.items() if k.startswith(sub)}
+from elastic_train.node import AgentChannel, Ready, WorkerChannel
+from elastic_train.rendezvous.errors import RendezvousClosed
+from elastic_train.rendezvous.hot import LOST_GRACE, Act, HotPath, StandbyState, decide
+from elastic_train.rendezvous.protocol import RoundResult
+from elastic_train.rendezvous.standby import Pending
 
 
 class FakeParticipant:
-    def __init__(self, node_id: str, members: list[str], view: FakeView) -> None:
-        self.node_id = node_id
-        self.members = members
-        self.view = view
+    """This node in a run of ``members`` whose ``live`` nodes hold leases; ``asking`` maps a node to the round
+    its join key asks for."""
+
+    def __init__(self, members: list[str], node_id: str = "a") -> None:
+        self.node_id, self.members = node_id, members
+        self.live = set(members)
+        self.asking: dict[str, int] = {}
+        self.latest = 1
+        self.inproc: bool | None = None
         self.joined = threading.Event()
         self.release = threading.Event()
         self.result: RoundResult | None = None
+        self.closed: BaseException | None = None
 
     def lost_members(self) -> set[str]:
-        return {m for m in self.members if "nodes/" + m not in self.view.keys}
+        return {m for m in self.members if m not in self.live}
+
+    def asking_beyond(self, round_: int) -> set[str]:
+        return {n for n, target in self.asking.items() if target > round_ and n in self.live}
 
     def num_waiting(self) -> int:
-        return 0
+        return len(self.lost_members()) + len(self.asking_beyond(self.latest))
+
+    def latest_round(self) -> int:
+        return self.latest
 
     def advertise_inproc(self, on: bool) -> None:
         self.inproc = on
+
+    def check_open(self) -> None:
+        if self.closed is not None:
+            raise self.closed
 
     def join(self) -> RoundResult:
         self.joined.set()
@@ -61,116 +62,130 @@ class FakeParticipant:
         return self.result
 
 
-def refused_port() -> int:
-    """A loopback port nothing listens on (bound, then closed)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+class FakeFence:
+    blocked = False
+
+    def workers_blocked(self) -> bool:
+        return self.blocked
 
 
-def round_result(rank: int, members: list[str], ports: dict[str, int], round_: int = 2) -> RoundResult:
-    nodes = {m: {"addr": "127.0.0.1", "store_port": ports[m]} for m in members}
-    return RoundResult(round_, rank, len(members), members, nodes)
+class FakeStandby:
+    pending_start: Pending | None = None
+    started_at = 0.0
+
+    def pending(self) -> Pending | None:
+        return self.pending_start
 
 
-@pytest.fixture
-def port() -> Iterator[int]:
-    """A loopback port that accepts connections (an agent's store that is alive)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        s.listen(16)
-        yield int(s.getsockname()[1])
-
-
-@pytest.fixture
-def view() -> FakeView:
-    return FakeView()
-
-
-@pytest.fixture
-def store() -> Iterator[dist.Store]:
-    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    yield dist.PrefixStore("elastic_train/round/2/", server)
-
-
-def hot_path(participant: FakeParticipant, monkeypatch: pytest.MonkeyPatch) -> HotPath:
-    monkeypatch.delenv(ENV_REFORM_DIR, raising=False)
-    hp = HotPath(lambda: participant, lambda r: (None, None), threading.Lock())  # type: ignore[arg-type,return-value]
-    hp._group = SimpleNamespace(spec=SimpleNamespace(role="default", local_world_size=1))
-    hp.round = 1
+def hot_path(tmp_path: Path, participant: FakeParticipant, *, nproc: int = 1, round_: int = 1) -> HotPath:
+    """A hot path engaged in round ``round_`` for ``nproc`` local workers (as ``started()`` leaves it)."""
+    standby: Any = FakeStandby()
+    stores: Any = None  # a test that joins a round gives its own
+    hp = HotPath(participant, AgentChannel(str(tmp_path)), FakeFence(), standby, stores,  # type: ignore[arg-type]
+                 threading.Lock())  # fmt: skip
+    hp.round, hp._nproc = round_, nproc
     return hp
 
 
-def live(view: FakeView, *nodes: str) -> None:
-    for n in nodes:
-        view.keys["nodes/" + n] = b"{}"
+def worker(hp: HotPath, local_rank: int = 0) -> WorkerChannel:
+    """A local worker's side of the hot path's channel."""
+    return WorkerChannel(hp.channel.directory, local_rank)
 
 
-def test_the_members_of_a_round_exchange_without_waiting_on_each_other(
-    view, store, port, monkeypatch
-) -> None:
-    members = ["a", "b"]
-    live(view, *members)
-    ports = {m: port for m in members}
-    paths = [hot_path(FakeParticipant(m, members, view), monkeypatch) for m in members]
-    errors: list[BaseException] = []
-
-    def exchange(i: int) -> None:
-        try:
-            paths[i]._await_members(round_result(i, members, ports), store)
-        except BaseException as exc:  # reported below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=exchange, args=(i,)) for i in range(2)]
-    started = time.monotonic()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(hot_mod.ASSIGN_TIMEOUT + 5)
-    assert not errors and time.monotonic() - started < 2.0
-    for p in paths:
-        p.close()
+def tick(hp: HotPath) -> Act:
+    """One look and the action it leads to, as the executor's thread does it."""
+    observation = hp.observe()
+    action = decide(observation)
+    hp._act(action, observation)
+    return action.act
 
 
-@pytest.mark.parametrize("how", ["agent_gone", "lease_gone", "asks_newer_round"])
-def test_a_member_gone_before_the_exchange_abandons_the_round_at_once(
-    how, view, store, port, monkeypatch
-) -> None:
-    members = ["a", "b"]
-    live(view, *members)
-    ports = {"a": port, "b": port}
-    if how == "agent_gone":
-        ports["b"] = refused_port()
-    elif how == "lease_gone":
-        del view.keys["nodes/b"]
-    else:
-        view.keys["join/b"] = json.dumps({"target": 3, "reason": "failure"}).encode()
-    hp = hot_path(FakeParticipant("a", members, view), monkeypatch)
-    started = time.monotonic()
-    with pytest.raises(RoundAbandoned, match="member b"):
-        hp._await_members(round_result(0, members, ports), store)
-    assert time.monotonic() - started < 1.0
+def test_the_observation_is_what_the_workers_the_run_and_the_fence_say(tmp_path: Path) -> None:
+    participant = FakeParticipant(["a", "b", "c"])
+    hp = hot_path(tmp_path, participant, nproc=2, round_=2)
+    assert not hp.observe().engaged  # no worker registered: torchrun's path
+    worker(hp, 0).register(2, cut=True)
+    worker(hp, 1).register(1)  # still forming round 2's group
+    o = hp.observe()
+    assert o.engaged and o.waiting == 0 and o.asked is None
+    participant.live.discard("c")
+    participant.asking["b"] = 3
+    hp.fence.blocked = True  # type: ignore[attr-defined]
+    o = hp.observe()
+    assert (o.waiting, o.lost, o.left, o.forming, o.blocked, o.cuttable) == (
+        2,
+        ("c",),
+        ("b",),
+        True,
+        True,
+        False,
+    )
+    worker(hp, 1).request(2, "Connection reset by peer")
+    o = hp.observe()
+    assert o.asked == "Connection reset by peer" and o.dead == ()  # both registered workers are this process
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    (tmp_path / "ready-1.json").write_text(json.dumps(Ready(2, gone.pid).encode()))
+    assert hp.observe().dead == (1,)
     hp.close()
 
 
-def test_after_give_up_a_round_joined_meanwhile_is_handed_to_torchruns_path(view, monkeypatch) -> None:
+def test_each_action_leaves_its_message_for_the_workers(tmp_path: Path) -> None:
+    """A stopped peer: announced with the short grace, the gloo workers are asked to cut their links, and
+    when they do not ask for the next round within the grace the node restarts them."""
+    participant = FakeParticipant(["a", "b", "c"])
+    participant.live.discard("c")
+    hp = hot_path(tmp_path, participant)
+    worker(hp).register(1, cut=True)
+    assert tick(hp) is Act.ANNOUNCE
+    assert worker(hp).change_after(1) and not worker(hp).change_after(2) and hp._grace == LOST_GRACE
+    assert tick(hp) is Act.NOTHING  # the workers may still reach a boundary
+    hp.fence.blocked = True  # type: ignore[attr-defined]
+    assert tick(hp) is Act.CUT
+    assert worker(hp).cut_asked(1) and not worker(hp).cut_asked(2)
+    assert tick(hp) is Act.NOTHING  # the workers have the grace to fail and ask
+    assert hp._cut_at is not None
+    hp._cut_at -= 5
+    assert tick(hp) is Act.GIVE_UP
+    assert hp.fallback is not None and "after the cut" in hp.fallback
+    assert worker(hp).fallback() == hp.fallback
+    assert participant.inproc is False  # withdrawn at once: a peer restarting now starts as usual
+    assert not hp.observe().engaged  # gave up: torchrun's path from here
+    hp.close()
+
+
+def test_standby_workers_are_observed_until_all_are_built(tmp_path: Path) -> None:
+    participant = FakeParticipant(["b"])
+    hp = hot_path(tmp_path, participant, nproc=2)
+    assert hp.observe().standby is None  # no standby start
+    hp.standby.pending_start = Pending(generation=4, needed=2)  # type: ignore[union-attr]
+    worker(hp, 0).standby(1)
+    assert hp.observe().standby == StandbyState(needed=2, ready=1, generation=4)
+    worker(hp, 1).standby(1)
+    assert decide(hp.observe()).act is Act.ADMIT
+    participant.closed = RendezvousClosed("run r finished; this node has nothing left to do")
+    assert hp.observe().standby == StandbyState(2, 2, finished=str(participant.closed), generation=4)
+    hp.close()
+
+
+def test_after_give_up_a_round_joined_meanwhile_is_handed_to_torchruns_path(tmp_path: Path) -> None:
     members = ["a", "b"]
-    live(view, *members)
-    participant = FakeParticipant("a", members, view)
-    participant.result = round_result(0, members, {"a": 1, "b": 1})
-    hp = hot_path(participant, monkeypatch)
+    participant = FakeParticipant(members)
+    participant.result = RoundResult(2, 0, 2, members, {})
+    hp = hot_path(tmp_path, participant)
+    hp._agent = object()  # type: ignore[assignment]  # under torchrun's agent (never reached here)
     bootstrapped: list[int] = []
 
     def bootstrap(result: RoundResult) -> tuple[Any, Any]:
         bootstrapped.append(result.round)
         return None, None
 
-    hp._bootstrap = bootstrap
+    hp.stores = SimpleNamespace(bootstrap=bootstrap)  # type: ignore[assignment]
     reform = threading.Thread(target=hp._reform, args=("Connection reset by peer",))
     reform.start()
     assert participant.joined.wait(5)
     hp.give_up("this node was fenced (cut_off)")  # the fence fires while the join waits for etcd
-    view.keys["round"] = RoundRecord(2, members, {}, False).encode()
+    participant.latest = 2
     participant.release.set()
     reform.join(5)
     assert not reform.is_alive()
@@ -180,116 +195,14 @@ def test_after_give_up_a_round_joined_meanwhile_is_handed_to_torchruns_path(view
     hp.close()
 
 
-def test_a_handed_over_round_that_is_no_longer_the_newest_is_joined_anew(view, monkeypatch) -> None:
+@pytest.mark.parametrize("why", ["newer", "lost"])
+def test_a_handed_over_round_that_is_no_longer_current_is_joined_anew(tmp_path: Path, why: str) -> None:
     members = ["a", "b"]
-    live(view, *members)
-    participant = FakeParticipant("a", members, view)
-    hp = hot_path(participant, monkeypatch)
-    hp._handoff = round_result(0, members, {"a": 1, "b": 1})
-    view.keys["round"] = RoundRecord(3, ["b"], {}, True).encode()
+    participant = FakeParticipant(members)
+    hp = hot_path(tmp_path, participant)
+    hp._handoff = RoundResult(2, 0, 2, members, {})
+    participant.latest = 3 if why == "newer" else 2
+    if why == "lost":
+        participant.live.discard("b")
     assert hp.take_handoff() is None
-    hp.close()
-
-
-def test_a_member_that_leaves_the_forming_round_shortens_the_step_grace(view, monkeypatch) -> None:
-    members = ["a", "b", "c"]
-    live(view, *members)
-    participant: Any = FakeParticipant("a", members, view)
-    hp = hot_path(participant, monkeypatch)
-    hp.round = 2
-    hp.channel.register(0, 1)  # the worker forms round 2's group: registered for round 1 only
-    assert hp._no_boundary_coming(participant) is None
-    view.keys["join/c"] = json.dumps({"target": 3, "reason": "failure"}).encode()
-    assert "['c'] asked for a newer round" in str(hp._no_boundary_coming(participant))
-    hp.channel.register(0, 2)  # formed: the workers stop at their next step
-    assert hp._no_boundary_coming(participant) is None
-    hp.close()
-
-
-def test_a_member_that_left_a_formed_round_shortens_the_grace_once_the_workers_are_blocked(
-    view, monkeypatch
-) -> None:
-    """Formed with the member's workers, which are gone since (its node was fenced just after the round
-    closed): the workers wait on them and finish no step. A member asking while the workers step is one that
-    reached the step boundary first, and the grace stays."""
-    members = ["a", "b", "c"]
-    live(view, *members)
-    participant: Any = FakeParticipant("a", members, view)
-    participant.num_waiting = lambda: 1
-    hp = hot_path(participant, monkeypatch)
-    hp.round, hp._nproc = 2, 1
-    hp.channel.register(0, 2)
-    blocked = [False]
-    hp.blocked = lambda: blocked[0]
-    view.keys["join/c"] = json.dumps({"target": 3, "reason": "rejoin"}).encode()
-    hp._tick()  # announced with the step grace: c is alive and asks
-    assert hp._announced is not None and hp._announced[1] == hot_mod.STEP_GRACE
-    hp._tick()
-    assert hp._announced[1] == hot_mod.STEP_GRACE and hp.fallback is None
-    blocked[0] = True
-    hp._tick()  # shortened ...
-    assert hp._announced[1] == hot_mod.LOST_GRACE and hp.fallback is None
-    hp._announced = (hp._announced[0] - hot_mod.LOST_GRACE - 0.01, hot_mod.LOST_GRACE)
-    hp._tick()  # ... and past it, the restart path
-    assert hp.fallback is not None and "step boundary" in hp.fallback
-    hp.close()
-
-
-def test_workers_blocked_after_a_member_lost_its_lease_fall_back_at_once(view, monkeypatch) -> None:
-    members = ["a", "b", "c"]
-    live(view, "a", "b")  # c's lease expired (a stopped node)
-    participant: Any = FakeParticipant("a", members, view)
-    participant.num_waiting = lambda: 1
-    hp = hot_path(participant, monkeypatch)
-    hp._nproc = 1
-    hp.channel.register(0, 1)
-    blocked = [False]
-    hp.blocked = lambda: blocked[0]
-    hp._tick()  # announces, with the lost-member grace
-    assert hp.channel.change_after(1) and hp.fallback is None
-    hp._tick()  # the workers still step: they may reach a boundary within the grace
-    assert hp.fallback is None
-    blocked[0] = True  # no step for a stall's length: they wait in a collective with the stopped peer
-    hp._tick()
-    assert hp.fallback is not None and "blocked in a collective" in hp.fallback
-    assert hp.channel.fallback() == hp.fallback
-    assert participant.inproc is False  # withdrawn at once: a peer restarting now starts as usual
-    hp.close()
-
-
-def test_gloo_workers_blocked_with_a_stopped_peer_are_asked_to_cut_their_links_first(
-    view, monkeypatch
-) -> None:
-    """Workers that cut their group's connections when asked (gloo) get the cut, not the restart path; only
-    when they have not asked for the next round a grace after it does the node restart them."""
-    members = ["a", "b", "c"]
-    live(view, "a", "b")  # c stopped: its lease expired
-    participant: Any = FakeParticipant("a", members, view)
-    participant.num_waiting = lambda: 1
-    hp = hot_path(participant, monkeypatch)
-    hp._nproc = 1
-    hp.channel.register(0, 1, cut=True)
-    hp.blocked = lambda: True
-    assert not hp.channel.cut_asked(1)
-    hp._tick()  # announced
-    hp._tick()  # blocked with a lost member: cut
-    assert hp.channel.cut_asked(1) and not hp.channel.cut_asked(2)
-    assert hp.fallback is None
-    hp._tick()
-    assert hp.fallback is None  # the workers have the grace to fail and ask
-    assert hp._cut_at is not None
-    hp._cut_at -= hot_mod.CUT_GRACE + 0.01
-    hp._tick()
-    assert hp.fallback is not None and "after the cut" in hp.fallback
-    hp.close()
-
-
-def test_a_cut_is_asked_only_when_every_registered_worker_can_cut(view, monkeypatch) -> None:
-    participant: Any = FakeParticipant("a", ["a"], view)
-    hp = hot_path(participant, monkeypatch)
-    assert not hp.channel.cuttable()  # nobody registered
-    hp.channel.register(0, 1, cut=True)
-    assert hp.channel.cuttable()
-    hp.channel.register(1, 1)  # e.g. an NCCL worker
-    assert not hp.channel.cuttable()
     hp.close()

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from elastic_train.loopthread import LoopThread
+from elastic_train.launch.loopthread import LoopThread
 
 
 def test_setup_error_is_raised_by_start() -> None:

@@ -16,8 +16,11 @@ import torch.distributed as dist
 
 from elastic_train.checkpoint import CheckpointConfig, CheckpointError, CheckpointManager
 from elastic_train.checkpoint import memory as memory_mod
+from elastic_train.checkpoint import slots as slots_mod
 from elastic_train.checkpoint.codec import flatten, tensor_at, unflatten
+from elastic_train.checkpoint.copier import Copier
 from elastic_train.checkpoint.memory import MemorySnapshot
+from elastic_train.envvars import ENV_SHM_OWNER
 from elastic_train.train import rng
 from elastic_train.train.api import load_task
 from elastic_train.train.config import TrainConfig
@@ -50,13 +53,18 @@ def state_of(model: torch.nn.Module, opt: torch.optim.Optimizer, n: int) -> dict
     return {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": n}
 
 
-def snapshot(memdir: str) -> tuple[int, dict]:
+def reader(memdir: str, tmp_path) -> MemorySnapshot:
+    """The snapshot file :func:`manager`'s worker writes (its run's durable location scopes it)."""
+    return MemorySnapshot(memdir, "run", 0, str(tmp_path / "c" / "run"))
+
+
+def snapshot(memdir: str, tmp_path) -> tuple[int, dict]:
     """The newest valid snapshot in ``memdir`` as (step, state), as a restarted worker reads it."""
-    held = MemorySnapshot(memdir, "run", 0).newest_valid()
+    held = reader(memdir, tmp_path).newest_valid()
     assert held is not None
-    reader = MemorySnapshot(memdir, "run", 0)
-    assert reader.newest_valid() is not None
-    buf = reader.data(held.slot, held.nbytes).clone()
+    reader_ = reader(memdir, tmp_path)
+    assert reader_.newest_valid() is not None
+    buf = reader_.data(held.slot, held.nbytes).clone()
     return held.step, unflatten(held.skeleton, [tensor_at(buf, s) for s in held.specs])
 
 
@@ -89,7 +97,7 @@ def gate(monkeypatch):
     """Holds the background copier before its deferred copies until ``gate.set()``."""
     event = threading.Event()
     entered = threading.Event()
-    original = MemorySnapshot._copy
+    original = Copier.copy
 
     def held(job):
         if job.later:
@@ -97,7 +105,7 @@ def gate(monkeypatch):
             assert event.wait(30), "gate never opened"
         original(job)
 
-    monkeypatch.setattr(MemorySnapshot, "_copy", staticmethod(held))
+    monkeypatch.setattr(Copier, "copy", staticmethod(held))
     event.entered = entered  # type: ignore[attr-defined]
     yield event
     event.set()
@@ -125,7 +133,7 @@ def test_fence_orders_the_copy_before_the_next_optimizer_step(memdir, tmp_path, 
     assert stepped.is_set()
     assert not same(model.state_dict()["0.weight"], expected["model"]["0.weight"])  # the step did run
     m.close()
-    got_step, got = snapshot(memdir)
+    got_step, got = snapshot(memdir, tmp_path)
     assert (
         got_step == 1
         and same(got["model"], expected["model"])
@@ -145,7 +153,7 @@ def test_buffers_changed_by_the_next_forward_are_taken_at_the_step(memdir, tmp_p
     assert not same(model.state_dict()["1.running_mean"], expected["model"]["1.running_mean"])
     gate.set()
     m.close()
-    _, got = snapshot(memdir)
+    _, got = snapshot(memdir, tmp_path)
     assert same(got["model"], expected["model"])
 
 
@@ -157,7 +165,7 @@ def test_without_an_attached_optimizer_save_copies_everything_before_returning(m
     assert not gate.entered.is_set()
     step(model, opt)  # no fence: nothing may still be reading the parameters
     m.close()
-    _, got = snapshot(memdir)
+    _, got = snapshot(memdir, tmp_path)
     assert same(got["model"], expected["model"]) and same(got["optimizer"], expected["optimizer"])
 
 
@@ -172,7 +180,7 @@ def test_detached_optimizer_is_no_longer_fenced(memdir, tmp_path):
     m.save(2, lambda: state_of(model, opt, 2))
     step(model, opt)
     m.close()
-    got_step, got = snapshot(memdir)
+    got_step, got = snapshot(memdir, tmp_path)
     assert got_step == 2 and same(got["model"], expected["model"])
 
 
@@ -185,7 +193,7 @@ def test_many_steps_through_the_fence_each_snapshot_is_its_step(memdir, tmp_path
         m.save(n, lambda n=n: state_of(model, opt, n))
     expected = clone(state_of(model, opt, 29))
     m.close()
-    got_step, got = snapshot(memdir)
+    got_step, got = snapshot(memdir, tmp_path)
     assert (
         got_step == 29
         and same(got["model"], expected["model"])
@@ -219,7 +227,9 @@ def test_state_too_large_for_shared_memory_names_both_sizes(memdir, monkeypatch)
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(os, "posix_fallocate", full)
-    monkeypatch.setattr(memory_mod, "free_bytes", lambda d: 3 << 20)
+    monkeypatch.setattr(slots_mod, "free_bytes", lambda d: 3 << 20)
+    # the allocation's own failure (the space taken meanwhile), past the node-wide check before it
+    monkeypatch.setattr(memory_mod, "check_node_room", lambda *args: None)
     snap = MemorySnapshot(memdir, "run", 0)
     with pytest.raises(CheckpointError) as err:
         snap.save(1, flatten({"w": torch.zeros(5 << 18)}))  # 5 MiB of float32
@@ -236,11 +246,11 @@ _CRASHER = textwrap.dedent(
     import torch
     from elastic_train.checkpoint import CheckpointConfig, CheckpointManager
     from elastic_train.checkpoint import memory
-    from elastic_train.checkpoint.memory import MemorySnapshot
+    from elastic_train.checkpoint.copier import Copier
 
     memdir, url = sys.argv[1], sys.argv[2]
     memory.INLINE_BYTES = 0
-    original = MemorySnapshot._copy
+    original = Copier.copy
 
     def slow(job):  # copy half of the deferred tensors, then stall: the test kills us here
         if job.step == 2:
@@ -251,7 +261,7 @@ _CRASHER = textwrap.dedent(
             time.sleep(60)
         original(job)
 
-    MemorySnapshot._copy = staticmethod(slow)
+    Copier.copy = staticmethod(slow)
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.full((1000,), float(i))) for i in range(8)]
     opt = torch.optim.SGD(params, lr=1.0)
@@ -270,11 +280,11 @@ _CRASHER = textwrap.dedent(
 
 
 def test_kill_mid_copy_leaves_the_previous_step_valid(memdir, tmp_path, reaper, monkeypatch):
-    monkeypatch.setenv(memory_mod.ENV_SHM_OWNER, str(os.getpid()))
+    monkeypatch.setenv(ENV_SHM_OWNER, str(os.getpid()))
     proc = reaper.popen(
         [sys.executable, "-c", _CRASHER, memdir, str(tmp_path / "c")],
         stdout=subprocess.PIPE,
-        env={**os.environ, memory_mod.ENV_SHM_OWNER: str(os.getpid())},
+        env={**os.environ, ENV_SHM_OWNER: str(os.getpid())},
     )
     assert proc.stdout is not None
     for line in proc.stdout:  # log lines, then the marker
@@ -284,7 +294,7 @@ def test_kill_mid_copy_leaves_the_previous_step_valid(memdir, tmp_path, reaper, 
         pytest.fail(f"the snapshot process ended (exit {proc.wait()}) before its copy")
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait(10)
-    got_step, got = snapshot(memdir)
+    got_step, got = snapshot(memdir, tmp_path)
     assert got_step == 1
     assert all(torch.equal(t, torch.full((1000,), float(i))) for i, t in enumerate(got["params"]))
 
@@ -337,28 +347,28 @@ def test_small_cpu_states_are_copied_inside_save_and_sealed_by_the_copier(memdir
     monkeypatch.setattr(memory_mod, "INLINE_BYTES", 4 << 20)
     monkeypatch.setattr(memory_mod, "SEAL_INLINE_BYTES", 0)
     release, entered = threading.Event(), threading.Event()
-    original = MemorySnapshot._seal
+    original = MemorySnapshot.seal
 
     def held_seal(self, job):
         entered.set()
         assert release.wait(30), "seal never released"
         original(self, job)
 
-    monkeypatch.setattr(MemorySnapshot, "_seal", held_seal)
+    monkeypatch.setattr(MemorySnapshot, "seal", held_seal)
     model, opt = trained()
     m = manager(memdir, tmp_path)
     m.attach(opt)
     expected = clone(state_of(model, opt, 1))
     m.save(1, lambda: state_of(model, opt, 1))
     assert m.memory is not None and entered.wait(10)
-    assert m.memory.sealed_step is None and MemorySnapshot(memdir, "run", 0).newest_valid() is None
+    assert m.memory.sealed_step is None and reader(memdir, tmp_path).newest_valid() is None
     m.fence()  # nothing left to copy: the optimizer may step while the seal runs
     step(model, opt)
     release.set()
     m.memory.wait_idle()
     assert m.memory.sealed_step == 1
     m.close()
-    got_step, got = snapshot(memdir)
+    got_step, got = snapshot(memdir, tmp_path)
     assert (
         got_step == 1
         and same(got["model"], expected["model"])
@@ -372,13 +382,13 @@ def test_the_smallest_cpu_states_are_sealed_inside_save(memdir, tmp_path, monkey
     monkeypatch.setattr(memory_mod, "INLINE_BYTES", 4 << 20)
     monkeypatch.setattr(memory_mod, "SEAL_INLINE_BYTES", 2 << 20)
     threads = []
-    original = MemorySnapshot._seal
+    original = MemorySnapshot.seal
 
     def seal(self, job, **kw):
         threads.append(threading.current_thread())
         original(self, job, **kw)
 
-    monkeypatch.setattr(MemorySnapshot, "_seal", seal)
+    monkeypatch.setattr(MemorySnapshot, "seal", seal)
     model, opt = trained()
     m = manager(memdir, tmp_path)
     m.attach(opt)
@@ -386,19 +396,19 @@ def test_the_smallest_cpu_states_are_sealed_inside_save(memdir, tmp_path, monkey
         expected = clone(state_of(model, opt, n))
         m.save(n, lambda n=n: state_of(model, opt, n))
         assert m.memory is not None and m.memory.sealed_step == n  # sealed before save returned
-        got_step, got = snapshot(memdir)
+        got_step, got = snapshot(memdir, tmp_path)
         assert got_step == n and same(got["model"], expected["model"])
         assert same(got["optimizer"], expected["optimizer"])
         step(model, opt)
     assert threads == [threading.main_thread()] * 2
-    assert m.memory._worker is None  # no copier was ever started
+    assert m.memory.copier.thread is None  # no copier was ever started
     # Flip one data byte of the newest slot: it fails its checksum, the one before is restored.
-    reader = MemorySnapshot(memdir, "run", 0)
-    held = reader.newest_valid()
+    torn = reader(memdir, tmp_path)
+    held = torn.newest_valid()
     assert held is not None and held.step == 2
-    data = reader.data(held.slot, held.nbytes)
+    data = torn.data(held.slot, held.nbytes)
     data[held.nbytes // 2] ^= 0xFF
-    again = MemorySnapshot(memdir, "run", 0).newest_valid()
+    again = reader(memdir, tmp_path).newest_valid()
     assert again is not None and again.step == 1
     m.close()
 
@@ -411,7 +421,7 @@ _SEAL_CRASHER = textwrap.dedent(
     from elastic_train.checkpoint.memory import MemorySnapshot
 
     memdir, url = sys.argv[1], sys.argv[2]
-    original = MemorySnapshot._seal
+    original = MemorySnapshot.seal
 
     def stalled(self, job, **kw):  # every byte of step 2 is copied; the test kills us before its seal
         if job.step == 2:
@@ -420,7 +430,7 @@ _SEAL_CRASHER = textwrap.dedent(
             time.sleep(60)
         original(self, job, **kw)
 
-    MemorySnapshot._seal = stalled
+    MemorySnapshot.seal = stalled
     params = [torch.full((1000,), float(i)) for i in range(8)]
     cfg = CheckpointConfig(url=url, every_steps=0, memory_every_steps=1, memory_dir=memdir)
     m = CheckpointManager(cfg, "run", rank=0, world_size=1, local_rank=0)
@@ -437,11 +447,11 @@ def test_kill_after_the_copy_before_the_seal_leaves_the_previous_step_valid(
     memdir, tmp_path, reaper, monkeypatch
 ):
     """A slot whose bytes are all copied but whose checksums are not yet written is never restored."""
-    monkeypatch.setenv(memory_mod.ENV_SHM_OWNER, str(os.getpid()))
+    monkeypatch.setenv(ENV_SHM_OWNER, str(os.getpid()))
     proc = reaper.popen(
         [sys.executable, "-c", _SEAL_CRASHER, memdir, str(tmp_path / "c")],
         stdout=subprocess.PIPE,
-        env={**os.environ, memory_mod.ENV_SHM_OWNER: str(os.getpid())},
+        env={**os.environ, ENV_SHM_OWNER: str(os.getpid())},
     )
     assert proc.stdout is not None
     for line in proc.stdout:
@@ -451,7 +461,7 @@ def test_kill_after_the_copy_before_the_seal_leaves_the_previous_step_valid(
         pytest.fail(f"the snapshot process ended (exit {proc.wait()}) before its copy")
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait(10)
-    got_step, got = snapshot(memdir)
+    got_step, got = snapshot(memdir, tmp_path)
     assert got_step == 1
     assert all(torch.equal(t, torch.full((1000,), float(i))) for i, t in enumerate(got["params"]))
 

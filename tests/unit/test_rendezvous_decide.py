@@ -8,10 +8,8 @@ from elastic_train.rendezvous.decide import (
     ALL_JOINED_SETTLE,
     Joiner,
     assign_ranks,
-    budget_left,
     count_waiting,
     decide_close,
-    is_failure_transition,
     ranks_before,
 )
 
@@ -97,30 +95,6 @@ def test_ranks_before_agrees_with_the_order_assign_ranks_gives():
         for y in order:
             if x != y:
                 assert ranks_before(rank, by_id[x], by_id[y]) == (order.index(x) < order.index(y))
-
-
-def test_failure_counts_for_failed_or_lost_reasons_and_dead_members():
-    assert is_failure_transition(
-        ["a", "b"], ["a", "b"], [j("a", reason="failure"), j("b", reason="scale")], ["a", "b"]
-    )
-    assert is_failure_transition(
-        ["a", "b", "c"], ["a", "b"], [j("a", reason="lost"), j("b", reason="lost")], ["a", "b"]
-    )
-    # c vanished although nobody reported it: still a failure
-    assert is_failure_transition(
-        ["a", "b", "c"], ["a", "b"], [j("a", reason="scale"), j("b", reason="scale")], ["a", "b"]
-    )
-
-
-def test_scale_up_is_not_a_failure():
-    joiners = [j("a", reason="scale"), j("b", reason="scale"), j("d", reason="start", rev=7)]
-    assert not is_failure_transition(["a", "b"], ["a", "b", "d"], joiners, ["a", "b", "d"])
-    assert not is_failure_transition([], ["a", "b"], [j("a"), j("b")], ["a", "b"])
-
-
-def test_budget_left_never_negative():
-    assert budget_left(2, 3) == 1
-    assert budget_left(5, 3) == 0
 
 
 def waiting(**kw):

@@ -12,7 +12,7 @@ import torch
 from elastic_train.checkpoint import transfer
 from elastic_train.checkpoint.codec import Flat, flatten, tensor_at
 from elastic_train.checkpoint.errors import CheckpointError
-from elastic_train.checkpoint.memory import DataCheck, checksum
+from elastic_train.checkpoint.slots import DataCheck, checksum
 
 
 def many_loose() -> dict:
@@ -28,7 +28,7 @@ def many_loose() -> dict:
 
 
 class BufReader:
-    """A slot in memory, read like :class:`~elastic_train.checkpoint.memory.SlotReader`; optionally slow
+    """A slot in memory, read like :class:`~elastic_train.checkpoint.slots.SlotReader`; optionally slow
     (so that the sending side is ahead) or failing at byte ``fail_at``."""
 
     def __init__(self, buf: torch.Tensor, fail_at: int | None = None) -> None:
@@ -59,7 +59,7 @@ def test_every_byte_lands_in_place_and_is_hashed_in_order(monkeypatch, window: i
     monkeypatch.setattr(transfer, "AHEAD", ahead)
     monkeypatch.setattr(transfer, "BUCKET", 64 << 10)  # loose chunks of several pieces, big tensors cut up
     flat, buf = slot_of(many_loose())
-    chunks = transfer.plan(flat.specs, flat.nbytes)
+    chunks = transfer.chunks_of(flat.specs, flat.nbytes)
     loose = [c for c in chunks if not c[2]]
     assert len(loose) > 2 * (window + ahead + 2), "the bounce buffers are reused"
     pairs = zip(flat.specs, flat.tensors, strict=True)
@@ -83,7 +83,7 @@ def test_a_torn_byte_fails_the_check_that_the_reader_thread_kept() -> None:
     buf[flat.nbytes // 3] ^= 1
     check = DataCheck(expected, flat.nbytes)
     landing = transfer.Landing(flat.specs)
-    transfer.land_own(BufReader(buf), transfer.plan(flat.specs, flat.nbytes), landing, check)
+    transfer.land_own(BufReader(buf), transfer.chunks_of(flat.specs, flat.nbytes), landing, check)
     assert not check.ok()
 
 
@@ -92,7 +92,9 @@ def test_a_read_that_fails_ends_the_restore_with_its_error_and_no_thread_left() 
     check = DataCheck(checksum(memoryview(buf.numpy().data)), flat.nbytes)
     reader = BufReader(buf, fail_at=flat.nbytes // 2)
     with pytest.raises(CheckpointError, match="ended while a restore read it"):
-        transfer.land_own(reader, transfer.plan(flat.specs, flat.nbytes), transfer.Landing(flat.specs), check)
+        transfer.land_own(
+            reader, transfer.chunks_of(flat.specs, flat.nbytes), transfer.Landing(flat.specs), check
+        )
     assert not check.ok()
     assert not readers_alive()
 
@@ -109,7 +111,7 @@ def test_a_failure_on_the_sending_side_stops_the_reader(monkeypatch) -> None:
 
     monkeypatch.setattr(landing, "land", broken)
     reader = BufReader(buf)
-    chunks = transfer.plan(flat.specs, flat.nbytes)
+    chunks = transfer.chunks_of(flat.specs, flat.nbytes)
     with pytest.raises(RuntimeError, match="landing failed"):
         transfer.land_own(reader, chunks, landing, None)
     assert not readers_alive()

@@ -11,7 +11,8 @@ import torch
 
 from elastic_train.checkpoint import CheckpointConfig, CheckpointManager, transfer
 from elastic_train.checkpoint.codec import flatten, tensor_at
-from elastic_train.checkpoint.memory import DataCheck, MemorySnapshot, checksum
+from elastic_train.checkpoint.memory import MemorySnapshot
+from elastic_train.checkpoint.slots import DataCheck, checksum
 
 
 def big_state(step: int) -> dict:
@@ -31,7 +32,7 @@ def big_state(step: int) -> dict:
 
 def test_the_plan_covers_every_byte_in_order_and_direct_chunks_lie_inside_one_tensor() -> None:
     flat = flatten(big_state(1))
-    chunks = transfer.plan(flat.specs, flat.nbytes)
+    chunks = transfer.chunks_of(flat.specs, flat.nbytes)
     assert chunks[0][0] == 0 and chunks[-1][1] == flat.nbytes
     assert all(a[1] == b[0] for a, b in itertools.pairwise(chunks))
     assert all(0 < e - s <= (transfer.DIRECT_BUCKET if d else transfer.BUCKET) for s, e, d in chunks)
@@ -54,9 +55,9 @@ def test_the_plan_covers_every_byte_in_order_and_direct_chunks_lie_inside_one_te
     assert not check.ok(), "a check that did not see every byte is no verdict"
 
 
-def _tear_newest(memdir: str, run: str, at: float) -> int:
+def _tear_newest(memdir: str, run: str, at: float, scope: str) -> int:
     """Flip one byte of the newest slot's data at fraction ``at`` of it (no header or seal changes)."""
-    snap = MemorySnapshot(memdir, run, 0)
+    snap = MemorySnapshot(memdir, run, 0, scope)
     held = snap.newest_valid()
     assert held is not None
     data = snap.data(held.slot, held.nbytes)
@@ -75,7 +76,7 @@ def test_a_torn_byte_anywhere_in_the_newest_slot_restores_the_step_before(memdir
     for step in (1, 2, 3):
         saver.save(step, big_state(step))
     saver.close()
-    assert _tear_newest(memdir, "run", at) == 3
+    assert _tear_newest(memdir, "run", at, saver.run_path) == 3
     live = torch.zeros_like(big_state(2)["model"]["w"])
     m = CheckpointManager(cfg, "run", rank=0, world_size=1, local_rank=0)
     restored = m.restore(into=lambda specs: [live if s.path == "/model/w" else None for s in specs])
@@ -85,7 +86,7 @@ def test_a_torn_byte_anywhere_in_the_newest_slot_restores_the_step_before(memdir
     for k, v in want.items():
         assert torch.equal(restored.state["model"][k], v), k
     # The torn slot is marked: no later reader takes it, and the next save rewrites it first.
-    again = MemorySnapshot(memdir, "run", 0).newest_valid(verify_data=False)
+    again = MemorySnapshot(memdir, "run", 0, m.run_path).newest_valid(verify_data=False)
     assert again is not None and again.step == 2
     m.close(release_memory=True)
 
@@ -102,7 +103,7 @@ def test_a_torn_only_snapshot_falls_back_to_the_durable_checkpoint(memdir, tmp_p
     saver = CheckpointManager(cfg, "run", rank=0, world_size=1, local_rank=0)
     saver.save(4, big_state(4))
     saver.close()
-    assert _tear_newest(memdir, "run", 0.7) == 4
+    assert _tear_newest(memdir, "run", 0.7, saver.run_path) == 4
     m = CheckpointManager(cfg, "run", rank=0, world_size=1, local_rank=0)
     restored = m.restore()
     assert restored is not None and (restored.step, restored.source) == (1, "durable")
@@ -115,23 +116,23 @@ def test_a_torn_only_snapshot_and_nothing_else_is_nothing_to_restore(memdir, tmp
     saver = CheckpointManager(cfg, "run", rank=0, world_size=1, local_rank=0)
     saver.save(4, big_state(4))
     saver.close()
-    _tear_newest(memdir, "run", 0.3)
+    _tear_newest(memdir, "run", 0.3, saver.run_path)
     m = CheckpointManager(cfg, "run", rank=0, world_size=1, local_rank=0)
     assert m.restore() is None
     m.close(release_memory=True)
 
 
 def test_a_restore_that_looks_again_records_its_final_base_under_the_same_round(memdir, tmp_path) -> None:
-    from elastic_train.agentlink import AgentLink
     from elastic_train.checkpoint import durable
     from elastic_train.checkpoint.storage import open_storage
+    from elastic_train.node.gate import Link as AgentLink
 
     cfg = CheckpointConfig(url=str(tmp_path / "c"), memory_dir=memdir, every_steps=0)
     saver = CheckpointManager(cfg, "run", rank=0, world_size=1, local_rank=0)
     for step in (1, 2, 3):
         saver.save(step, big_state(step))
     saver.close()
-    _tear_newest(memdir, "run", 0.5)
+    _tear_newest(memdir, "run", 0.5, saver.run_path)
     m = CheckpointManager(cfg, "run", rank=0, world_size=1, local_rank=0, link=AgentLink(None, 4))
     restored = m.restore()
     assert restored is not None and restored.step == 2
@@ -146,10 +147,10 @@ def test_the_lineage_record_is_written_by_the_time_a_restore_returns_and_a_faile
 ) -> None:
     import threading
 
-    from elastic_train.agentlink import AgentLink
     from elastic_train.checkpoint import durable
     from elastic_train.checkpoint.errors import StorageError
     from elastic_train.checkpoint.storage import LocalStorage, open_storage
+    from elastic_train.node.gate import Link as AgentLink
 
     cfg = CheckpointConfig(url=str(tmp_path / "c"), memory_dir=memdir, every_steps=0)
     saver = CheckpointManager(cfg, "run", rank=0, world_size=1, local_rank=0)

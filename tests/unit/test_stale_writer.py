@@ -17,10 +17,11 @@ from typing import Any
 import pytest
 import torch
 
-from elastic_train.agentlink import CURRENT, STALE, UNKNOWN, AgentLink
 from elastic_train.checkpoint import CheckpointConfig, CheckpointManager, WriteFailed, durable
 from elastic_train.checkpoint.policy import off_line, step_dir
 from elastic_train.checkpoint.storage import open_storage
+from elastic_train.node.gate import CURRENT, STALE, UNKNOWN
+from elastic_train.node.gate import Link as AgentLink
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -45,3 +45,40 @@ def test_slow_nodes_and_unreadable_keys_are_shown_while_the_run_lives() -> None:
     assert "  n1: flagged at step 120 (score 2.04, policy report)" in lines
     assert "unreadable keys: straggler/n9" in lines
     assert "slow nodes:" not in render(status("finished", (False, False), stragglers=slow))
+
+
+def test_the_budget_line_counts_the_window_and_the_leaves_apart() -> None:
+    st = status("running", (True,), failures_used=7, failure_window=3600.0, failures_in_window=2, leaves=5)
+    assert render(st)[1] == (
+        "failures: 2 in the last 1h of a budget of 10 (8 left), 7 in all; clean leaves: 5 (not counted)"
+    )
+    assert st.to_json()["failures_left"] == 8
+    whole_life = status("running", (True,), failures_used=3, failure_window=0.0, failures_in_window=3)
+    assert render(whole_life)[1] == (
+        "failures: 3 over the run's life of a budget of 10 (7 left); clean leaves: 0 (not counted)"
+    )
+
+
+def test_watch_refreshes_the_view_and_survives_an_etcd_error() -> None:
+    import io
+
+    from elastic_train.cli.status import watch
+    from elastic_train.etcd.errors import EtcdError
+
+    views = iter(
+        [status("running", (True,)), EtcdError("etcd 127.0.0.1:2379 unreachable"), status("finished", ())]
+    )
+
+    def read() -> JobStatus:
+        v = next(views)
+        if isinstance(v, Exception):
+            raise v
+        return v
+
+    out = io.StringIO()
+    assert watch(read, 0.01, out=out, times=3) == 0
+    text = out.getvalue()
+    assert text.count("--- ") == 3 and "\x1b[2J" not in text  # not a terminal: views follow each other
+    assert "run job-42: running, round 3, world size 1" in text
+    assert "elastic-train: error: etcd 127.0.0.1:2379 unreachable (retrying every 0.01 s)" in text
+    assert "run job-42: finished, round 3" in text

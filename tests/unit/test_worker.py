@@ -11,12 +11,17 @@ import pytest
 
 from elastic_train.config.options import collect_overrides
 from elastic_train.elastic import resolve_backend
-from elastic_train.envvars import ENV_ROUND
 from elastic_train.errors import ConfigError
+from elastic_train.node import Assignment
 from elastic_train.train.env import WorkerEnv
 from elastic_train.worker.main import build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def assigned(round_: int) -> Assignment:
+    """What an etcd3 agent tells its workers of their round."""
+    return Assignment(round=round_, node_rank=0, nodes=1, master_addr="127.0.0.1", master_port=29500)
 
 
 def test_env_from_torchrun_variables() -> None:
@@ -29,8 +34,8 @@ def test_env_from_torchrun_variables() -> None:
             "TORCHELASTIC_RUN_ID": "job-1",
             "MASTER_ADDR": "127.0.0.2",
             "MASTER_PORT": "29500",
-            ENV_ROUND: "9",
-        }
+        },
+        assigned(9),
     )
     assert (env.rank, env.world_size, env.local_rank, env.round, env.restart_count) == (2, 3, 0, 9, 4)
     assert (env.run_id, env.master_addr, env.master_port) == ("job-1", "127.0.0.2", 29500)
@@ -47,8 +52,7 @@ def test_group_generation_names_the_worker_group() -> None:
     assert single_node.agent_store and single_node.group_generation == "restart-3"
     assert WorkerEnv.from_environ({**base, "LOCAL_WORLD_SIZE": "1"}).group_generation is None
     assert (
-        WorkerEnv.from_environ({**base, "LOCAL_WORLD_SIZE": "1", ENV_ROUND: "7"}).group_generation
-        == "round-7"
+        WorkerEnv.from_environ({**base, "LOCAL_WORLD_SIZE": "1"}, assigned(7)).group_generation == "round-7"
     )
 
 

@@ -1,0 +1,264 @@
+"""ShardedCheckpointManager: both state tiers of a sharded (FSDP2) training state, behind the manager seam.
+
+The same seam as :class:`elastic_train.checkpoint.CheckpointManager` (``restore`` / ``save`` / ``finalize``
+/ ``close`` / ``last_committed``), which :class:`elastic_train.train.checkpointer.Checkpointer` picks when
+the model's parameters are DTensors:
+
+- ``save`` splits the state into this rank's local shards and the shard map (:mod:`.local`) and copies them
+  into its shared-memory snapshot every step (:mod:`.slots`; with ``shard_replicas: 1`` also into the memory
+  of the next node); every ``every_steps`` the writer thread writes a DCP directory from the sealed slot,
+  then the manifest beside it (:mod:`.manifest`), published through the same gate, lineage and retention as
+  a replicated checkpoint.
+- ``restore`` (collective) gathers which steps every rank holds, decides (:func:`.reshard.choose`), plans
+  FSDP2's ownership for the new world size (:func:`.reshard.plan`) and moves only the rows each rank lacks,
+  point to point (:mod:`.move`); rows nobody alive holds come from the durable checkpoint of that step, or
+  the whole state from the newest durable one. The state comes back with DTensors on the new mesh, for
+  ``TrainState.load_state_dict``.
+
+Concurrency as in the replicated manager: the writer's collectives run on a gloo group of its own (``io``),
+the restore's on another (``ctl``), and replicas travel on a third (``rep``).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from elastic_train.checkpoint.agent import Agent
+from elastic_train.checkpoint.codec import Flat, flatten
+from elastic_train.checkpoint.config import CheckpointConfig
+from elastic_train.checkpoint.errors import CheckpointError
+from elastic_train.checkpoint.policy import durable_due
+from elastic_train.checkpoint.sharded.layout import mesh_at as _mesh_at
+from elastic_train.checkpoint.sharded.local import split
+from elastic_train.checkpoint.sharded.restore import Restoring
+from elastic_train.checkpoint.sharded.slots import INFO, ShardedMemory
+from elastic_train.checkpoint.sharded.writer import DurableWriting, _Job
+from elastic_train.checkpoint.storage import open_storage
+from elastic_train.checkpoint.writer import Committed
+from elastic_train.log import get_logger
+from elastic_train.node.gate import Link
+
+log = get_logger(__name__)
+
+
+class ShardedCheckpointManager(DurableWriting, Restoring):
+    """Both checkpoint tiers of one rank of a sharded (FSDP2) job.
+
+    Args:
+        cfg: the ``checkpoint:`` section of the job.
+        run_id: durable checkpoints go to ``cfg.url/run_id``.
+        rank: global rank.
+        world_size: ranks in the group.
+        local_rank: rank on this node (names the snapshot files).
+        local_world_size: ranks per node (a replica goes to the rank that many ranks on: another node).
+        round: the group's rendezvous round (identifies the world that saved a slot).
+        model: the sharded model (its parameters' mesh; names of the optimizer's parameters in DCP keys).
+        optimizer: its optimizer, or None.
+        current_state: the state as built (``TrainState.state_dict``): what a checkpoint written by other
+            code, which holds only model and optimizer tensors, leaves as it is.
+        group: the process group of all ranks (None: a world of one).
+        link: the worker's link to its agent (default: from the environment).
+
+    Raises:
+        StorageError: the URL's filesystem cannot be opened.
+    """
+
+    planned_snapshots = False
+
+    def __init__(
+        self,
+        cfg: CheckpointConfig,
+        run_id: str,
+        *,
+        rank: int,
+        world_size: int,
+        local_rank: int,
+        local_world_size: int = 1,
+        round: int = 0,
+        model: torch.nn.Module,
+        optimizer: Any = None,
+        current_state: Callable[[], Mapping[str, Any]] | None = None,
+        group: Any = None,
+        link: Link | None = None,
+    ) -> None:
+        self.cfg, self.run_id = cfg, run_id
+        self.rank, self.world_size, self.local_rank, self.round = rank, world_size, local_rank, round
+        self.model, self.optimizer, self.current_state = model, optimizer, current_state
+        self._mesh = _mesh_at(model, rank, world_size)
+        self._cpu_mesh = None
+        self.agent = Agent(link)
+        self.stamp: int | None = self.agent.round
+        self.base = 0
+        self.storage = open_storage(cfg.url, cfg.storage_options, direct_io=cfg.direct_io)
+        self.run_path = self.storage.join(self.storage.root, run_id)
+        self._ctl = self._io = self._rep = None
+        self.replicas = cfg.shard_replicas if world_size > 1 else 0
+        if group is not None and world_size > 1:
+            ranks = dist.get_process_group_ranks(group)
+            self._ctl = dist.new_group(ranks=ranks, backend="gloo")
+            self._io = dist.new_group(ranks=ranks, backend="gloo")
+            if self.replicas:
+                self._rep = dist.new_group(ranks=ranks, backend="gloo")
+        step_ranks = max(1, min(local_world_size, world_size - 1)) if world_size > 1 else 0
+        self.buddy = (rank + step_ranks) % world_size if world_size > 1 else rank
+        self.source = (rank - step_ranks) % world_size if world_size > 1 else rank
+        if self.replicas and local_world_size >= world_size:
+            log.warning(
+                "shard_replica_same_node",
+                reason="every rank is on this node: a replica survives a worker's death, not the node's",
+            )
+        self.memory: ShardedMemory | None = None
+        if cfg.memory:
+            import os
+
+            from elastic_train.checkpoint.shmfiles import sweep_stale
+
+            if os.path.isdir(cfg.memory_dir):
+                for path in sweep_stale(cfg.memory_dir):
+                    log.info("memory_snapshot_swept", path=path)
+                self.memory = ShardedMemory(cfg.memory_dir, run_id, local_rank, self.replicas, self.run_path)
+            else:
+                log.warning("memory_tier_disabled", reason=f"{cfg.memory_dir} does not exist")
+        self.last_committed: Committed | None = None
+        #: What the last restore moved: kept, received, sent, from storage, minimum (bytes, this rank).
+        self.last_moved: dict[str, Any] = {}
+        self._staging: torch.Tensor | None = None
+        self._last_durable_time = time.monotonic()
+        self._last_durable_step: int | None = None
+        self._durable_ok_step: int | None = None
+        self._failure: CheckpointError | None = None
+        self._cond = threading.Condition()
+        self._job: _Job | None = None
+        self._busy = self._stop = self._closed = False
+        self._writer: threading.Thread | None = None
+        self._fqns: tuple[Any, list[str]] | None = None
+        self._lineage: tuple[threading.Thread, list[BaseException]] | None = None
+        #: The next snapshot is the first after a restore (its slots are allocated anew for this world).
+        self._relayout = False
+
+    def save(self, step: int, state: Mapping[str, Any] | Callable[[], Mapping[str, Any]]) -> None:
+        """After every optimizer step, on every rank: memory tier (and replica) and, when due, a durable
+        checkpoint (DCP) written in the background.
+
+        Raises:
+            WriteFailed: an earlier durable write failed (after its retries).
+            CheckpointError: the state cannot be kept (an unsupported sharding, say).
+        """
+        self._check_open()
+        self._raise_pending()
+        mem_due = self.memory is not None and step % self.cfg.memory_every_steps == 0
+        dur_due = self._durable_due(step)
+        if mem_due or dur_due:
+            self._save(step, state, dur_due, exchange=True)
+
+    def save_before_leaving(
+        self, step: int, state: Mapping[str, Any] | Callable[[], Mapping[str, Any]]
+    ) -> bool:
+        """This rank leaves its group after ``step`` (it re-forms in-process): keep the step's own slot (no
+        replica: that is collective, and the others may have left). None is taken when a durable checkpoint
+        may be due: the next group redoes the step and writes it."""
+        self._check_open()
+        if self.memory is None or step % self.cfg.memory_every_steps != 0 or self._due_here(step):
+            return False
+        self._save(step, state, False, exchange=False)
+        return True
+
+    def _flat(self, state: Mapping[str, Any] | Callable[[], Mapping[str, Any]]) -> Flat:
+        got = state() if callable(state) else state
+        local, smap = split(got, rank=self.rank, world_size=self.world_size)
+        info = {"round": self.round, "world_size": self.world_size, "rank": self.rank, "map": smap.to_json()}
+        return flatten({INFO: info, "state": local})
+
+    def _save(self, step: int, state: Any, dur_due: bool, *, exchange: bool) -> None:
+        if self._relayout:  # the first snapshot at a new world size allocates its slots: seconds at 1 GB
+            self._relayout = False
+            with self._beating():
+                self._save(step, state, dur_due, exchange=exchange)
+            return
+        flat = self._flat(state)
+        slot = None
+        if self.memory is not None:
+            slot = self.memory.save(step, flat)
+            if exchange and self.replicas and self._rep is not None:
+                self.memory.exchange(
+                    step, slot, flat, buddy=self._global(self.buddy), source=self._global(self.source),
+                    group=self._rep,
+                )  # fmt: skip
+        if dur_due:
+            if self.memory is not None:
+                self.memory.wait_idle()  # sealed: the writer reads what the slot holds
+                self.memory.raise_error()
+            self._submit(step, flat, slot)
+
+    def _due_here(self, step: int) -> bool:
+        since = time.monotonic() - self._last_durable_time
+        return durable_due(
+            step, every_steps=self.cfg.every_steps, every_seconds=self.cfg.every_seconds, since_last=since
+        )
+
+    def _durable_due(self, step: int) -> bool:
+        due = self._due_here(step)
+        if self.cfg.every_seconds and self.coordinated:
+            flag = torch.tensor([int(due)])
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._ctl)
+            due = bool(flag.item())
+        return due and step != self._last_durable_step
+
+    # -- the end --------------------------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CheckpointError("checkpoint manager is closed")
+
+    def finalize(self, step: int, state: Mapping[str, Any]) -> Committed | None:
+        """The final durable checkpoint (collective, retried), then the shared memory is released.
+
+        Raises:
+            WriteFailed: it could not be written.
+        """
+        self._check_open()
+        try:
+            if self.memory is not None:
+                self.memory.wait_idle()
+            self.wait()
+            self._raise_pending()
+            if step != self._durable_ok_step:
+                self._submit(step, self._flat(state), None, final=True)
+            self.wait()
+            self._raise_pending()
+        finally:
+            self._shutdown(release_memory=True)
+        return self.last_committed if self.rank == 0 else None
+
+    def close(self, *, release_memory: bool = False, timeout: float = 10.0) -> None:
+        """Stop the writer without a new checkpoint (error paths); the snapshots stay unless
+        ``release_memory``."""
+        if not self._closed:
+            self._shutdown(release_memory=release_memory, timeout=timeout)
+
+    def _shutdown(self, *, release_memory: bool, timeout: float | None = None) -> None:
+        self._closed = True
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        if self._writer is not None:
+            self._writer.join(timeout)
+        done = self._writer is None or not self._writer.is_alive()
+        if self.memory is not None:
+            if release_memory:
+                self.memory.release()
+            else:
+                self.memory.detach()
+        if done:
+            for g in (self._ctl, self._io, self._rep):
+                if g is not None:
+                    try:
+                        dist.destroy_process_group(g)
+                    except Exception as exc:
+                        log.debug("checkpoint_group_destroy_failed", error=str(exc))
+            self._ctl = self._io = self._rep = None

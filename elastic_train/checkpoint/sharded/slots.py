@@ -1,0 +1,243 @@
+"""The sharded memory tier: each rank's local shards (and, with ``shard_replicas: 1``, a copy of another
+node's) in shared memory after every step, with the memory tier's torn-slot guarantees.
+
+Each rank keeps its own part of the state — local shards, shard map, data position, RNG, scheduler — in a
+:class:`~elastic_train.checkpoint.memory.MemorySnapshot` (three slots, sealed with checksums after every byte
+is copied, so a crash mid-copy leaves the previous step valid). The slot's skeleton says which world saved it
+(round, world size) and whose shards it holds (:data:`INFO`).
+
+With a replica, a rank also sends its freshly copied slot (the bytes and the metadata) to its *buddy*, the
+rank one node further on (``(rank + local ranks) mod W``), and keeps the slot it receives from the rank one
+node back in a second snapshot file: each shard is then in the memory of two nodes, and any single node may
+die without a byte of the state going with it. That costs a second set of three slots in shared memory and
+sending the rank's part of the state (the state size / W) over the network after every step.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from elastic_train.checkpoint.codec import ALIGN, Flat, TensorSpec, tensor_at
+from elastic_train.checkpoint.memory import MemorySnapshot
+from elastic_train.checkpoint.sharded.shardmap import ShardMap
+from elastic_train.checkpoint.slots import DataCheck, Held
+from elastic_train.log import get_logger
+
+log = get_logger(__name__)
+
+#: The key of a slot's skeleton that says what the slot holds: ``{"round", "world_size", "rank", "map"}``.
+INFO = "sharded"
+#: What the replica snapshot file of a run is named after (``<run id><suffix>``).
+REPLICA_SUFFIX = "-shard-replica"
+#: Bytes read from a slot (and hashed) per read while a restore takes its data.
+READ_CHUNK = 64 << 20
+_HEADER_TAG = 1 << 27
+
+
+@dataclass(frozen=True, slots=True)
+class Slot:
+    """A valid slot of this rank's snapshots: whose shards it holds, of which world, at which step."""
+
+    kind: str
+    """``own`` or ``replica``."""
+    held: Held
+    round: int
+    world_size: int
+    rank: int
+    """The rank (in the world that saved it) whose state the slot holds."""
+    smap: ShardMap
+
+    @property
+    def step(self) -> int:
+        return self.held.step
+
+
+def slot_info(held: Held, kind: str) -> Slot | None:
+    """What a valid slot holds, or None (logged) when its ``sharded`` record does not describe its tensors."""
+    info = held.skeleton.get(INFO) if isinstance(held.skeleton, dict) else None
+    try:
+        if not isinstance(info, dict):
+            raise ValueError("no sharded record (a replicated state's slot)")
+        round_, world, rank = info.get("round"), info.get("world_size"), info.get("rank")
+        if not (type(round_) is int and type(world) is int and type(rank) is int and 0 <= rank < world):
+            raise ValueError(f"round {round_!r}, world size {world!r}, rank {rank!r}")
+        smap = ShardMap.from_json(info.get("map"))
+        if smap.world_size != world:
+            raise ValueError(f"a map of {smap.world_size} ranks in a world of {world}")
+        specs = {s.path: s for s in held.specs}
+        for path, t in smap.tensors.items():
+            spec = specs.get(f"/state{path}")
+            rows = t.ranges[rank][1]
+            if spec is None or spec.dtype != t.dtype or list(spec.shape) != [rows, *t.shape[1:]]:
+                raise ValueError(f"{path}: the slot's tensor is not rank {rank}'s shard of the map")
+    except ValueError as exc:
+        log.warning("sharded_slot_invalid", slot=held.slot, step=held.step, kind=kind, reason=str(exc))
+        return None
+    return Slot(kind, held, round_, world, rank, smap)
+
+
+class ShardedMemory:
+    """This rank's snapshot files: its own part of the state, and the replica it keeps of its buddy's.
+
+    Args:
+        directory: the tmpfs (``checkpoint.memory_dir``).
+        run_id: the run.
+        local_rank: this rank on its node.
+        replicas: 0 or 1 (``checkpoint.shard_replicas``).
+        scope: the run's durable location (see :mod:`elastic_train.checkpoint.shmfiles`).
+    """
+
+    def __init__(self, directory: str, run_id: str, local_rank: int, replicas: int, scope: str = "") -> None:
+        self.own = MemorySnapshot(directory, run_id, local_rank, scope)
+        self.replica = (
+            MemorySnapshot(directory, run_id + REPLICA_SUFFIX, local_rank, scope) if replicas else None
+        )
+        self._recv: torch.Tensor | None = None
+        self.sent_bytes = 0
+
+    def slots(self) -> list[Slot]:
+        """Every valid slot of both files, newest first per file."""
+        out = []
+        for kind, snap in (("own", self.own), ("replica", self.replica)):
+            if snap is None:
+                continue
+            for held in snap.valid_slots():
+                slot = slot_info(held, kind)
+                if slot is not None:
+                    out.append(slot)
+        return out
+
+    def save(self, step: int, flat: Flat) -> int:
+        """Copy this rank's part of the state into its own snapshot; returns the slot."""
+        return self.own.save(step, flat)
+
+    def exchange(self, step: int, slot: int, flat: Flat, *, buddy: int, source: int, group: Any) -> None:
+        """Send the slot just written to ``buddy`` and keep the one ``source`` sends in the replica file
+        (global ranks in ``group``). Collective in a ring: every rank calls it at the same step.
+
+        Raises:
+            RuntimeError: a peer failed (the group is broken).
+        """
+        assert self.replica is not None
+        meta = pickle.dumps((flat.skeleton, [s.to_json() for s in flat.specs]))
+        head = torch.tensor([len(meta), flat.nbytes], dtype=torch.int64)
+        theirs = torch.empty(2, dtype=torch.int64)
+        sends = [dist.isend(head, dst=buddy, group=group, tag=_HEADER_TAG)]
+        dist.recv(theirs, src=source, group=group, tag=_HEADER_TAG)
+        meta_len, nbytes = (int(x) for x in theirs.tolist())
+        their_meta = torch.empty(meta_len, dtype=torch.uint8)
+        if self._recv is None or self._recv.numel() < nbytes:
+            self._recv = None  # the old buffer goes first: at 1 GB a rank's part is hundreds of MB
+            self._recv = torch.empty(max(nbytes, ALIGN), dtype=torch.uint8)  # not zeroed: received into
+        data = self._recv[:nbytes]
+        sends.append(dist.isend(torch.frombuffer(bytearray(meta), dtype=torch.uint8), buddy, group, tag=1))
+        sends.append(dist.isend(self.own.data(slot, flat.nbytes), dst=buddy, group=group, tag=2))
+        dist.recv(their_meta, src=source, group=group, tag=1)
+        dist.recv(data, src=source, group=group, tag=2)
+        for work in sends:
+            if work is not None:
+                work.wait()
+        self.sent_bytes += flat.nbytes
+        skeleton, spec_json = pickle.loads(their_meta.numpy().tobytes())
+        specs = tuple(TensorSpec.from_json(s) for s in spec_json)
+        tensors = tuple(tensor_at(data, s) for s in specs)
+        self.replica.save(step, Flat(skeleton, specs, tensors, nbytes))
+
+    def land(
+        self,
+        slot: Slot,
+        runs: Mapping[str, Sequence[tuple[int, int, torch.Tensor | None]]],
+        *,
+        whole: bool,
+    ) -> tuple[dict[tuple[str, int], torch.Tensor], dict[str, torch.Tensor], bool]:
+        """Read a slot's data once, in order, each byte hashed as it is read, straight to where it is used.
+
+        Args:
+            slot: the slot.
+            runs: per sharded tensor (map path), the row runs wanted: ``(first row, rows, into)``; ``into`` a
+                contiguous tensor of those rows (a new shard's rows: kept in place), or None (rows to send:
+                read into a buffer of their own).
+            whole: also return the slot's other (replicated) tensors.
+
+        Returns:
+            The buffers of the runs to send, by (path, first row); the replicated tensors by spec path; and
+            whether the data's checksum matched (a slot that fails is marked torn: no reader takes it again).
+        """
+        snap = self.own if slot.kind == "own" else self.replica
+        assert snap is not None
+        held = slot.held
+        segments: list[tuple[int, int, torch.Tensor | None]] = []  # (slot offset, bytes, into)
+        staged: dict[tuple[str, int], torch.Tensor] = {}
+        small: dict[str, torch.Tensor] = {}
+        pos = 0
+        for spec in sorted(held.specs, key=lambda x: x.offset):
+            if spec.offset > pos:
+                segments.append((pos, spec.offset - pos, None))
+            path = spec.path.removeprefix("/state")
+            t = slot.smap.tensors.get(path)
+            if t is None:
+                into = torch.empty(spec.nbytes, dtype=torch.uint8) if whole and spec.nbytes else None
+                if into is not None:
+                    small[spec.path] = into
+                segments.append((spec.offset, spec.nbytes, into))
+            else:
+                row = t.row_bytes
+                at = 0
+                for first, rows, into in sorted(runs.get(path, ()), key=lambda r: r[0]):
+                    if first > at:
+                        segments.append((spec.offset + at * row, (first - at) * row, None))
+                    if into is None:
+                        into = staged[(path, first)] = torch.empty(rows * row, dtype=torch.uint8)
+                    else:
+                        into = into.reshape(-1).view(torch.uint8)
+                    segments.append((spec.offset + first * row, rows * row, into))
+                    at = first + rows
+                if spec.nbytes > at * row:
+                    segments.append((spec.offset + at * row, spec.nbytes - at * row, None))
+            pos = spec.offset + spec.nbytes
+        if held.nbytes > pos:
+            segments.append((pos, held.nbytes - pos, None))
+        check = DataCheck(held.data_sum, held.nbytes) if held.data_sum is not None else None
+        bounce = torch.empty(min(READ_CHUNK, held.nbytes) or 1, dtype=torch.uint8)
+        reader = snap.reader(held.slot)
+        try:
+            for offset, nbytes, into in segments:
+                for start in range(0, nbytes, READ_CHUNK):
+                    n = min(READ_CHUNK, nbytes - start)
+                    part = bounce[:n] if into is None else into[start : start + n]
+                    reader.read_into(offset + start, part)
+                    if check is not None:
+                        check.update(part)
+        finally:
+            reader.close()
+        ok = check is None or check.ok()
+        if not ok:
+            snap.invalidate(held.slot)
+        return staged, small, ok
+
+    def files(self) -> Iterator[MemorySnapshot]:
+        yield self.own
+        if self.replica is not None:
+            yield self.replica
+
+    def wait_idle(self) -> None:
+        for snap in self.files():
+            snap.wait_idle()
+
+    def raise_error(self) -> None:
+        for snap in self.files():
+            snap.raise_error()
+
+    def release(self) -> None:
+        for snap in self.files():
+            snap.release()
+
+    def detach(self) -> None:
+        for snap in self.files():
+            snap.detach()
