@@ -296,7 +296,9 @@ def run_local(tmp: Path, run_id: str, faults: list[Fault], steps: int = 60) -> t
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["kill-etcd-leader", "etcd-quorum-loss"])
+@pytest.mark.parametrize(
+    "kind", ["kill-etcd-leader", pytest.param("etcd-quorum-loss", marks=pytest.mark.long)]
+)
 def test_training_goes_on_through_etcd_leader_or_quorum_loss(
     tmp_path: Path, kind: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -253,6 +253,7 @@ def test_a_yaml_alias_bomb_is_refused_within_a_second(tmp_path: Path) -> None:
     assert "aliases expand to more than 100000 values" in one_line(proc.stderr)
 
 
+@pytest.mark.long
 def test_after_all_members_are_gone_a_new_node_range_takes_the_run_over(
     runs: Runs, etcd: Etcd, tmp_path: Path
 ) -> None:
