@@ -15,7 +15,7 @@ DEMO_ARGS := --config examples/job.yaml --nodes 3 --kill-node 1@step=30 --add-no
 # the oldest and the newest torch pyproject claims, each in a venv of its own (.ci/compat).
 COMPAT_TORCH ?= 2.13.0 2.14.1
 
-.PHONY: setup test demo readme-demo lint bench chaos compat clean
+.PHONY: setup test test-long demo readme-demo lint bench chaos compat clean
 
 # The CPU torch wheel is installed first, pinned, so that resolving the project's torch range never pulls
 # a multi-GB CUDA build; the project is then installed with the torch already there pinned, since pip's
@@ -30,7 +30,11 @@ $(VENV)/.installed: pyproject.toml
 setup: $(VENV)/.installed
 
 test: setup
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal -m "not long" $(PYTEST_ARGS)
+
+# The longer fault scenarios (marker `long`): each beside one of its kind that make test runs. CI runs both.
+test-long: setup
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal -m long $(PYTEST_ARGS)
 
 demo: setup
 	$(VENV)/bin/elastic-train local $(DEMO_ARGS) --summary demo-summary.json

@@ -64,13 +64,13 @@ from elastic_train.integrations.hf_data import (
     MicroBatchSampler,
     default_global_batch,
     micro_weights,
-    rebuild,
     steps_per_epoch,
 )
 from elastic_train.log import get_logger
 from elastic_train.train.checkpointer import StepHook
 from elastic_train.train.errors import TrainingError
 from elastic_train.train.loop import step_seed
+from elastic_train.train.sampler import rebuild
 
 log = get_logger(__name__)
 

@@ -20,9 +20,7 @@ import math
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from torch.utils.data import DataLoader
-
-from elastic_train.train.sampler import ElasticBatchSampler, epoch_permutation, share_bounds
+from elastic_train.train.sampler import ElasticBatchSampler, share_bounds
 
 
 def accumulation(step_size: int, world_size: int, micro_batch: int) -> int:
@@ -127,49 +125,10 @@ class MicroBatchSampler(ElasticBatchSampler):
         return epoch_micro_batches(self.dataset_len, self.global_batch, self.world_size, self.micro_batch)
 
     def __iter__(self) -> Iterator[list[int]]:
-        world, rank = self.world_size, self.rank
-        generation, epoch, cursor, step = self._generation, self.epoch, self.cursor, self.step
-        audit = self._audit_writer(world, rank)
-        perm = epoch_permutation(self.seed, epoch, self.dataset_len)
-        while cursor < self.dataset_len:
-            if generation != self._generation:
-                from elastic_train.train.errors import TrainingError
-
-                raise TrainingError(
-                    "the sampler was restored while a DataLoader iterator over it was running: "
-                    "restore the state before iterating the DataLoader"
-                )
+        for perm, cursor, indices in self._shares():
             size = min(self.global_batch, self.dataset_len - cursor)
-            lo, hi = share_bounds(size, world, rank)
-            indices = perm[cursor + lo : cursor + hi].tolist()
-            step += 1
-            if audit is not None and step > self._audited:
-                audit.write(epoch=epoch, step=step, indices=indices)
-                self._audited = step
-            for chunk in split(indices, accumulation(size, world, self.micro_batch)):
+            for chunk in split(indices, accumulation(size, self.world_size, self.micro_batch)):
                 yield chunk or [int(perm[cursor])]
-            cursor += size
-
-
-def rebuild(loader: DataLoader[Any], batch_sampler: MicroBatchSampler) -> DataLoader[Any]:
-    """``loader`` (the Trainer's own: its collator, workers, pinning ...) drawing from ``batch_sampler``."""
-    workers = loader.num_workers
-    extra: dict[str, Any] = {"in_order": loader.in_order} if hasattr(loader, "in_order") else {}
-    return DataLoader(
-        loader.dataset,
-        batch_sampler=batch_sampler,
-        num_workers=workers,
-        collate_fn=loader.collate_fn,
-        pin_memory=loader.pin_memory,
-        timeout=loader.timeout,
-        worker_init_fn=loader.worker_init_fn,
-        multiprocessing_context=loader.multiprocessing_context,
-        generator=loader.generator,
-        prefetch_factor=loader.prefetch_factor if workers > 0 else None,
-        persistent_workers=loader.persistent_workers if workers > 0 else False,
-        pin_memory_device=loader.pin_memory_device,
-        **extra,
-    )
 
 
 def steps_per_epoch(dataset_len: int, global_batch: int) -> int:

@@ -43,6 +43,7 @@ from elastic_train.errors import NonRetryableError
 from elastic_train.log import get_logger
 from elastic_train.train.checkpointer import StepHook
 from elastic_train.train.errors import TrainingError
+from elastic_train.train.sampler import rebuild
 
 if TYPE_CHECKING:  # the classes are typed as pytorch_lightning's; at run time their base is bound later
     from lightning_fabric.plugins.environments import ClusterEnvironment as _EnvironmentBase
@@ -333,7 +334,7 @@ class ElasticStrategy(_PerNamespace, _StrategyBase):
             )
         global_batch = self.global_batch or batch_size * self._requested_nodes * self.num_processes
         self.sampler = _EpochSampler(dataloader.dataset, global_batch, seed=self.seed)
-        self._loader = _rebuild(dataloader, self.sampler)
+        self._loader = rebuild(dataloader, self.sampler)
         self._restore(trainer)
         return self._loader
 
@@ -444,22 +445,3 @@ def _import_what_fit_imports() -> None:
 
 
 _import_what_fit_imports()
-
-
-def _rebuild(loader: DataLoader[Any], sampler: et.ElasticBatchSampler) -> DataLoader[Any]:
-    """``loader`` with ``sampler`` drawing its batches; every other setting kept."""
-    workers = loader.num_workers
-    return DataLoader(
-        loader.dataset,
-        batch_sampler=sampler,
-        num_workers=workers,
-        collate_fn=loader.collate_fn,
-        pin_memory=loader.pin_memory,
-        timeout=loader.timeout,
-        worker_init_fn=loader.worker_init_fn,
-        multiprocessing_context=loader.multiprocessing_context,
-        generator=loader.generator,
-        prefetch_factor=loader.prefetch_factor if workers > 0 else None,
-        persistent_workers=loader.persistent_workers if workers > 0 else False,
-        pin_memory_device=loader.pin_memory_device,
-    )

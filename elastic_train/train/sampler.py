@@ -20,11 +20,12 @@ prefetches), while the cursor moves only when a step is committed (:meth:`Elasti
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.utils.data import DataLoader
 
 from elastic_train.envvars import ENV_AUDIT_DIR
 from elastic_train.train.batching import share_weight
@@ -235,6 +236,14 @@ class ElasticBatchSampler(ElasticSampler):
         return -(-(self.dataset_len - self.cursor) // self.global_batch)
 
     def __iter__(self) -> Iterator[list[int]]:
+        for perm, cursor, indices in self._shares():
+            if not indices and self.pad_empty:
+                indices = [int(perm[cursor])]
+            yield indices
+
+    def _shares(self) -> Iterator[tuple[torch.Tensor, int, list[int]]]:
+        """Each step left in the epoch as (the epoch's permutation, the step's cursor, this rank's share of
+        it), audited as it is yielded; refuses to go on once the state was restored under it."""
         world, rank = self.world_size, self.rank
         generation, epoch, cursor, step = self._generation, self.epoch, self.cursor, self.step
         audit = self._audit_writer(world, rank)
@@ -256,9 +265,7 @@ class ElasticBatchSampler(ElasticSampler):
                 # again by the next iterator: in the same group, with the same share; one line is enough.
                 audit.write(epoch=epoch, step=step, indices=indices)
                 self._audited = step
-            if not indices and self.pad_empty:
-                indices = [int(perm[cursor])]
-            yield indices
+            yield perm, cursor, indices
             cursor += size
 
     def _audit_writer(self, world: int, rank: int) -> Any:
@@ -300,3 +307,25 @@ def _default_world() -> tuple[int, int]:
 def _round() -> int:
     """This worker group's rendezvous round (audit lines of a redone step must sort after the first try)."""
     return worker_env().round
+
+
+def rebuild(loader: DataLoader[Any], batch_sampler: Iterable[list[int]]) -> DataLoader[Any]:
+    """``loader`` (a script's or a framework's own ``DataLoader``: its collator, workers, pinning ...) drawing
+    its batches from ``batch_sampler``, every other setting kept."""
+    workers = loader.num_workers
+    extra: dict[str, Any] = {"in_order": loader.in_order} if hasattr(loader, "in_order") else {}
+    return DataLoader(
+        loader.dataset,
+        batch_sampler=batch_sampler,
+        num_workers=workers,
+        collate_fn=loader.collate_fn,
+        pin_memory=loader.pin_memory,
+        timeout=loader.timeout,
+        worker_init_fn=loader.worker_init_fn,
+        multiprocessing_context=loader.multiprocessing_context,
+        generator=loader.generator,
+        prefetch_factor=loader.prefetch_factor if workers > 0 else None,
+        persistent_workers=loader.persistent_workers if workers > 0 else False,
+        pin_memory_device=loader.pin_memory_device,
+        **extra,
+    )

@@ -25,7 +25,7 @@ from elastic_train.rendezvous.fence import FENCE_GRACE, KILL_GRACE
 from tests.helpers import wait_world
 from tests.netns import Topology, environ_without_proxies, namespaces_refused
 
-pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.long, pytest.mark.timeout(300)]
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = str(ROOT / "tests" / "integration" / "rdzv_worker.py")

@@ -83,7 +83,9 @@ def test_rendezvous_through_a_slow_link(etcd_server: EmbeddedEtcd, delay_ms: int
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("delay_ms", [0, 50, 100, 250])
+@pytest.mark.parametrize(
+    "delay_ms", [0, pytest.param(50, marks=pytest.mark.long), pytest.param(100, marks=pytest.mark.long), 250]
+)
 def test_small_job_through_a_slow_link(
     etcd_server: EmbeddedEtcd, reaper: Any, tmp_path: Path, delay_ms: int
 ) -> None:
@@ -294,7 +296,9 @@ def run_local(tmp: Path, run_id: str, faults: list[Fault], steps: int = 60) -> t
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["kill-etcd-leader", "etcd-quorum-loss"])
+@pytest.mark.parametrize(
+    "kind", ["kill-etcd-leader", pytest.param("etcd-quorum-loss", marks=pytest.mark.long)]
+)
 def test_training_goes_on_through_etcd_leader_or_quorum_loss(
     tmp_path: Path, kind: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -139,6 +139,7 @@ def test_local_entry_kill_and_join(tmp_path: Path) -> None:
     assert {t.dtype for t in final.values()} == {torch.float32}
 
 
+@pytest.mark.long
 def test_plain_torchrun_agents_kill_join_and_a_worker_dying_in_the_reshard(
     tmp_path: Path, etcd_server: Any, reaper: Any, reference: dict[str, torch.Tensor]
 ) -> None:

@@ -85,6 +85,7 @@ def assert_verified(root: Path) -> None:
     assert verify.returncode == 0 and f"step-{STEPS:08d}" in verify.stdout, verify.stdout + verify.stderr
 
 
+@pytest.mark.long
 def test_plain_torchrun_agents_kill_and_join(
     tmp_path: Path, etcd_server: Any, reaper: Any, reference: Path
 ) -> None:
@@ -198,6 +199,7 @@ ElasticTrainer(model=Net().double(), args=args, train_dataset=Waves(70), eval_da
 """
 
 
+@pytest.mark.long
 def test_a_mean_loss_is_weighted_to_the_same_update_at_any_world_size(tmp_path: Path) -> None:
     """A model whose loss is the mean over its micro-batch (the Trainer divides it by the accumulation
     steps): global batch 10 at world 1 (micro-batches of 3, 3, 2, 2) and world 3 (shares of 4, 3, 3 in two

@@ -136,6 +136,7 @@ def test_kill_and_join_keep_the_survivors_processes(tmp_path: Path, etcd_server:
         assert rel < 1e-5, f"{key} differs by {rel:.2e} relative to the world-1 run"
 
 
+@pytest.mark.long
 def test_a_second_death_during_the_re_formation_converges(
     tmp_path: Path, etcd_server: Any, reaper: Any
 ) -> None:
@@ -194,6 +195,7 @@ def test_a_second_death_during_the_re_formation_converges(
     assert report.ok, report.problems
 
 
+@pytest.mark.long
 def test_hot_off_restarts_the_workers(tmp_path: Path, etcd_server: Any, reaper: Any) -> None:
     job = hot_job(tmp_path, etcd_server.endpoint, reaper, hot=False)
     for _ in range(3):
@@ -209,6 +211,7 @@ def test_hot_off_restarts_the_workers(tmp_path: Path, etcd_server: Any, reaper: 
         assert agent.wait(timeout=180) == 0, f"agent failed; logs in {tmp_path}"
 
 
+@pytest.mark.long
 def test_a_stopped_node_is_cut_out_in_process_and_rejoins(
     tmp_path: Path, etcd_server: Any, reaper: Any
 ) -> None:
@@ -239,6 +242,7 @@ def test_a_stopped_node_is_cut_out_in_process_and_rejoins(
     assert report.ok, report.problems
 
 
+@pytest.mark.long
 def test_a_kill_in_a_four_node_ring_keeps_every_survivor(
     tmp_path: Path, etcd_server: Any, reaper: Any
 ) -> None:

@@ -124,6 +124,7 @@ def test_local_entry_kill_and_join(tmp_path: Path) -> None:
     assert (tmp_path / "lightning_logs" / "checkpoints" / "last.ckpt").exists()
 
 
+@pytest.mark.long
 def test_plain_torchrun_agents_kill_and_join(
     tmp_path: Path, etcd_server: Any, reaper: Any, reference: dict[str, torch.Tensor]
 ) -> None:

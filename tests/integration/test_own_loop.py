@@ -113,6 +113,7 @@ def test_local_entry_kill_and_join(tmp_path: Path) -> None:
     assert len(logs) == 4 and len(ready) == 4 and all(r["torch_inherited"] for r in ready), ready
 
 
+@pytest.mark.long
 def test_plain_torchrun_agents_kill_join_then_every_node_lost(
     tmp_path: Path, etcd_server: Any, reaper: Any, reference: dict[str, torch.Tensor]
 ) -> None:

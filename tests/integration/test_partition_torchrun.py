@@ -98,6 +98,7 @@ def test_torchrun_node_cut_off_from_etcd_is_fenced_and_rejoins(etcd_server, reap
             proxy.stop()
 
 
+@pytest.mark.long
 def test_elastic_train_run_node_cut_off_from_etcd_is_fenced_and_rejoins(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     steps = 400

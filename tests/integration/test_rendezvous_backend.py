@@ -298,6 +298,7 @@ def test_bad_conf_under_torchrun_is_one_line(backend, conf, needle):
     assert lines[0].startswith("torchrun: error: ") and needle in lines[0]
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_finished_run_id_is_closed_until_its_state_expires(etcd_server, reaper, tmp_path):
     """torchrun --rdzv-backend=etcd3-dynamic: a job finishes; its run id is closed (as with torch's

@@ -90,6 +90,7 @@ def test_start_kill_join_and_etcd_restart(etcd_server, reaper, tmp_path):
     assert last["step"] >= step_before + 40 and last["round"] == grown["round"], "training did not continue"
 
 
+@pytest.mark.long
 def test_sigstop_is_cut_out_and_sigcont_rejoins(etcd_server, reaper, tmp_path):
     job = Job(etcd_server.endpoint, "tr-stop", tmp_path, reaper)
     for _ in range(3):

@@ -144,6 +144,7 @@ def psutil_create_time(pid: int) -> float:
         return float("inf")
 
 
+@pytest.mark.long
 def test_a_standby_joiner_of_a_run_that_finishes_first_exits_0_with_one_line(
     tmp_path: Path, etcd_server: Any, reaper: Any
 ) -> None:
@@ -167,6 +168,7 @@ def test_a_standby_joiner_of_a_run_that_finishes_first_exits_0_with_one_line(
     assert events_of(job, "done")[-1]["step"] == HOT_STEPS
 
 
+@pytest.mark.long
 def test_a_joiner_that_cannot_build_leaves_and_the_job_trains_on(
     tmp_path: Path, etcd_server: Any, reaper: Any
 ) -> None:
@@ -196,6 +198,7 @@ def test_a_joiner_that_cannot_build_leaves_and_the_job_trains_on(
     assert events_of(job, "done")[-1]["step"] == HOT_STEPS
 
 
+@pytest.mark.long
 def test_plain_torchrun_own_loop_joiner_builds_on_standby(
     tmp_path: Path,
     etcd_server: Any,

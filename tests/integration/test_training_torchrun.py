@@ -154,6 +154,7 @@ def test_events_of_a_fault_free_run(runs: dict[str, Path]) -> None:
     assert committed[-1] == STEPS and set(committed) <= {10, 20, STEPS}
 
 
+@pytest.mark.long
 def test_worker_crashes_at_fixed_world_size_are_bit_identical(
     runs: dict[str, Path], tmp_path: Path, reaper: Any
 ) -> None:

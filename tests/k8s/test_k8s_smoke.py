@@ -203,6 +203,7 @@ def _wait(predicate: Any, timeout: float, what: str, procs: dict[str, subprocess
         time.sleep(0.2)
 
 
+@pytest.mark.long
 def test_cpu_demo_manifest_trains_loses_a_pod_and_finishes(
     etcd_server: Any, reaper: Any, tmp_path: Path
 ) -> None:

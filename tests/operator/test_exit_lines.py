@@ -123,6 +123,7 @@ def test_plain_torchrun_started_for_a_finished_run_exits_0_then_2(
     assert "start a new run with another run id" in line, line
 
 
+@pytest.mark.long
 def test_a_node_cut_off_from_etcd_until_the_job_finished_exits_0_with_one_line(
     etcd_server: Any, etcd: Etcd, reaper: Any, tmp_path: Path
 ) -> None:

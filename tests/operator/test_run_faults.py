@@ -170,10 +170,15 @@ def verify(ckpt: Path, run_id: str) -> str:
 @pytest.mark.parametrize(
     ("other", "theirs", "ours"),
     [
-        ({"ckpt": "b"}, "checkpoint.url={a}", "checkpoint.url={b}"),
-        ({"nodes": "1:2"}, "rendezvous.max_nodes=1", "rendezvous.max_nodes=2"),
+        pytest.param({"ckpt": "b"}, "checkpoint.url={a}", "checkpoint.url={b}", id="other-checkpoint-url"),
+        pytest.param(
+            {"nodes": "1:2"},
+            "rendezvous.max_nodes=1",
+            "rendezvous.max_nodes=2",
+            id="other-node-range",
+            marks=pytest.mark.long,
+        ),
     ],
-    ids=["other-checkpoint-url", "other-node-range"],
 )
 def test_a_node_with_other_settings_waits_then_is_refused_and_the_job_never_notices(
     runs: Runs, etcd: Etcd, tmp_path: Path, other: dict[str, str], theirs: str, ours: str
@@ -248,6 +253,7 @@ def test_a_yaml_alias_bomb_is_refused_within_a_second(tmp_path: Path) -> None:
     assert "aliases expand to more than 100000 values" in one_line(proc.stderr)
 
 
+@pytest.mark.long
 def test_after_all_members_are_gone_a_new_node_range_takes_the_run_over(
     runs: Runs, etcd: Etcd, tmp_path: Path
 ) -> None:
