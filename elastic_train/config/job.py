@@ -19,7 +19,6 @@ from elastic_train.config.loader import MAX_CONFIG_BYTES, apply_overrides, from_
 from elastic_train.errors import ConfigError
 from elastic_train.log import LoggingConfig
 from elastic_train.rendezvous.config import RendezvousConfig
-from elastic_train.straggler.config import StragglerConfig
 from elastic_train.train.config import TrainConfig
 
 #: Environment variables that override single config keys (useful in Kubernetes manifests).
@@ -42,8 +41,6 @@ class JobConfig:
     """Durable and in-memory checkpoint tiers."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     """Log level and format."""
-    straggler: StragglerConfig = field(default_factory=StragglerConfig)
-    """Slow nodes: when a node counts as slow, and whether it is only reported or evicted."""
 
 
 def read_yaml(path: str) -> dict[str, Any]:

@@ -318,8 +318,9 @@ class LocalJob:
 
     def _slow_node(self, record: FaultRecord, node: Node) -> None:
         """Slow the node's workers by ``factor`` (SIGSTOP for ``1 - 1/factor`` of every :data:`SLOW_PERIOD`,
-        SIGCONT for the rest) for ``for`` seconds or until the job ends, on a thread of its own; the agent
-        is left alone (it keeps its lease: a slow node is not a lost one). Records ``factor``, ``for_s``,
+        SIGCONT for the rest; every process under the agent: workers, their stand-ins, the fork server) for
+        ``for`` seconds or until the job ends, on a thread of its own; the agent is left alone (it keeps
+        its lease: a slow node is not a lost one). Records ``factor``, ``for_s``,
         the workers' PIDs and, once it ends, ``stopped_s`` (the time they were held) and ``ended_s``."""
         factor = record.fault.option("factor") or 2.0
         span = record.fault.option("for")
@@ -338,7 +339,9 @@ class LocalJob:
                         continue
                     if time.monotonic() - scanned >= SLOW_RESCAN:
                         scanned = time.monotonic()
-                        workers = [p for p in tree(node.proc.pid)[1:] if _is_worker(p)]
+                        # every process under the agent: the stand-ins torchrun started pass signals on
+                        # to the workers the fork server forked, but a SIGSTOP cannot be passed on
+                        workers = tree(node.proc.pid)[1:]
                         pids |= {p.pid for p in workers}
                     stopped = time.monotonic()
                     _signal_all(workers, signal.SIGSTOP)
@@ -527,7 +530,7 @@ class LocalJob:
             f for f in self.records
             if f.fired_at is not None and f.detected_at is None and f.fired_round is not None
             and f.kind not in CLUSTER_KINDS  # they record their own end; etcd may not answer meanwhile
-            and f.kind not in COLLISION_KINDS and f.kind not in SILENT_KINDS
+            and f.kind not in COLLISION_KINDS
         ]  # fmt: skip
         now = time.monotonic()
         if not pending or now - self._last_status < STATUS_INTERVAL or self.etcd is None:
@@ -548,10 +551,24 @@ class LocalJob:
         seen = time.time()
         for f in pending:
             assert f.fired_round is not None
-            if status.round > f.fired_round or status.state in ("restarting", "failed"):
+            if f.kind in SILENT_KINDS:  # a slow node: detected once the run flags it (straggler/<node>)
+                self._slow_flagged(f, status.stragglers, seen)
+            elif status.round > f.fired_round or status.state in ("restarting", "failed"):
                 f.detected_at = seen
                 self._print(f"   {f.label}: rendezvous reacted after {seen - (f.fired_at or seen):.2f}s "
                             f"({status.state}, round {status.round})")  # fmt: skip
+
+    def _slow_flagged(self, f: FaultRecord, stragglers: list[Any], seen: float) -> None:
+        """Mark a ``slow-node`` fault detected once the run flags its node (node ids carry the agent's
+        PID: ``host-PID-suffix``)."""
+        assert f.fault.node is not None
+        mark = f"-{self.nodes[f.fault.node].proc.pid}-"
+        hit = next((s for s in stragglers if mark in s.node), None)
+        if hit is not None:
+            f.detected_at = seen
+            f.extra["flagged_score"] = hit.score
+            self._print(f"   {f.label}: flagged as slow after {seen - (f.fired_at or seen):.2f}s "
+                        f"(score {hit.score:.2f}, {hit.state})")  # fmt: skip
 
     def _read_final_status(self) -> Any:
         """The run's lifecycle state in etcd (``None`` if etcd cannot say)."""

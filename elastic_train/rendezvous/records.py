@@ -18,6 +18,9 @@ Keys of a run, all under ``/elastic_train/<run_id>/``:
 - ``left/<node>``   (own lease) ``{"time", "round", "reason"}``: the node left on purpose (SIGTERM,
   :mod:`elastic_train.rendezvous.leave`); the close of the next round uses and deletes it.
 - ``closed``        ``{"reason": "finished"|"budget"|"failed", "message", "step", "time"}``: no more rounds.
+- ``evictions``     ``{"times", "total"}``: the recent evictions of slow nodes and their count
+  (:mod:`.slownodes`); ``evict/<node>`` (the decider's lease) the order to one, ``straggler/<node>`` a slow
+  node's standing for ``status``.
 - ``config``        ``{"failure_budget", "failure_window", "min_nodes", "max_nodes"}``: written once, by the
   first node.
 - ``identity``      ``{"fingerprint", "settings", "time", "node"}``: the settings every node must share
@@ -54,7 +57,7 @@ from elastic_train.rendezvous.view import RunView
 #: Seconds a closed run's record (closed mark, identity, last round, failures) stays in etcd.
 RUN_RECORD_TTL = 7 * 24 * 3600
 #: Keys of a run that are not on a node's lease (they outlive the nodes until the run is closed).
-RUN_RECORD_KEYS = ("closed", "identity", "round", "failures", "budget", "config")
+RUN_RECORD_KEYS = ("closed", "identity", "round", "failures", "budget", "config", "evictions")
 #: Key group of the clean leaves' marks (:mod:`elastic_train.rendezvous.leave`).
 LEFT = "left/"
 

@@ -5,17 +5,17 @@ step time says nothing about which node is slow; the time a node spends *not* bl
 collectives does. :mod:`.detect` scores each node against the median of the others over a window and flags
 one that stays slower than a threshold, with hysteresis; a job-wide slowdown moves the median with it and
 flags nobody. :mod:`.policy` decides what a flag leads to (``report``, or ``evict`` through the hot path as a
-voluntary leave, never below ``min_nodes``, at most K evictions per window) and when an evicted node, on
-standby, is readmitted or leaves. :mod:`.record` is what ``elastic-train status`` reads. All of it is pure:
-the caller feeds figures and the clock in, and acts on the decisions, each of which is one event with the
-numbers behind it.
+voluntary leave, never below ``min_nodes``, at most K evictions per window) and how long an evicted node
+waits before it rejoins on trial, or that it leaves. :mod:`.record` is what ``elastic-train status`` reads.
+All of it is pure: the caller (:mod:`elastic_train.rendezvous.slownodes`, in each agent) feeds figures and
+the clock in, and acts on the decisions, each of which is one event with the numbers behind it.
 """
 
 from __future__ import annotations
 
 from elastic_train.straggler.config import StragglerConfig
 from elastic_train.straggler.detect import DetectorState, Flag, observe
-from elastic_train.straggler.policy import Decision, Probation, decide_evictions, judge_probation
+from elastic_train.straggler.policy import Decision, Probation, decide_evictions, probation
 
 __all__ = [
     "Decision",
@@ -24,6 +24,6 @@ __all__ = [
     "Probation",
     "StragglerConfig",
     "decide_evictions",
-    "judge_probation",
     "observe",
+    "probation",
 ]

@@ -1,4 +1,4 @@
-"""Settings of slow-node detection and eviction (the ``straggler:`` section of job.yaml)."""
+"""Settings of slow-node detection and eviction (``rendezvous.straggler`` in job.yaml)."""
 
 from __future__ import annotations
 
@@ -15,16 +15,18 @@ class StragglerConfig:
 
     policy: Literal["off", "report", "evict"] = "report"
     """``off``: no detection; ``report``: a flagged node is one event and shown by ``status``; ``evict``:
-    it is also cut out through the hot path (a voluntary leave: no failure budget spent), waits on standby
-    and is readmitted after a probation."""
+    it is also cut out through the hot path (a voluntary leave: no failure budget spent), waits out a
+    probation and rejoins on trial."""
     threshold: float = 1.5
-    """A node is slow while its score (its time not blocked in collectives over the median of the others',
-    the median of its last ``window`` steps) is at least this."""
+    """A node is slow while its score (its busy time over the median of the others', the median of its last
+    ``window`` reports) is at least this."""
     clear_below: float = 1.2
-    """A flagged node is cleared once its score falls below this (hysteresis), and an evicted node is
-    healthy on probation while its own time is below this times the job's."""
-    window: int = 20
-    """Steps whose ratios a node's score is the median of: one slow step is noise, a window of them is not."""
+    """A flagged node is cleared once its score falls below this (hysteresis)."""
+    report_every: float = 2.0
+    """Seconds between two reports of a node's busy time (one etcd write per node: N / report_every writes
+    a second for N nodes)."""
+    window: int = 5
+    """Reports whose ratios a node's score is the median of: one slow report is noise, a window is not."""
     slow_steps: int = 10
     """Steps a node's score must stay at or above ``threshold`` before it is flagged."""
     slow_seconds: float = 0.0
@@ -33,12 +35,11 @@ class StragglerConfig:
     """Most evictions per ``eviction_window`` (an eviction storm is a job that shrinks itself to nothing)."""
     eviction_window: float = 600.0
     """Seconds over which ``max_evictions`` counts."""
-    probation_probes: int = 10
-    """Consecutive healthy probes (the evicted node's own step, timed on standby) before it is readmitted."""
-    probation_seconds: float = 30.0
-    """Least seconds on probation."""
-    probation_max_seconds: float = 600.0
-    """An evicted node still slow after this long leaves the job (exit 0, with one line)."""
+    probation_seconds: float = 60.0
+    """Seconds an evicted node waits on probation before it rejoins on trial; doubled at each eviction of
+    the same node."""
+    max_trials: int = 3
+    """Evictions of one node after which it leaves the job (exit 0, one line) instead of waiting again."""
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -50,8 +51,10 @@ class StragglerConfig:
                 f"clear_below: {self.clear_below:g} must be at least 1 and below threshold "
                 f"({self.threshold:g})"
             )
+        if not 0.1 <= self.report_every <= 600:
+            raise ValueError(f"report_every: {self.report_every:g} must be between 0.1 and 600 seconds")
         if self.window < 1:
-            raise ValueError(f"window: {self.window} must be >= 1 step")
+            raise ValueError(f"window: {self.window} must be >= 1 report")
         if self.slow_steps < 1:
             raise ValueError(f"slow_steps: {self.slow_steps} must be >= 1")
         if self.slow_seconds < 0:
@@ -60,15 +63,10 @@ class StragglerConfig:
             raise ValueError(f"max_evictions: {self.max_evictions} must be >= 0")
         if self.eviction_window <= 0:
             raise ValueError(f"eviction_window: {self.eviction_window:g} must be > 0 seconds")
-        if self.probation_probes < 1:
-            raise ValueError(f"probation_probes: {self.probation_probes} must be >= 1")
-        if self.probation_seconds < 0:
-            raise ValueError(f"probation_seconds: {self.probation_seconds:g} must be >= 0")
-        if self.probation_max_seconds < self.probation_seconds:
-            raise ValueError(
-                f"probation_max_seconds: {self.probation_max_seconds:g} must be >= probation_seconds "
-                f"({self.probation_seconds:g})"
-            )
+        if not 0 <= self.probation_seconds <= 86400:
+            raise ValueError(f"probation_seconds: {self.probation_seconds:g} must be between 0 and 86400")
+        if self.max_trials < 1:
+            raise ValueError(f"max_trials: {self.max_trials} must be >= 1")
 
     @property
     def enabled(self) -> bool:

@@ -6,10 +6,10 @@ the job stays at ``min_nodes`` or more, and fewer than ``max_evictions`` happene
 it is the slowest node's. An eviction is a voluntary leave through the hot path: nobody restarts, exactly-once
 data and the global batch hold, no failure budget is spent.
 
-An evicted node waits on standby and times its own step (a probe) against the job's per-sample time at its
-eviction; :func:`judge_probation` readmits it once ``probation_probes`` probes in a row were healthy (below
-``clear_below`` times the job's) and ``probation_seconds`` passed, and sends it away (it leaves the job)
-when it is still not healthy after ``probation_max_seconds``.
+An evicted node waits out a probation (:func:`probation`: ``probation_seconds``, doubled at each eviction of
+the same node) and rejoins on trial, as a node joining a running job does (its workers built on standby,
+admitted at a step boundary): in the job, its own measured step time is judged again by the same detector,
+and a node still slow is evicted again. After ``max_trials`` evictions it leaves the job.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from elastic_train.straggler.config import StragglerConfig
 KEPT_REPORT = "policy is report"
 KEPT_MIN_NODES = "min_nodes"
 KEPT_BUDGET = "eviction budget spent"
+KEPT_RESTART = "not every member re-forms in-process (an eviction would restart the others)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +65,7 @@ def decide_evictions(
     evicted_at: Iterable[float],
     now: float,
     cfg: StragglerConfig,
+    in_process: bool = True,
 ) -> list[Decision]:
     """One decision per flagged node.
 
@@ -74,6 +76,7 @@ def decide_evictions(
         evicted_at: when the job's earlier evictions happened (the clock of ``now``).
         now: the time of the decision.
         cfg: the policy and its bounds.
+        in_process: every member of the job re-forms in-process (an eviction restarts nobody).
 
     Returns:
         The decisions, worst score first.
@@ -86,6 +89,8 @@ def decide_evictions(
     for node, score in sorted(flagged, key=lambda f: (-f[1], f[0])):
         if cfg.policy != "evict":
             event, why = "straggler_kept", KEPT_REPORT
+        elif not in_process:
+            event, why = "straggler_kept", KEPT_RESTART
         elif room <= 0:
             event, why = "straggler_kept", KEPT_MIN_NODES
         elif budget <= 0:
@@ -112,67 +117,40 @@ def changed(previous: Mapping[str, Decision], decisions: Iterable[Decision]) -> 
 
 @dataclass(frozen=True, slots=True)
 class Probation:
-    """Where an evicted node's probation stands: one event when it ends (readmit or leave)."""
+    """What an evicted node does next: wait out a probation and rejoin on trial, or leave the job."""
 
-    action: Literal["wait", "readmit", "leave"]
+    action: Literal["wait", "leave"]
     node: str
-    healthy_probes: int
-    """Healthy probes in a row, the last one included."""
-    needed: int
-    last_ratio: float | None
-    """The last probe's time over the job's reference (``None``: no probe yet)."""
-    on_probation_s: float
-    reference_s: float
+    evictions: int
+    """This node's evictions so far, the last one included."""
+    wait_s: float
+    """Seconds it waits before it rejoins (0 when it leaves)."""
+    max_trials: int
 
     @property
     def event(self) -> str:
-        return {"wait": "straggler_probation", "readmit": "straggler_readmit", "leave": "straggler_leave"}[
-            self.action
-        ]
+        return "straggler_probation" if self.action == "wait" else "straggler_leave"
 
     def fields(self) -> dict[str, Any]:
         return {
             "node": self.node,
             "action": self.action,
-            "healthy_probes": self.healthy_probes,
-            "needed": self.needed,
-            "last_ratio": None if self.last_ratio is None else round(self.last_ratio, 3),
-            "on_probation_s": round(self.on_probation_s, 1),
-            "reference_s": self.reference_s,
+            "evictions": self.evictions,
+            "wait_s": self.wait_s,
+            "max_trials": self.max_trials,
         }
 
 
-def judge_probation(
-    *,
-    node: str,
-    probes: Sequence[float],
-    reference_s: float,
-    started: float,
-    now: float,
-    cfg: StragglerConfig,
-) -> Probation:
-    """Readmit an evicted node, send it away, or let it wait.
+def probation(*, node: str, evictions: int, cfg: StragglerConfig) -> Probation:
+    """An evicted node's probation: ``probation_seconds`` after its first eviction, doubled at each one
+    after, and no more after ``max_trials`` evictions (it leaves).
 
     Args:
         node: the evicted node.
-        probes: its own probe times so far, oldest first, per sample (seconds), measured on standby.
-        reference_s: the job's per-sample busy time when it was evicted (the others' median).
-        started: when its probation began.
-        now: the time (the clock of ``started``).
-        cfg: ``clear_below``, ``probation_probes``, ``probation_seconds``, ``probation_max_seconds``.
+        evictions: its evictions so far, this one included (>= 1).
+        cfg: ``probation_seconds`` and ``max_trials``.
     """
-    assert reference_s > 0, "a probation needs the job's time to compare with"
-    healthy = 0
-    for p in reversed(probes):
-        if p / reference_s >= cfg.clear_below:
-            break
-        healthy += 1
-    elapsed = now - started
-    last = probes[-1] / reference_s if probes else None
-    if healthy >= cfg.probation_probes and elapsed >= cfg.probation_seconds:
-        action: Literal["wait", "readmit", "leave"] = "readmit"
-    elif elapsed >= cfg.probation_max_seconds:
-        action = "leave"
-    else:
-        action = "wait"
-    return Probation(action, node, healthy, cfg.probation_probes, last, elapsed, reference_s)
+    assert evictions >= 1, "a probation follows an eviction"
+    if evictions >= cfg.max_trials:
+        return Probation("leave", node, evictions, 0.0, cfg.max_trials)
+    return Probation("wait", node, evictions, cfg.probation_seconds * 2 ** (evictions - 1), cfg.max_trials)

@@ -11,8 +11,8 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any, Literal, TypeGuard
 
-#: Standing of a node with a record: flagged (in the job), evicted (out, on standby), on probation (timing
-#: its own steps on standby).
+#: Standing of a node with a record: flagged (in the job), evicted (out of the job, its workers stopped), on
+#: probation (waiting to rejoin on trial).
 STATES = ("flagged", "evicted", "probation")
 
 

@@ -11,9 +11,10 @@ from elastic_train.straggler.policy import (
     KEPT_BUDGET,
     KEPT_MIN_NODES,
     KEPT_REPORT,
+    KEPT_RESTART,
     changed,
     decide_evictions,
-    judge_probation,
+    probation,
 )
 from elastic_train.straggler.record import StragglerRecord
 
@@ -68,44 +69,41 @@ def test_a_decision_is_one_event_until_it_changes() -> None:
     assert f["world"] == 3 and f["min_nodes"] == 2 and f["evictions_in_window"] == 0 and f["score"] == 2.1
 
 
-PROBE = StragglerConfig(policy="evict", clear_below=1.2, probation_probes=3, probation_seconds=10.0,
-                        probation_max_seconds=60.0)  # fmt: skip
+TRIALS = StragglerConfig(policy="evict", probation_seconds=10.0, max_trials=3)
 
 
 @pytest.mark.parametrize(
-    ("probes", "elapsed", "action", "healthy"),
-    [
-        ([], 5.0, "wait", 0),
-        ([1.0, 1.0, 1.0], 5.0, "wait", 3),  # healthy, but not on probation long enough
-        ([1.0, 1.0, 1.0], 10.0, "readmit", 3),
-        ([1.0, 1.0, 2.0, 1.0, 1.0], 30.0, "wait", 2),  # a slow probe starts the count again
-        ([2.0, 2.0], 60.0, "leave", 0),
-        ([1.0, 1.0, 1.0], 60.0, "readmit", 3),  # healthy at the deadline: readmitted, not sent away
-    ],
+    ("evictions", "action", "wait"),
+    [(1, "wait", 10.0), (2, "wait", 20.0), (3, "leave", 0.0), (4, "leave", 0.0)],
 )
-def test_probation(probes: list[float], elapsed: float, action: str, healthy: int) -> None:
-    p = judge_probation(
-        node="x", probes=probes, reference_s=1.1, started=100.0, now=100.0 + elapsed, cfg=PROBE
-    )
-    assert (p.action, p.healthy_probes) == (action, healthy)
-    assert (
-        p.event
-        == {"wait": "straggler_probation", "readmit": "straggler_readmit", "leave": "straggler_leave"}[action]
-    )
+def test_probation_doubles_until_the_node_leaves(evictions: int, action: str, wait: float) -> None:
+    p = probation(node="x", evictions=evictions, cfg=TRIALS)
+    assert (p.action, p.wait_s) == (action, wait)
+    assert p.event == {"wait": "straggler_probation", "leave": "straggler_leave"}[action]
+    assert p.fields()["evictions"] == evictions and p.fields()["max_trials"] == 3
+
+
+def test_no_eviction_while_a_member_would_restart() -> None:
+    d = decide_evictions(flagged=[("a", 2.0)], world=3, min_nodes=1, evicted_at=[], now=0.0, cfg=EVICT,
+                         in_process=False)  # fmt: skip
+    assert [(x.event, x.why) for x in d] == [("straggler_kept", KEPT_RESTART)]
 
 
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ("straggler: {policy: kill}", "straggler.policy: 'kill' is not one of 'off', 'report', 'evict'"),
-        ("straggler: {threshold: 1.0}", "straggler.threshold: 1 must be above 1"),
         (
-            "straggler: {threshold: 1.5, clear_below: 1.6}",
-            "straggler.clear_below: 1.6 must be at least 1 and below",
+            "rendezvous: {straggler: {policy: kill}}",
+            "rendezvous.straggler.policy: 'kill' is not one of 'off', 'report', 'evict'",
         ),
-        ("straggler: {window: 0}", "straggler.window: 0 must be >= 1 step"),
-        ("straggler: {probation_seconds: 9, probation_max_seconds: 5}", "straggler.probation_max_seconds: 5"),
-        ("straggler: {evict: true}", "straggler.evict: unknown key"),
+        ("rendezvous: {straggler: {threshold: 1.0}}", "rendezvous.straggler.threshold: 1 must be above 1"),
+        (
+            "rendezvous: {straggler: {threshold: 1.5, clear_below: 1.6}}",
+            "rendezvous.straggler.clear_below: 1.6 must be at least 1 and below",
+        ),
+        ("rendezvous: {straggler: {window: 0}}", "rendezvous.straggler.window: 0 must be >= 1 report"),
+        ("rendezvous: {straggler: {max_trials: 0}}", "rendezvous.straggler.max_trials: 0 must be >= 1"),
+        ("rendezvous: {straggler: {evict: true}}", "rendezvous.straggler.evict: unknown key"),
     ],
 )
 def test_bad_settings_are_one_line(tmp_path, text: str, message: str) -> None:  # type: ignore[no-untyped-def]
@@ -117,8 +115,9 @@ def test_bad_settings_are_one_line(tmp_path, text: str, message: str) -> None:  
 
 
 def test_the_default_reports_and_evict_is_one_key(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    assert load_job_config(None, environ={}).straggler.policy == "report"
-    assert load_job_config(None, {"straggler.policy": "evict"}, environ={}).straggler.policy == "evict"
+    assert load_job_config(None, environ={}).rendezvous.straggler.policy == "report"
+    cfg = load_job_config(None, {"rendezvous.straggler.policy": "evict"}, environ={})
+    assert cfg.rendezvous.straggler.policy == "evict"
 
 
 @pytest.mark.parametrize(
