@@ -232,7 +232,10 @@ def parse_conf(
                 raise ConfigError(f"rdzv-conf: protocol={raw!r} must be http or https")
             continue
         if key == "straggler" or key.startswith("straggler_"):
-            straggler[key] = raw
+            if dynamic:
+                ignored[key] = "slow-node detection runs in the etcd3 handler only"
+            else:
+                straggler[key] = raw
             continue
         name = ALIASES.get(key, key)
         if name not in CONF_KEYS:
