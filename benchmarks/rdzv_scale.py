@@ -461,6 +461,51 @@ def bootstrap_exchange(store_factory, n: int) -> float:
     return time.perf_counter() - t0
 
 
+def hot_exchange(n: int) -> dict:
+    """What a hot re-formation adds to the failure round for ``n`` agents, without workers: each agent's
+    decision (:func:`elastic_train.rendezvous.hot.decide` on the observation a lost member makes), then
+    torchrun's rank exchange over the round's TCPStore on its rank 0 as :func:`~elastic_train.rendezvous.
+    exchange.exchange_ranks` runs it: every agent writes its part, waits with non-blocking checks until all
+    N are written, agent 0 reads them all (one multi_get) and writes each agent's ranks, which each agent
+    reads. One thread and one store client per agent, all on this machine."""
+    import torch.distributed as dist
+
+    from elastic_train.rendezvous.hot import Observation, decide
+
+    t0 = time.perf_counter()
+    obs = Observation(1.0, 7, engaged=True, waiting=1, lost=("gone",), announced_at=None)
+    for _ in range(n):
+        decide(obs)
+    decide_s = time.perf_counter() - t0
+    server = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=120)
+    )
+    stores = [server] + [
+        dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=120))
+        for _ in range(n - 1)
+    ]
+    barrier = threading.Barrier(n)
+    keys = [f"role/{i}" for i in range(n)]
+
+    def agent(i: int) -> None:
+        st = stores[i]
+        barrier.wait()
+        st.set(keys[i], json.dumps({"role": "default", "rank": i, "local_world_size": 1}).encode())
+        while not st.check(keys):
+            time.sleep(0.005)
+        if i == 0:
+            infos = [json.loads(v) for v in st.multi_get(keys)]
+            st.multi_set([f"ranks/{k['rank']}" for k in infos], [str(k["rank"]).encode() for k in infos])
+        st.get(f"ranks/{i}")
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(n) as pool:
+        list(pool.map(agent, range(n)))
+    exchange_s = time.perf_counter() - t0
+    stores.clear()
+    return {"n": n, "decide_s": round(decide_s, 5), "exchange_s": round(exchange_s, 3)}
+
+
 def bootstrap(endpoint: str, n: int) -> dict:
     import torch.distributed as dist
 
@@ -566,6 +611,17 @@ def summary(doc: dict[str, Any]) -> dict[str, Any]:
         ]  # fmt: skip
         caption = "Process-group bootstrap exchange (every rank publishes an address and reads all others):"
         tables.append({"caption": caption, "rows": rows})
+    if doc.get("hot"):
+        rows = [
+            {"N": h["n"], "decisions s (all N)": h["decide_s"], "rank exchange s": h["exchange_s"],
+             "failure round s": h["failure_round_s"], "hot re-formation s": h["reformation_s"]}
+            for h in doc["hot"]
+        ]  # fmt: skip
+        caption = (
+            "The hot path's re-formation without workers (each agent's decision, the failure round above, "
+            "torchrun's rank exchange over the round's TCPStore, every agent a thread with its own client):"
+        )
+        tables.append({"caption": caption, "rows": rows})
     done = sorted((r for r in shared if "error" not in r), key=lambda r: r["n"])
     at256 = next((r for r in done if r["n"] == 256), None)
     big = {
@@ -654,6 +710,7 @@ def main() -> int:
         help="directory etcd keeps its data under (default /dev/shm: memory, as fast as the SSD a production "
         "etcd wants; this machine's shared disk takes up to tens of ms a sync under others' load)",
     )
+    ap.add_argument("--hot-sizes", default="1024", help="N of the hot re-formation's rank exchange ('' none)")
     ap.add_argument("--json", default=None, help="write results here")
     args = ap.parse_args()
     configure_logging(LoggingConfig(level="warning"))
@@ -731,6 +788,18 @@ def run_sizes(args: argparse.Namespace, sizes: list[int], modes: tuple[str, ...]
                       f"of wall time at best); an agent of its own: {p['agent_cpu_ms']:.2f} "
                       f"ms CPU, {p['watch_mb_per_agent']:.2f} MB watched; a watch per agent: "
                       f"{p['watch_mb_all_agents_own_watch']:.0f} MB from etcd", flush=True)  # fmt: skip
+        results["hot"] = []
+        for n in [int(x) for x in args.hot_sizes.split(",") if x.strip()]:
+            h = hot_exchange(n)
+            failure = next((r["failure_round_s"] for r in results.get("scale", []) if r.get("n") == n), None)
+            h["failure_round_s"] = failure
+            h["reformation_s"] = round(failure + h["decide_s"] + h["exchange_s"], 3) if failure else None
+            results["hot"].append(h)
+            total = f"; with the failure round {h['reformation_s']:.2f}s" if failure else ""
+            print(f"hot re-formation at N={n}: decisions {h['decide_s'] * 1e3:.1f} ms (all N), rank exchange "
+                  f"{h['exchange_s']:.2f}s{total}", flush=True)  # fmt: skip
+            if args.json:
+                Path(args.json).write_text(json.dumps(summary(results), indent=2))
         print(f"\n{'ranks':>5} {'TCPStore s':>11} {'etcd keys s':>12} {'etcd/TCP':>9}")
         for n in (2, 4, 8) if args.quick else (2, 4, 8, 16):
             b = bootstrap(etcd.endpoint, n)
