@@ -466,10 +466,12 @@ def hot_exchange(n: int) -> dict:
     decision (:func:`elastic_train.rendezvous.hot.decide` on the observation a lost member makes), then
     torchrun's rank exchange over the round's TCPStore on its rank 0 as :func:`~elastic_train.rendezvous.
     exchange.exchange_ranks` runs it: every agent writes its part, waits with non-blocking checks until all
-    N are written, agent 0 reads them all (one multi_get) and writes each agent's ranks, which each agent
-    reads. One thread and one store client per agent, all on this machine."""
+    N are written (paced as :func:`~elastic_train.rendezvous.exchange.await_members` paces them), agent 0
+    reads them all (one multi_get) and writes each agent's ranks, which each agent reads. One thread and
+    one store client per agent, all on this machine."""
     import torch.distributed as dist
 
+    from elastic_train.rendezvous import exchange
     from elastic_train.rendezvous.hot import Observation, decide
 
     t0 = time.perf_counter()
@@ -487,12 +489,20 @@ def hot_exchange(n: int) -> dict:
     barrier = threading.Barrier(n)
     keys = [f"role/{i}" for i in range(n)]
 
+    spacing = min(exchange.MAX_SPACING, exchange.SPACING_PER_AGENT * n)
+
     def agent(i: int) -> None:
         st = stores[i]
         barrier.wait()
         st.set(keys[i], json.dumps({"role": "default", "rank": i, "local_world_size": 1}).encode())
-        while not st.check(keys):
-            time.sleep(0.005)
+        missing, scanned, started = [k for k in keys if k != keys[i]], -1.0, time.monotonic()
+        while missing and not st.check(missing):  # await_members' looks, as it paces them
+            now = time.monotonic()
+            late = now - started >= exchange.PROBE_AFTER and now - scanned >= exchange.SCAN_EVERY
+            if len(missing) <= exchange.SCAN_ALWAYS or late:
+                scanned = now
+                missing = [k for k in missing if not st.check([k])]
+            time.sleep(spacing + 0.005)
         if i == 0:
             infos = [json.loads(v) for v in st.multi_get(keys)]
             st.multi_set([f"ranks/{k['rank']}" for k in infos], [str(k["rank"]).encode() for k in infos])
