@@ -54,7 +54,8 @@ bench: setup
 	$(PY) benchmarks/report.py --out docs/benchmarks.md --rendezvous-args "--repeats 2 --cap 60" $(BENCH_ARGS)
 
 chaos: setup
-	$(PY) -m pytest tests/chaos/test_chaos.py tests/chaos/test_partition_full.py --chaos-seeds=$(SEEDS) \
+	$(PY) -m pytest tests/chaos/test_chaos.py tests/chaos/test_partition_full.py tests/chaos/test_slow_nodes.py \
+		--chaos-seeds=$(SEEDS) \
 		--chaos-md docs/chaos.md --chaos-json docs/chaos.json
 
 compat: setup

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
         run,
         shard_model,
         shutdown,
+        time_collectives,
     )
 
 __all__ = [
@@ -40,6 +41,7 @@ __all__ = [
     "run",
     "shard_model",
     "shutdown",
+    "time_collectives",
 ]
 
 

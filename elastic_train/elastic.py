@@ -29,6 +29,7 @@ See docs/own-loop.md. A sharded model (FSDP2's ``fully_shard``, rebuilt on each 
 state is kept and resharded per rank (docs/sharded.md).
 """
 
+from elastic_train.train.busy import time_collectives
 from elastic_train.train.checkpointer import Checkpointer
 from elastic_train.train.fsdp import device_mesh, load_full, shard_model
 from elastic_train.train.group import World, current_world, init, resolve_backend, shutdown
@@ -50,4 +51,5 @@ __all__ = [
     "run",
     "shard_model",
     "shutdown",
+    "time_collectives",
 ]

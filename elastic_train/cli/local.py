@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from elastic_train.config import load_job_config
 from elastic_train.config.options import add_job_options, collect_overrides, dest
 from elastic_train.errors import ConfigError
-from elastic_train.launch.faults import KINDS, Fault, parse_fault, validate_plan
+from elastic_train.launch.faults import KINDS, Fault, parse_fault, spec_form, validate_plan
 
 if TYPE_CHECKING:
     from elastic_train.config import JobConfig
@@ -22,6 +22,7 @@ EPILOG = """examples:
   elastic-train local --nodes 3 --min-nodes 2 --max-nodes 4 --kill-node 1@step=30 --add-node @step=70
   elastic-train local --config examples/job.yaml --hang-node 2@step=50 --summary run.json
   elastic-train local --nodes 3 --kill-node 1@step=20 --add-node @step=40 --entry examples/own_loop.py
+  elastic-train local --nodes 3 --slow-node 1@step=20,factor=2,for=15
 """
 
 #: Options that configure the built-in worker only; a script given with --entry takes its own arguments.
@@ -49,8 +50,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--min-nodes", type=int, help="fewest nodes the job trains with")
     p.add_argument("--max-nodes", type=int, help="most nodes the job trains with")
     for kind in KINDS:
-        form = "NODE@step=S" if KINDS[kind] else "@step=S"
-        p.add_argument(f"--{kind}", action="append", default=[], metavar=form, help=f"inject {kind}")
+        p.add_argument(
+            f"--{kind}", action="append", default=[], metavar=spec_form(kind), help=f"inject {kind}"
+        )
     p.add_argument("--workdir", help="logs, events, audit (default runs/RUN_ID)")
     p.add_argument("--summary", metavar="FILE", help="write the summary as JSON here")
     p.add_argument("--plot", metavar="FILE", help="write a PNG timeline here (needs the [plot] extra)")

@@ -166,6 +166,11 @@ def render(st: JobStatus) -> list[str]:
         lines.append(f"  rank {m.rank}: {m.node} {m.addr or '-'}{lost}")
     if not ended:
         lines.append(f"waiting: {', '.join(st.waiting) if st.waiting else 'none'}")
+    if st.stragglers and not ended:
+        lines.append("slow nodes:")
+        lines += [f"  {s.line()}" for s in st.stragglers]
+    if st.unreadable:
+        lines.append(f"unreadable keys: {', '.join(st.unreadable)}")
     if st.identity:
         shown = ", ".join(f"{k}={v}" for k, v in st.identity.items())
         lines.append(f"identity {st.fingerprint or '?'}: {shown}")

@@ -21,7 +21,7 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -115,11 +115,19 @@ class WatchEvent:
 class OpCounts:
     """RPCs issued through one :class:`Etcd` (benchmarks report them per rendezvous round)."""
 
+    requests: int = 0
+    """Requests etcd served other than keep-alives: reads, writes, transactions, lease grants and revokes,
+    watch set-ups."""
+    keepalives: int = 0
+    """Lease keep-alive requests (one per lease refreshed, batched or not)."""
     reads: int = 0
     writes: int = 0
     txns: int = 0
     leases: int = 0
+    """Lease grants, revokes and keep-alive requests."""
     watch_events: int = 0
+    watch_bytes: int = 0
+    """Bytes of the watch responses that carried events (protobuf size, without gRPC's framing)."""
     failovers: int = 0
 
 
@@ -288,12 +296,14 @@ class Etcd:
     def get_prefix(self, prefix: str) -> tuple[list[KeyValue], int]:
         """All keys under ``prefix`` and the store revision they were read at."""
         self.counts.reads += 1
+        self.counts.requests += 1
         req = etcdrpc.RangeRequest(key=prefix.encode(), range_end=range_end(prefix))
         resp = self._call(lambda: self.raw.kvstub.Range(req, self.raw.timeout, **self._md()))
         return [_kv(kv) for kv in resp.kvs], resp.header.revision
 
     def get(self, key: str) -> KeyValue | None:
         self.counts.reads += 1
+        self.counts.requests += 1
         req = etcdrpc.RangeRequest(key=key.encode())
         resp = self._call(lambda: self.raw.kvstub.Range(req, self.raw.timeout, **self._md()))
         return _kv(resp.kvs[0]) if resp.kvs else None
@@ -301,12 +311,14 @@ class Etcd:
     def put(self, key: str, value: bytes, lease: int = 0) -> int:
         """Write ``key``; returns the new store revision."""
         self.counts.writes += 1
+        self.counts.requests += 1
         req = etcdrpc.PutRequest(key=key.encode(), value=value, lease=lease)
         resp = self._call(lambda: self.raw.kvstub.Put(req, self.raw.timeout, **self._md()), idempotent=False)
         return int(resp.header.revision)
 
     def delete(self, key: str, prefix: bool = False) -> None:
         self.counts.writes += 1
+        self.counts.requests += 1
         req = etcdrpc.DeleteRangeRequest(key=key.encode(), range_end=range_end(key) if prefix else b"")
         self._call(lambda: self.raw.kvstub.DeleteRange(req, self.raw.timeout, **self._md()), idempotent=False)
 
@@ -321,6 +333,7 @@ class Etcd:
         Helpers :func:`cmp_mod`, :func:`op_put`, :func:`op_get`, :func:`op_delete` build the messages.
         """
         self.counts.txns += 1
+        self.counts.requests += 1
         req = etcdrpc.TxnRequest(compare=compare, success=success, failure=failure or [])
         read_only = all(op.WhichOneof("request") == "request_range" for op in success + (failure or []))
         resp = self._call(
@@ -333,6 +346,7 @@ class Etcd:
     def lease_grant(self, ttl: int) -> int:
         """A new lease (a lease granted twice by a resend is never used and expires after ``ttl``)."""
         self.counts.leases += 1
+        self.counts.requests += 1
         req = etcdrpc.LeaseGrantRequest(TTL=ttl)
         resp = self._call(lambda: self.raw.leasestub.LeaseGrant(req, self.raw.timeout, **self._md()))
         return int(resp.ID)
@@ -347,6 +361,7 @@ class Etcd:
             EtcdError: etcd failed, or closed the stream without an answer (the lease's fate is unknown).
         """
         self.counts.leases += 1
+        self.counts.keepalives += 1
         deadline = time.monotonic() + (timeout if timeout is not None else self.raw.timeout)
 
         def once() -> int:
@@ -362,8 +377,52 @@ class Etcd:
 
         return self._call(once)
 
+    def lease_keepalive_many(self, lease_ids: Sequence[int], timeout: float | None = None) -> dict[int, int]:
+        """Refresh several leases over one keep-alive stream: what a process holding many leases (the scale
+        benchmark's hosts of simulated nodes) sends instead of one stream per lease.
+
+        etcd answers the requests of one stream one after the other (a renewal waits for etcd to apply what
+        it committed), so a caller with many leases splits them over a few concurrent streams. ``timeout``
+        (default: the RPC timeout) bounds the whole exchange, failover included.
+
+        Returns:
+            Each lease answered before the deadline, with its remaining TTL (<= 0: the lease no longer
+            exists); a lease left out was not answered (its fate is unknown).
+
+        Raises:
+            EtcdError: etcd failed, or closed the stream, before answering any lease.
+        """
+        ids = list(dict.fromkeys(lease_ids))
+        if not ids:
+            return {}
+        self.counts.leases += len(ids)
+        self.counts.keepalives += len(ids)
+        deadline = time.monotonic() + (timeout if timeout is not None else self.raw.timeout)
+        out: dict[int, int] = {}
+
+        def once() -> dict[int, int]:
+            left = max(0.05, deadline - time.monotonic())
+            requests = (etcdrpc.LeaseKeepAliveRequest(ID=i) for i in ids if i not in out)
+            it = self.raw.leasestub.LeaseKeepAlive(requests, left, **self._md())
+            try:
+                for resp in it:
+                    out[int(resp.ID)] = int(resp.TTL)
+                    if len(out) == len(ids):
+                        it.cancel()
+                        return out
+            except grpc.RpcError:
+                if out:  # the deadline (or the member) cut it short: what was answered stands
+                    return out
+                raise
+            if out:
+                return out
+            raise EtcdError(f"etcd closed a keep-alive stream of {len(ids)} leases without an answer")
+
+        return self._call(once)
+
     def lease_revoke(self, lease_id: int) -> None:
         self.counts.leases += 1
+        self.counts.requests += 1
         req = etcdrpc.LeaseRevokeRequest(ID=lease_id)
         self._call(lambda: self.raw.leasestub.LeaseRevoke(req, self.raw.timeout, **self._md()))
 
@@ -382,6 +441,7 @@ class Etcd:
         requests: Any = _RequestQueue(etcdrpc.WatchRequest(create_request=create), stop)
         stub = etcdrpc.WatchStub(self.raw.channel)
         self.counts.reads += 1
+        self.counts.requests += 1
         md = self._md()
         # etcd ends the stream of a member that loses its leader (a partition, lost quorum) instead of
         # leaving it silent; the caller then re-lists through another member.
@@ -401,6 +461,7 @@ class Etcd:
                 if not resp.events:
                     continue
                 self.counts.watch_events += len(resp.events)
+                self.counts.watch_bytes += resp.ByteSize()
                 batch = []
                 for ev in resp.events:
                     deleted = ev.type == 1  # DELETE

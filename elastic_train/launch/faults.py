@@ -2,7 +2,9 @@
 
 A fault is keyed by (node, step): ``kill-node 1@step=30`` kills node 1 (its agent and every worker, SIGKILL)
 once the job has completed step 30. Nodes are numbered in launch order: the first ``--nodes`` are
-0..N-1, each ``add-node`` gets the next number. Parsing and the "is it due" decision are pure functions.
+0..N-1, each ``add-node`` gets the next number. Some kinds take options after the step:
+``slow-node 1@step=30,factor=2,for=20`` slows node 1's workers twofold for 20 seconds (without ``for``: for
+good). Parsing and the "is it due" decision are pure functions.
 """
 
 from __future__ import annotations
@@ -32,13 +34,20 @@ KINDS: dict[str, bool] = {
     # (exit 2, one line) without the job noticing.
     "collide-checkpoint": False,  # ... another checkpoint URL
     "collide-nodes": False,  # ... another node range (max nodes + 1)
+    # A slow node: its workers stopped and continued (SIGSTOP/SIGCONT) so that they run 1/factor of the time,
+    # for a span or for good; its agent keeps its lease. Options: factor=F (default 2), for=SECONDS.
+    "slow-node": True,
 }
+#: Options a kind takes after its step (``,name=value``), with their defaults (``None``: unset).
+OPTIONS: dict[str, dict[str, float | None]] = {"slow-node": {"factor": 2.0, "for": None}}
 #: Kinds that need a multi-member etcd (``--etcd-members 3``).
 CLUSTER_KINDS = ("kill-etcd-leader", "etcd-quorum-loss")
 #: Kinds that start an intruding node (see :data:`KINDS`); their outcome is in ``FaultRecord.extra``.
 COLLISION_KINDS = ("collide-checkpoint", "collide-nodes")
+#: Kinds the rendezvous does not react to (no round follows them): their record says what happened.
+SILENT_KINDS = ("slow-node",)
 
-_SPEC = re.compile(r"^(?P<node>\d+)?@step=(?P<step>\d+)$")
+_SPEC = re.compile(r"^(?P<node>\d+)?@step=(?P<step>\d+)(?P<options>(,[a-z]+=[^,]+)*)$")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -51,11 +60,18 @@ class Fault:
     """Fire once this many optimizer steps have completed."""
     node: int | None = None
     """Node index (launch order) for node faults."""
+    options: tuple[tuple[str, float], ...] = ()
+    """The kind's options given (:data:`OPTIONS`), in the order given."""
+
+    def option(self, name: str) -> float | None:
+        """An option's value, or its default."""
+        return dict(self.options).get(name, OPTIONS.get(self.kind, {}).get(name))
 
     @property
     def label(self) -> str:
         node = "" if self.node is None else str(self.node)
-        return f"{self.kind} {node}@step={self.step}"
+        opts = "".join(f",{k}={v:g}" for k, v in self.options)
+        return f"{self.kind} {node}@step={self.step}{opts}"
 
 
 @dataclass(kw_only=True, slots=True)
@@ -118,23 +134,53 @@ class FaultRecord:
 
 
 def parse_fault(kind: str, spec: str) -> Fault:
-    """Parse ``"1@step=30"`` (or ``"@step=70"`` for kinds without a node) into a :class:`Fault`.
+    """Parse ``"1@step=30"`` (or ``"@step=70"`` for kinds without a node, ``"1@step=30,factor=3,for=20"``
+    for kinds with options) into a :class:`Fault`.
 
     Raises:
-        ConfigError: unknown kind, malformed spec, a node where none belongs or a missing node.
+        ConfigError: unknown kind, malformed spec, a node where none belongs or a missing node, an option
+            the kind does not take or a bad value.
     """
     if kind not in KINDS:
         raise ConfigError(f"unknown fault kind {kind!r} (one of {', '.join(KINDS)})")
     m = _SPEC.match(spec.strip())
     if not m:
-        form = "NODE@step=S" if KINDS[kind] else "@step=S"
-        raise ConfigError(f"--{kind} {spec!r}: expected {form}")
+        raise ConfigError(f"--{kind} {spec!r}: expected {spec_form(kind)}")
+    options = _options(kind, spec, m["options"])
     node = int(m["node"]) if m["node"] is not None else None
     if KINDS[kind] and node is None:
         raise ConfigError(f"--{kind} {spec!r}: needs a node index, e.g. 1@step=30")
     if not KINDS[kind] and node is not None:
         raise ConfigError(f"--{kind} {spec!r}: takes no node index, e.g. @step=30")
-    return Fault(kind=kind, step=int(m["step"]), node=node)
+    return Fault(kind=kind, step=int(m["step"]), node=node, options=options)
+
+
+def spec_form(kind: str) -> str:
+    """How a fault of ``kind`` is written (``NODE@step=S[,factor=X][,for=X]``)."""
+    options = "".join(f"[,{o}=X]" for o in OPTIONS.get(kind, {}))
+    return ("NODE@step=S" if KINDS[kind] else "@step=S") + options
+
+
+def _options(kind: str, spec: str, text: str) -> tuple[tuple[str, float], ...]:
+    allowed = OPTIONS.get(kind, {})
+    out = []
+    for item in filter(None, text.split(",")):
+        name, _, raw = item.partition("=")
+        if name not in allowed:
+            takes = f"takes {', '.join(allowed)}" if allowed else "takes no options"
+            raise ConfigError(f"--{kind} {spec!r}: unknown option {name!r} ({kind} {takes})")
+        try:
+            value = float(raw)
+        except ValueError:
+            raise ConfigError(f"--{kind} {spec!r}: {name}={raw!r} is not a number") from None
+        if name == "factor" and not 1.0 < value <= 100.0:
+            raise ConfigError(
+                f"--{kind} {spec!r}: factor={raw} must be above 1 (times slower) and at most 100"
+            )
+        if name == "for" and not value > 0:
+            raise ConfigError(f"--{kind} {spec!r}: for={raw} must be > 0 seconds")
+        out.append((name, value))
+    return tuple(out)
 
 
 def validate_plan(faults: list[Fault], initial_nodes: int, steps: int, etcd_members: int = 1) -> None:

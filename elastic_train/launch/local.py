@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import shlex
 import signal
@@ -27,7 +28,15 @@ from elastic_train.config import JobConfig
 from elastic_train.envvars import ENV_AUDIT_DIR, ENV_EVENTS, ENV_NODE_ID, ENV_START_BARRIER
 from elastic_train.etcd.errors import EtcdError
 from elastic_train.etcd.server import EmbeddedEtcd, EtcdCluster
-from elastic_train.launch.faults import CLUSTER_KINDS, COLLISION_KINDS, KINDS, Fault, FaultRecord, due
+from elastic_train.launch.faults import (
+    CLUSTER_KINDS,
+    COLLISION_KINDS,
+    KINDS,
+    SILENT_KINDS,
+    Fault,
+    FaultRecord,
+    due,
+)
 from elastic_train.launch.netlink import SilentLink
 from elastic_train.launch.run import worker_overrides_argv
 from elastic_train.launch.summary import Summary, render_table, world_size_timeline
@@ -51,6 +60,10 @@ QUORUM_LOSS_SECONDS = 4.0
 PARTITION_AFTER_RESUME = 2.0
 #: ... or after this many seconds at most (default of ``LocalOptions.partition_s``).
 PARTITION_SECONDS = 12.0
+#: Period of a ``slow-node`` fault's stop/continue cycle: the workers run ``period / factor`` of each, and
+#: a step longer than it is slowed by about the factor. Workers are looked up again once a second.
+SLOW_PERIOD = 0.1
+SLOW_RESCAN = 1.0
 
 
 @dataclass(kw_only=True, slots=True)
@@ -135,6 +148,9 @@ class LocalJob:
         self._last_scan = 0.0
         self._last_status = 0.0
         self._status_client: Etcd | None = None
+        #: Set when the job ends: ``slow-node`` cycles continue their workers and stop.
+        self._ending = threading.Event()
+        self._slowing: list[threading.Thread] = []
         #: Nodes started by collision faults (same run id, other settings), with their fault.
         self.intruders: list[tuple[FaultRecord, Node]] = []
         #: What happened to each planned fault, in plan order.
@@ -153,6 +169,7 @@ class LocalJob:
             "collide-checkpoint": self._collide_checkpoint,
             "collide-nodes": self._collide_nodes,
             "partition-etcd": _on_node(self._partition_etcd),
+            "slow-node": _on_node(self._slow_node),
             **opts.actions,
         }
         assert set(KINDS) <= set(self.actions), f"no action for {set(KINDS) - set(self.actions)}"
@@ -298,6 +315,49 @@ class LocalJob:
             record.extra["healed_s"] = round(time.monotonic() - cut, 3)
 
         self._after(0.1, heal)
+
+    def _slow_node(self, record: FaultRecord, node: Node) -> None:
+        """Slow the node's workers by ``factor`` (SIGSTOP for ``1 - 1/factor`` of every :data:`SLOW_PERIOD`,
+        SIGCONT for the rest; every process under the agent: workers, their stand-ins, the fork server) for
+        ``for`` seconds or until the job ends, on a thread of its own; the agent is left alone (it keeps
+        its lease: a slow node is not a lost one). Records ``factor``, ``for_s``,
+        the workers' PIDs and, once it ends, ``stopped_s`` (the time they were held) and ``ended_s``."""
+        factor = record.fault.option("factor") or 2.0
+        span = record.fault.option("for")
+        record.extra.update(factor=factor, for_s=span, period_s=SLOW_PERIOD, pids=[])
+        run_s = SLOW_PERIOD / factor
+        t0 = time.monotonic()
+
+        def cycle() -> None:
+            pids: set[int] = set()
+            workers: list[psutil.Process] = []
+            scanned, held = -math.inf, 0.0
+            try:
+                while not self._ending.is_set() and (span is None or time.monotonic() - t0 < span):
+                    if node.killed or node.stopped or node.proc.poll() is not None:
+                        self._ending.wait(SLOW_PERIOD)  # a hung or gone node: nothing to slow
+                        continue
+                    if time.monotonic() - scanned >= SLOW_RESCAN:
+                        scanned = time.monotonic()
+                        # every process under the agent: the stand-ins torchrun started pass signals on
+                        # to the workers the fork server forked, but a SIGSTOP cannot be passed on
+                        workers = tree(node.proc.pid)[1:]
+                        pids |= {p.pid for p in workers}
+                    stopped = time.monotonic()
+                    _signal_all(workers, signal.SIGSTOP)
+                    self._ending.wait(SLOW_PERIOD - run_s)
+                    _signal_all(workers, signal.SIGCONT)
+                    held += time.monotonic() - stopped
+                    self._ending.wait(run_s)
+            finally:
+                _signal_all(workers, signal.SIGCONT)
+                record.extra.update(
+                    pids=sorted(pids), stopped_s=round(held, 2), ended_s=round(time.monotonic() - t0, 2)
+                )
+
+        thread = threading.Thread(target=cycle, name=f"slow-node-{node.index}", daemon=True)
+        self._slowing.append(thread)
+        thread.start()
 
     def _add_node(self, record: FaultRecord, _node: Node | None) -> None:
         record.extra["new_node"] = self.start_node().index
@@ -491,10 +551,24 @@ class LocalJob:
         seen = time.time()
         for f in pending:
             assert f.fired_round is not None
-            if status.round > f.fired_round or status.state in ("restarting", "failed"):
+            if f.kind in SILENT_KINDS:  # a slow node: detected once the run flags it (straggler/<node>)
+                self._slow_flagged(f, status.stragglers, seen)
+            elif status.round > f.fired_round or status.state in ("restarting", "failed"):
                 f.detected_at = seen
                 self._print(f"   {f.label}: rendezvous reacted after {seen - (f.fired_at or seen):.2f}s "
                             f"({status.state}, round {status.round})")  # fmt: skip
+
+    def _slow_flagged(self, f: FaultRecord, stragglers: list[Any], seen: float) -> None:
+        """Mark a ``slow-node`` fault detected once the run flags its node (node ids carry the agent's
+        PID: ``host-PID-suffix``)."""
+        assert f.fault.node is not None
+        mark = f"-{self.nodes[f.fault.node].proc.pid}-"
+        hit = next((s for s in stragglers if mark in s.node), None)
+        if hit is not None:
+            f.detected_at = seen
+            f.extra["flagged_score"] = hit.score
+            self._print(f"   {f.label}: flagged as slow after {seen - (f.fired_at or seen):.2f}s "
+                        f"(score {hit.score:.2f}, {hit.state})")  # fmt: skip
 
     def _read_final_status(self) -> Any:
         """The run's lifecycle state in etcd (``None`` if etcd cannot say)."""
@@ -577,6 +651,9 @@ class LocalJob:
 
     def cleanup(self) -> None:
         """Stop every process this job started (stopped ones resumed first), etcd, and shared memory."""
+        self._ending.set()
+        for thread in self._slowing:
+            thread.join(timeout=5)
         for n in [*self.nodes, *(node for _, node in self.intruders)]:
             if n.proc.poll() is None:
                 self._remember(n.proc.pid)
@@ -621,6 +698,13 @@ def _signalled(record: FaultRecord) -> None:
     now = time.time()
     record.extra["tree_walk_s"] = round(now - (record.fired_at or now), 3)
     record.fired_at = now
+
+
+def _signal_all(procs: list[psutil.Process], sig: int) -> None:
+    """Send ``sig`` to each process that still runs (one that exited meanwhile is skipped)."""
+    for p in procs:
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+            p.send_signal(sig)
 
 
 def _is_worker(p: psutil.Process) -> bool:

@@ -244,6 +244,12 @@ class Stats:
     """Their seconds, each from its save to its commit."""
     durable_last_s: float = 0.0
     durable_bytes: int = 0
+    busy_s: float | None = None
+    """This worker's mean busy time per step since the last report: the step's wall time less the time it
+    waited for its gradient all-reduce (docs/stragglers.md); None when no step was timed. The mean, not the
+    median: a node stalled for one step in three loses a third of its pace, which the median hides."""
+    busy_steps: int = 0
+    """Steps that mean is of."""
 
     def encode(self) -> dict[str, Any]:
         return {
@@ -260,6 +266,8 @@ class Stats:
             "durable_s": self.durable_s,
             "durable_last_s": self.durable_last_s,
             "durable_bytes": self.durable_bytes,
+            "busy_s": self.busy_s,
+            "busy_steps": self.busy_steps,
         }
 
     @classmethod
@@ -278,6 +286,8 @@ class Stats:
             durable_s=_number(d, "durable_s"),
             durable_last_s=_number(d, "durable_last_s"),
             durable_bytes=_int(d, "durable_bytes"),
+            busy_s=_number(d, "busy_s") if d.get("busy_s") is not None else None,
+            busy_steps=_int(d, "busy_steps") if "busy_steps" in d else 0,
         )
 
 

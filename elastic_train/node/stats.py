@@ -10,6 +10,7 @@ write.
 from __future__ import annotations
 
 import os
+import statistics
 import time
 from collections.abc import Callable
 
@@ -47,12 +48,23 @@ class StatsCounter:
         self._reported_at = 0.0
         self._rate_from = (0.0, 0)
         self._pending = False
+        self._busy: list[float] = []
 
     def committed(
-        self, round: int | None, step: int, save_s: float, durable: tuple[int, float, int] | None = None
+        self,
+        round: int | None,
+        step: int,
+        save_s: float,
+        durable: tuple[int, float, int] | None = None,
+        busy_s: float | None = None,
     ) -> None:
-        """Count a committed step: its round, the seconds its save took, and the newest durable checkpoint
-        committed so far (``(step, seconds, bytes)``; one already counted is not counted again)."""
+        """Count a committed step: its round, the seconds its save took, the newest durable checkpoint
+        committed so far (``(step, seconds, bytes)``; one already counted is not counted again), and its
+        busy time (the step's wall time less its wait for the gradient all-reduce; None: not timed)."""
+        if round != self.round:
+            self._busy.clear()  # a new round's first step includes the re-formation: not a step's work
+        elif busy_s is not None and busy_s >= 0:
+            self._busy.append(busy_s)
         self.snapshots += 1
         self.snapshot_s += save_s
         self.snapshot_last_s = save_s
@@ -93,6 +105,7 @@ class StatsCounter:
     def _send(self, now: float) -> None:
         self._reported_at = now
         self._pending = False
+        busy, self._busy = self._busy, []
         self._report(
             Stats(
                 pid=self.pid,
@@ -108,5 +121,7 @@ class StatsCounter:
                 durable_s=max(0.0, self.durable_s),
                 durable_last_s=max(0.0, self.durable_last_s),
                 durable_bytes=max(0, self.durable_bytes),
+                busy_s=statistics.fmean(busy) if busy else None,
+                busy_steps=len(busy),
             )
         )

@@ -4,10 +4,11 @@ with, and where a run's keys live."""
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from elastic_train.etcd.config import EtcdConfig
 from elastic_train.rendezvous.identity import JobIdentity
+from elastic_train.straggler.config import StragglerConfig
 
 #: Every run's keys live under this etcd prefix.
 ROOT = "/elastic_train/"
@@ -76,6 +77,10 @@ class RendezvousConfig(EtcdConfig):
     hot: bool = True
     """Survivors of a membership change keep their worker processes and re-form the process group in-process
     (docs/rendezvous.md, "Hot recovery"); false: every change restarts every worker."""
+
+    straggler: StragglerConfig = field(default_factory=StragglerConfig)
+    """Slow nodes: when a node counts as slow, and whether it is only reported or evicted
+    (docs/stragglers.md)."""
 
     def __post_init__(self) -> None:
         validate_run_id(self.run_id)
@@ -147,6 +152,8 @@ class ProtocolSettings:
     """Seconds a node whose identity differs from a live run's waits for that run's nodes to go away."""
     hot: bool = True
     """Membership changes are handled by the workers in-process where they can (:mod:`.hot`)."""
+    straggler: StragglerConfig = field(default_factory=StragglerConfig)
+    """Slow-node detection and its policy (:mod:`.slownodes`)."""
 
     @classmethod
     def from_config(cls, cfg: RendezvousConfig) -> ProtocolSettings:
@@ -164,4 +171,5 @@ class ProtocolSettings:
             keepalive_interval=cfg.keepalive_interval,
             identity_wait=cfg.identity_wait,
             hot=cfg.hot,
+            straggler=cfg.straggler,
         )

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import signal
 from collections.abc import Iterable, Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
+from operator import attrgetter
 
 from elastic_train.node import Outcome, seconds
 from elastic_train.torchcompat import WorkerExit
@@ -92,7 +94,7 @@ def decide_close(
         quiet_for: seconds since the last join or departure.
         has_previous_round: a round closed before in this job.
     """
-    joined_set = set(joined)
+    joined_set = joined if isinstance(joined, AbstractSet) else set(joined)  # a large job's: no copy
     n = len(joined_set)
     if n >= max_nodes:
         return Decision(True, 0.0, "max_nodes")
@@ -120,9 +122,20 @@ def assign_ranks(previous: list[str], joiners: Iterable[Joiner], max_nodes: int)
     survivors = [n for n in previous if n in by_id]
     kept = set(survivors)
     newcomers = sorted(
-        (j for j in by_id.values() if j.node_id not in kept), key=lambda j: (j.revision, j.node_id)
+        (j for j in by_id.values() if j.node_id not in kept), key=attrgetter("revision", "node_id")
     )
     return (survivors + [j.node_id for j in newcomers])[:max_nodes]
+
+
+def ranks_before(previous_rank: Mapping[str, int], a: Joiner, b: Joiner) -> bool:
+    """Whether :func:`assign_ranks` puts joiner ``a`` before joiner ``b`` (``previous_rank``: each member of
+    the previous round by its rank there): survivors first in their previous order, then newcomers by join
+    revision and node id. O(1): a node that is not in a picture of the forming round yet can tell whether it
+    would come before the picture's first node (and so may be the one to close the round)."""
+    ra, rb = previous_rank.get(a.node_id), previous_rank.get(b.node_id)
+    if ra is not None or rb is not None:
+        return rb is None or (ra is not None and ra < rb)
+    return (a.revision, a.node_id) < (b.revision, b.node_id)
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,6 +32,16 @@ from elastic_train.torchcompat import TorchrunAgent, WorkerSlot, role_info_key
 ASSIGN_TIMEOUT = 10.0
 #: Seconds between two probes of a member of the forming round that has not written its rank information.
 PROBE_EVERY = 0.1
+#: Seconds of waiting for a member's part before its agent is probed (a live member writes in milliseconds;
+#: probing all N members at once would be N connections per agent).
+PROBE_AFTER = 0.5
+#: Missing parts an agent looks up one by one at every look; above, one by one every SCAN_EVERY seconds once
+#: a part is PROBE_AFTER seconds late.
+SCAN_ALWAYS = 32
+SCAN_EVERY = 0.25
+#: Extra seconds between two looks per agent of the round (at most MAX_SPACING): rank 0's store serves all.
+SPACING_PER_AGENT = 0.00005
+MAX_SPACING = 0.1
 
 
 class RoundAbandoned(Exception):
@@ -133,9 +143,20 @@ def await_members(
     keys = {i: role_info_key(i) for i in range(result.world_size) if i != result.rank}
     deadline = time.monotonic() + ASSIGN_TIMEOUT
     probed: dict[int, float] = {}
+    scanned = -1.0
+    started = time.monotonic()
+    # every agent of the round asks rank 0's store: at N agents a look costs it N requests, so a large
+    # round looks less often, and asks key by key (to know whom it waits for) only once a part is late
+    # (PROBE_AFTER), then at most every SCAN_EVERY
+    spacing = min(MAX_SPACING, SPACING_PER_AGENT * result.world_size)
     while keys:
         try:
-            keys = {i: k for i, k in keys.items() if not store.check([k])}
+            if store.check(list(keys.values())):  # one request: every part written
+                return
+            now = time.monotonic()
+            if len(keys) <= SCAN_ALWAYS or (now - started >= PROBE_AFTER and now - scanned >= SCAN_EVERY):
+                scanned = now
+                keys = {i: k for i, k in keys.items() if not store.check([k])}
         except RuntimeError as exc:
             raise RoundAbandoned(f"the round's store on rank 0 is unreachable: {exc}") from exc
         if not keys:
@@ -149,7 +170,7 @@ def await_members(
                 raise RoundAbandoned(f"member {node} (rank {i}) lost its lease")
             if node in beyond:
                 raise RoundAbandoned(f"member {node} (rank {i}) asks for a newer round")
-            if now - probed.get(i, 0.0) >= PROBE_EVERY:
+            if now - started >= PROBE_AFTER and now - probed.get(i, 0.0) >= PROBE_EVERY:
                 probed[i] = now
                 if probe_node(result.nodes.get(node)) == "refused":
                     raise RoundAbandoned(f"member {node} (rank {i}): its agent is gone (store port refused)")
@@ -158,4 +179,6 @@ def await_members(
                 f"rank(s) {sorted(keys)} of round {result.round} did not exchange ranks within "
                 f"{ASSIGN_TIMEOUT:g} s"
             )
+        if spacing > 0:
+            time.sleep(spacing)
         pause()

@@ -36,11 +36,14 @@ survives from one worker group to the next.
 
 from __future__ import annotations
 
+import contextlib
+import math
 import os
 import shutil
 import socket
 import sys
 import threading
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -53,10 +56,11 @@ from torch.distributed.elastic.rendezvous.api import (
 from elastic_train.envvars import ENV_NODE_DIR
 from elastic_train.errors import ConfigError
 from elastic_train.etcd.client import Etcd
+from elastic_train.etcd.errors import EtcdError
 from elastic_train.log import bind_context, get_logger
 from elastic_train.node import AgentChannel, Assignment, Outcome
 from elastic_train.procs import scratch_dir
-from elastic_train.rendezvous.config import ProtocolSettings
+from elastic_train.rendezvous.config import ProtocolSettings, run_prefix
 from elastic_train.rendezvous.decide import exit_report, torchrun_report
 from elastic_train.rendezvous.errors import JobFailed, RendezvousClosed, RunFinished, RunRefused
 from elastic_train.rendezvous.exchange import RoundStores
@@ -67,7 +71,10 @@ from elastic_train.rendezvous.leave import LeaveOnSignal, announce
 from elastic_train.rendezvous.observe import RunObserver
 from elastic_train.rendezvous.protocol import Participant
 from elastic_train.rendezvous.records import RoundResult
+from elastic_train.rendezvous.slownodes import STANDING, EvictOrder, SlowNodes
 from elastic_train.rendezvous.standby import Standby
+from elastic_train.straggler.policy import probation
+from elastic_train.straggler.record import StragglerRecord
 from elastic_train.torchcompat import torchrun_failures, torchrun_nproc_per_node
 
 log = get_logger(__name__)
@@ -126,6 +133,17 @@ class Etcd3RendezvousHandler(RendezvousHandler):
         self._leave_on_signal = LeaveOnSignal(self._leave)
         self._hot: HotPath | None = None
         self._standby: Standby | None = None
+        self._slow = SlowNodes(
+            lambda: self._participant,
+            self._node,
+            settings,
+            self._on_evicted,
+            lambda: self._hot is not None and self._hot.engaged(),
+        )
+        self._node_id: str | None = None
+        self._eviction: EvictOrder | None = None
+        self._evictions = 0
+        self._evict_lock = threading.Lock()
 
     # -- RendezvousHandler --------------------------------------------------------------------------------
 
@@ -156,8 +174,10 @@ class Etcd3RendezvousHandler(RendezvousHandler):
                 self._settings,
                 addr=self._addr,
                 store_port=server.port,
+                node_id=self._node_id,
                 script_clock=self._node.script_clock,
             )
+            self._node_id = participant.node_id  # kept when it rejoins after an eviction
             stores = RoundStores(server, self._addr, self._store_timeout, participant.node_id)
             fence = Fence(participant, self._node)
             fence.start_gate()
@@ -168,6 +188,7 @@ class Etcd3RendezvousHandler(RendezvousHandler):
                 self._standby = standby
                 self._hot = HotPath(participant, self._node, fence, standby, stores, self._join_lock)
             self._stores, self._fence, self._participant = stores, fence, participant
+            self._slow.start()
         return self._participant
 
     def next_rendezvous(self) -> RendezvousInfo:
@@ -180,6 +201,7 @@ class Etcd3RendezvousHandler(RendezvousHandler):
         """
         try:
             self._end_if_workers_gave_up()
+            self._serve_probation()
             return self._next_rendezvous()
         except RunRefused as exc:
             _say(f"elastic-train: error: {exc.message}")
@@ -306,6 +328,8 @@ class Etcd3RendezvousHandler(RendezvousHandler):
         self._closed_by_us = True
 
     def num_nodes_waiting(self) -> int:
+        if self._eviction is not None:
+            return 1  # evicted as slow: torchrun stops the workers and asks for the next round
         if self._participant is None:
             return 0
         self._leave_on_signal.arm()  # torchrun (re-)installs its SIGTERM handler when it starts workers
@@ -324,6 +348,80 @@ class Etcd3RendezvousHandler(RendezvousHandler):
             return 0  # the workers re-form in-process; the hot path's thread runs the round
         return self._participant.num_waiting()
 
+    # -- slow nodes (elastic_train.rendezvous.slownodes) -----------------------------------------------------
+    def _on_evicted(self, order: EvictOrder) -> None:
+        """This node was evicted as slow (the slow-node thread): leave the round cleanly (the others re-form
+        in-process without it, no failure budget spent); torchrun then stops the workers at its next look
+        (:meth:`num_nodes_waiting`) and :meth:`next_rendezvous` serves the probation."""
+        with self._evict_lock:
+            if self._eviction is not None:
+                return
+            self._eviction = order
+        p = self._participant
+        if p is not None:
+            announce(p, f"evicted as a slow node (score {order.score:g} at step {order.step})", final=False)
+        if self._hot is not None:
+            self._hot.give_up("this node was evicted as a slow node")
+
+    def _serve_probation(self) -> None:
+        """After an eviction: wait out the probation, then let the node rejoin on trial as a newcomer (its
+        workers built on standby); or leave the job (status 0, one line) after ``max_trials`` evictions.
+
+        Raises:
+            RunFinished: the node leaves, or the run finished meanwhile.
+        """
+        order = self._eviction
+        if order is None:
+            return
+        self._evictions += 1
+        verdict = probation(node=order.node, evictions=self._evictions, cfg=self._settings.straggler)
+        log.warning(verdict.event, **verdict.fields())
+        self._retire()
+        if verdict.action == "leave":
+            line = (
+                f"node {order.node} leaves the job: evicted as a slow node {verdict.evictions} times "
+                f"(rendezvous.straggler.max_trials {verdict.max_trials})"
+            )
+            _say(f"elastic-train: {line}")
+            raise RunFinished(line)
+        prefix = run_prefix(self._settings.run_id)
+        lease = 0
+        try:
+            lease = self._etcd.lease_grant(math.ceil(verdict.wait_s) + 30)
+            n, of = verdict.evictions, verdict.max_trials
+            why = f"rejoins on trial in {verdict.wait_s:g} s (eviction {n} of {of})"
+            rec = StragglerRecord(order.node, "probation", order.score, order.step, time.time(), "evict", why)
+            self._etcd.put(prefix + STANDING + order.node, rec.encode(), lease)
+        except EtcdError as exc:  # status shows less; the probation itself needs nothing of etcd
+            log.warning("straggler_probation_unrecorded", node=order.node, error=str(exc))
+        deadline = time.monotonic() + verdict.wait_s
+        while time.monotonic() < deadline:
+            time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+            try:
+                closed = self._etcd.get(prefix + "closed")
+            except EtcdError:
+                continue
+            if closed is not None:
+                line = f"run {self._settings.run_id} finished while node {order.node} was on probation"
+                _say(f"elastic-train: {line}")
+                raise RunFinished(line)
+        if lease:
+            with contextlib.suppress(EtcdError):
+                self._etcd.lease_revoke(lease)
+        self._eviction = None
+        log.info("straggler_rejoin", node=order.node, evictions=self._evictions, waited_s=verdict.wait_s)
+
+    def _retire(self) -> None:
+        """Drop this node's participant and what hangs on it (it left the run): the next use makes new ones,
+        under the same node id."""
+        if self._hot is not None:
+            self._hot.close()
+        if self._fence is not None:
+            self._fence.close()
+        if self._participant is not None:
+            self._participant.leave()
+        self._hot = self._standby = self._fence = self._stores = self._participant = None
+
     def _leave(self, reason: str) -> None:
         """SIGTERM: leave the run cleanly (:mod:`elastic_train.rendezvous.leave`); torchrun then stops the
         workers and the agent exits by the signal."""
@@ -331,6 +429,7 @@ class Etcd3RendezvousHandler(RendezvousHandler):
             announce(self._participant, reason)
 
     def shutdown(self) -> bool:
+        self._slow.close()
         if self._observer is not None:
             self._observer.close()
         if self._hot is not None:

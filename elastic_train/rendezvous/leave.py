@@ -63,13 +63,14 @@ class Leaver(Protocol):
     def leave(self) -> None: ...
 
 
-def announce(participant: Leaver, reason: str) -> bool:
+def announce(participant: Leaver, reason: str, *, final: bool = True) -> bool:
     """Mark ``participant``'s node as leaving the run on purpose, and take it out of the run at once.
 
     After this the participant writes nothing more: it joins no round (``join`` raises
     :class:`~elastic_train.rendezvous.errors.NodeLeft`) and its lease is revoked. Returns False when the
     node has not taken part in a round yet (nothing to leave: its keys go with its lease) or etcd failed
-    (then the others see it lost when its lease expires: a failure, as before).
+    (then the others see it lost when its lease expires: a failure, as before). ``final``: the process
+    leaves with it (False: an evicted node, which may rejoin under a new participant).
     """
     p = participant
     if p.leaving:
@@ -93,7 +94,7 @@ def announce(participant: Leaver, reason: str) -> bool:
         p.leave()
         return False
     global _announced
-    _announced = True
+    _announced = _announced or final
     log.info("rendezvous_node_left", node=p.node_id, round=p.round, reason=reason, run_id=p.s.run_id)
     p.leave()
     return True

@@ -23,7 +23,7 @@ from elastic_train.log import get_logger
 from elastic_train.metrics import agent
 from elastic_train.node import AgentChannel, Stats
 from elastic_train.procs import running
-from elastic_train.rendezvous import budget
+from elastic_train.rendezvous import budget, slownodes
 from elastic_train.rendezvous.config import ProtocolSettings
 from elastic_train.rendezvous.protocol import Participant
 
@@ -190,6 +190,8 @@ class RunObserver:
         if p is not None:
             with p.view.cond:
                 record, total = p.run.budget(), p.run.failures()
+                evictions = p.view.get(slownodes.EVICTIONS)
+                standing = p.view.under(slownodes.STANDING)
             now = time.time()
             in_window = total if s.failure_window <= 0 else record.in_window(now, s.failure_window)
             left = budget.left(record, now=now, budget=s.failure_budget, window=s.failure_window, total=total)
@@ -200,7 +202,10 @@ class RunObserver:
             counters += [
                 ("failures", "Failures over the run's life", total),
                 ("leaves", "Nodes that left the run cleanly (SIGTERM), not failures", record.leaves),
-            ]
+                ("evictions", "Slow nodes evicted over the run's life (docs/stragglers.md)",
+                 slownodes.eviction_total(evictions.value if evictions is not None else None)),
+            ]  # fmt: skip
+            gauges.append(("slow_nodes", "Nodes flagged as slow, evicted or on probation now", len(standing)))
         stats = self._stats()
         with self._lock:
             t = self._exited

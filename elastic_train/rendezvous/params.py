@@ -21,6 +21,7 @@ from elastic_train.errors import ConfigError
 from elastic_train.etcd.config import TLSConfig
 from elastic_train.etcd.endpoints import format_endpoints, parse_endpoints
 from elastic_train.rendezvous.config import RendezvousConfig
+from elastic_train.straggler.config import StragglerConfig
 
 if TYPE_CHECKING:
     # Not imported at run time: importing torch's rendezvous package loads the torchrun.handlers entry
@@ -107,6 +108,20 @@ _FLOATS = (
 )
 _INTS = ("failure_budget", "metrics_port")
 _TLS = ("ca_file", "cert_file", "key_file")
+#: Settings of :class:`StragglerConfig` and their types (rdzv-conf ``straggler`` and ``straggler_<name>``).
+STRAGGLER_FIELDS: dict[str, type[int] | type[float] | type[str]] = {
+    "policy": str,
+    "threshold": float,
+    "clear_below": float,
+    "report_every": float,
+    "window": int,
+    "slow_steps": int,
+    "slow_seconds": float,
+    "max_evictions": int,
+    "eviction_window": float,
+    "probation_seconds": float,
+    "max_trials": int,
+}
 
 
 @dataclass(kw_only=True, slots=True)
@@ -182,6 +197,7 @@ def parse_conf(
     torch_dynamic: dict[str, int] = {}
     ignored: dict[str, str] = {}
     protocol: str | None = None
+    straggler: dict[str, Any] = {}
     explicit_join = "join_timeout" in conf
     for key, raw in conf.items():
         if key == "timeout" and explicit_join:
@@ -215,6 +231,12 @@ def parse_conf(
             if protocol not in ("http", "https"):
                 raise ConfigError(f"rdzv-conf: protocol={raw!r} must be http or https")
             continue
+        if key == "straggler" or key.startswith("straggler_"):
+            if dynamic:
+                ignored[key] = "slow-node detection runs in the etcd3 handler only"
+            else:
+                straggler[key] = raw
+            continue
         name = ALIASES.get(key, key)
         if name not in CONF_KEYS:
             known = [*CONF_KEYS, *ALIASES, "read_timeout", "protocol"]
@@ -237,6 +259,7 @@ def parse_conf(
             tls[name] = str(raw)
         else:
             values[name] = str(raw)
+    slow_nodes = straggler_config(straggler)
     if protocol == "https" and "ca_file" not in tls:
         raise ConfigError("rdzv-conf: protocol=https needs ca_file (or ca_cert): the etcd server's CA bundle")
     if protocol == "http" and tls:
@@ -248,12 +271,34 @@ def parse_conf(
             min_nodes=min_nodes,
             max_nodes=max_nodes,
             tls=TLSConfig(**tls) if tls else None,
+            straggler=slow_nodes,
             **values,
         )
         options = StoreOptions(**store, dynamic=torch_dynamic)
     except ValueError as exc:
         raise ConfigError(f"rdzv-conf: {exc}") from exc
     return ParsedConf(config=config, store=options, ignored=ignored)
+
+
+def straggler_config(conf: Mapping[str, Any]) -> StragglerConfig:
+    """The :class:`StragglerConfig` of the rdzv-conf keys ``straggler`` (the policy) and ``straggler_<name>``
+    (each other setting, e.g. ``straggler_threshold=1.5``).
+
+    Raises:
+        ConfigError: an unknown setting, a value of the wrong type, or an invalid value.
+    """
+    values: dict[str, Any] = {}
+    for key, raw in conf.items():
+        name = "policy" if key == "straggler" else key[len("straggler_") :]
+        if name not in STRAGGLER_FIELDS or (key != "straggler" and name == "policy"):
+            known = ", ".join(["straggler", *(f"straggler_{f}" for f in STRAGGLER_FIELDS if f != "policy")])
+            raise ConfigError(f"rdzv-conf: unknown key {key!r} (slow-node keys: {known})")
+        kind = STRAGGLER_FIELDS[name]
+        values[name] = _number(key, raw, kind) if kind is int or kind is float else str(raw).strip()
+    try:
+        return StragglerConfig(**values)
+    except ValueError as exc:
+        raise ConfigError(f"rdzv-conf: slow-node settings (straggler keys): {exc}") from None
 
 
 def conf_to_config(
@@ -299,6 +344,12 @@ def rdzv_conf(cfg: RendezvousConfig) -> dict[str, str]:
     }
     if cfg.join_window is not None:
         out["join_window"] = f"{cfg.join_window:g}"
+    default = StragglerConfig()
+    out["straggler"] = cfg.straggler.policy
+    for name in STRAGGLER_FIELDS:
+        value = getattr(cfg.straggler, name)
+        if name != "policy" and value != getattr(default, name):
+            out[f"straggler_{name}"] = f"{value:g}"
     if cfg.metrics_port is not None:
         out["metrics_port"] = str(cfg.metrics_port)
     if cfg.keepalive_interval is not None:

@@ -34,6 +34,7 @@ from elastic_train.rendezvous.decide import (
     decide_close,
     hold_for_startup_reports,
     is_startup_report,
+    ranks_before,
 )
 from elastic_train.rendezvous.errors import (
     FailureBudgetExhausted,
@@ -50,6 +51,7 @@ from elastic_train.rendezvous.records import (
     RunReader,
     finished_line,
     new_node_id,
+    parse_join,
     run_view,
 )
 from elastic_train.rendezvous.view import LeaseKeeper, RunView
@@ -58,6 +60,7 @@ log = get_logger(__name__)
 
 __all__ = [
     "CloseAttempt",
+    "Forming",
     "JoinState",
     "Participant",
     "ProtocolSettings",
@@ -70,11 +73,19 @@ __all__ = [
 #: Least seconds between two evaluations of the forming round by the node expected to close it (or while that
 #: is not known yet), and by every other node. A watch batch that brings no new ``round`` record within these
 #: intervals is folded into the next evaluation: each one costs O(N), and in a large job a batch arrives with
-#: almost every join. Others only step in when the closer is silent for a lease TTL, so they look less often.
+#: almost every join. Others only step in when the closer is silent for a lease TTL, so they look less often,
+#: sleep through joins and departures (a new record wakes them), do not probe silent members, and may read a
+#: picture of the forming round up to their interval old if nothing but joins changed since (shared by the
+#: participants of one view, :func:`forming`). A job of N nodes costs its view readers N / interval looks a
+#: second in all: what N simulated nodes on a few cores pay, and what N agents spend apart. (A follower that
+#: becomes the closer because the closer left mid-round learns it at its next look, within the interval.)
 CLOSER_EVAL_INTERVAL = 0.02
-FOLLOWER_EVAL_INTERVAL = 0.25
+FOLLOWER_EVAL_INTERVAL = 1.0
 #: Longest wait for the watch to show this node's own join before the forming round is evaluated again.
 OWN_JOIN_WAIT = 0.05
+#: Longest wait for the view to reach the revision of this node's own join write (it wakes the node as soon
+#: as it does; a lagging watch then costs no looks at the run meanwhile).
+JOIN_SHOWN_WAIT = 1.0
 #: Seconds a node leaves its workers running after members re-joined because theirs failed before any step
 #: (their own failure, if it is the same, then reaches the round first; see ``_hold_for_startup_failures``).
 STARTUP_REPORT_GRACE = 3.0
@@ -83,6 +94,43 @@ STARTUP_REPORT_HOLD_MAX = 30.0
 #: Seconds before a member whose store port accepted a probe is probed again in the same round: a killed
 #: agent's port may accept while the kernel still tears the process down.
 REPROBE_INTERVAL = 0.1
+
+
+@dataclass(frozen=True, slots=True)
+class Forming:
+    """The round being formed as one view shows it: shared, read-only, by every reader of that view."""
+
+    live: set[str]
+    """Every node with a lease."""
+    joins: dict[str, Joiner]
+    """The live nodes asking for the round."""
+    order: list[str]
+    """Its prospective rank order (:func:`~elastic_train.rendezvous.decide.assign_ranks`): ``order[0]``
+    closes it."""
+    previous_rank: dict[str, int]
+    """Each member of the last round by its rank there."""
+
+    def closer_after(self, me: Joiner) -> bool:
+        """Whether ``me``, a joiner this picture does not show yet, would come after its first node: then
+        ``me`` does not close the round however old the picture is."""
+        first = self.joins.get(self.order[0]) if self.order else None
+        return first is not None and not ranks_before(self.previous_rank, me, first)
+
+
+def forming(run: RunReader, target: int, rec: RoundRecord | None, rec_rev: int, max_nodes: int,
+            max_age: float) -> Forming:  # fmt: skip
+    """The round ``target`` being formed after ``rec`` (``rec_rev``: its revision), from ``run``'s view
+    (``cond`` held): computed once per view revision for all its readers, or reused for ``max_age`` seconds
+    (:meth:`~elastic_train.rendezvous.view.RunView.memo`)."""
+
+    def compute() -> Forming:
+        live = run.live()
+        joins = {n: j for n, j in run.joins().items() if j.target == target and n in live}
+        previous = rec.members if rec else []
+        order = assign_ranks(previous, joins.values(), max_nodes)
+        return Forming(live, joins, order, {n: i for i, n in enumerate(previous)})
+
+    return run.view.memo(("forming", target, rec_rev), compute, max_age)
 
 
 @dataclass(slots=True)
@@ -164,6 +212,8 @@ class Participant:
         #: The lease keeper's loss count when this node's round closed (see :meth:`_put_join`).
         self._losses_at_round = 0
         self._join_value: bytes | None = None
+        #: Store revision of this node's last join write (the view shows it once it reached that).
+        self._join_revision = 0
         self._started = False
         self._lock = threading.Lock()
         self._waiting_cause: str | None = None
@@ -226,7 +276,9 @@ class Participant:
         }
         self.etcd.put(self.prefix + "nodes/" + self.node_id, json.dumps(node).encode(), lease_id)
         if self._join_value is not None:
-            self.etcd.put(self.prefix + "join/" + self.node_id, self._join_value, lease_id)
+            self._join_revision = self.etcd.put(
+                self.prefix + "join/" + self.node_id, self._join_value, lease_id
+            )
         if self.inproc:
             self.etcd.put(self.prefix + "inproc/" + self.node_id, b"1", lease_id)
 
@@ -392,7 +444,7 @@ class Participant:
                 with self.view.cond:  # let the watch deliver the outcome before deciding again
                     rec, _ = self.run.round_record()
                     if rec is None or rec.round < step.target:  # not delivered while the close ran
-                        self.view.cond.wait(0.2)
+                        self.view.wait_record(0.2)
 
     def _begin_join(self) -> JoinState:
         """The first target round and why this node joins; refuses a taken-over or closed run."""
@@ -432,7 +484,7 @@ class Participant:
             state.missed(rec.round)
             return None
         if now < state.next_eval:
-            self.view.cond.wait(state.next_eval - now)
+            self.view.wait_record(state.next_eval - now)
             return None
         return self._evaluate(state, rec, rec_rev, now)
 
@@ -442,43 +494,58 @@ class Participant:
         """Decide whether the forming round closes now and whether this node closes it (``view.cond`` held).
 
         The prospective rank 0 closes; the others step in if it has not within a lease TTL. Without a close
-        to attempt, waits for the next change (or the settle window's end).
+        to attempt, waits for the next change (or the settle window's end); a follower waits for a new
+        record only (joins do not wake it) and decides on a picture of the forming round up to
+        :data:`FOLLOWER_EVAL_INTERVAL` old.
         """
-        live = self.run.live()
-        joins = {n: j for n, j in self.run.joins().items() if j.target == state.target and n in live}
-        if self.node_id not in joins:
-            # the watch has not delivered this node's own join yet (or its lease is being re-created):
-            # deciding now would leave it out of the prospective order, and the prospective rank 0 would
-            # then look again only after a follower's interval
-            self.view.cond.wait(OWN_JOIN_WAIT)
+        own = self.view.get("join/" + self.node_id)
+        if own is None or own.value != self._join_value:
+            # the watch has not delivered this node's own join yet: deciding now would leave it out of the
+            # prospective order, and the prospective rank 0 would then look again only after a follower's
+            # interval. (Past its revision, the key went with a lost lease and is being written again.)
+            if self.view.revision >= self._join_revision:
+                self.view.wait_record(JOIN_SHOWN_WAIT)  # it shows once the lease is granted anew
+            else:
+                self.view.wait_revision(self._join_revision, JOIN_SHOWN_WAIT)
             return None
-        if joins and state.first_join_seen is None:
+        stepping_in = state.close_due is not None and now - state.close_due >= self.s.lease_ttl
+        f = self._forming(state, rec, rec_rev, 0.0 if stepping_in else FOLLOWER_EVAL_INTERVAL)
+        mine = f.joins.get(self.node_id) or parse_join(self.node_id, own)
+        if f.order[:1] == [self.node_id] or (self.node_id not in f.joins and not f.closer_after(mine)):
+            f = self._forming(state, rec, rec_rev, 0.0)  # it may close the round: a picture of now
+            if self.node_id not in f.joins:  # its lease is being re-created: no node key yet
+                self.view.wait_record(OWN_JOIN_WAIT)
+                return None
+        closer = not f.order or f.order[0] == self.node_id
+        if state.first_join_seen is None:
             state.first_join_seen = now
         decision = decide_close(
-            joined=joins,
-            live=live,
+            joined=f.joins.keys(),
+            live=f.live,
             min_nodes=self.s.min_nodes,
             max_nodes=self.s.max_nodes,
             settle=self.s.settle,
             quiet_for=now - self.view.last_change,
             has_previous_round=rec is not None,
-            gone=self._known_gone(state, rec, live, joins),
+            gone=self._known_gone(state, rec, f.live, f.joins) if closer else (),
             join_window=self.s.settle if self.s.join_window is None else self.s.join_window,
             since_first_join=now - (state.first_join_seen or now),
         )
-        order = assign_ranks(rec.members if rec else [], joins.values(), self.s.max_nodes)
-        closer = not order or order[0] == self.node_id
         state.next_eval = now + (CLOSER_EVAL_INTERVAL if closer else FOLLOWER_EVAL_INTERVAL)
+        wait = self.view.cond.wait if closer else self.view.wait_record
         if not decision.close:
             state.close_due = None
-            self.view.cond.wait(max(0.01, min(decision.wait, state.deadline - now)))
+            wait(max(0.01, min(decision.wait, state.deadline - now)))
             return None
         state.close_due = state.close_due or now
-        if closer or now - state.close_due >= self.s.lease_ttl:
+        if closer or stepping_in:  # a follower steps in on a fresh picture only (``stepping_in``)
             state.next_eval = 0.0
-            return CloseAttempt(rec, rec_rev, joins, live, state.target)
-        self.view.cond.wait(min(0.5, self.s.lease_ttl))
+            return CloseAttempt(rec, rec_rev, dict(f.joins), set(f.live), state.target)
+        self.view.wait_record(min(0.5, self.s.lease_ttl))
         return None
+
+    def _forming(self, state: JoinState, rec: RoundRecord | None, rec_rev: int, max_age: float) -> Forming:
+        return forming(self.run, state.target, rec, rec_rev, self.s.max_nodes, max_age)
 
     def _known_gone(
         self, state: JoinState, rec: RoundRecord | None, live: set[str], joins: dict[str, Joiner]
@@ -547,7 +614,9 @@ class Participant:
             join.update(self.failure_report)
         self._join_value = json.dumps(join).encode()
         log.info("rendezvous_join", node=self.node_id, target_round=target, reason=reason)
-        self.etcd.put(self.prefix + "join/" + self.node_id, self._join_value, self.lease.lease_id)
+        self._join_revision = self.etcd.put(
+            self.prefix + "join/" + self.node_id, self._join_value, self.lease.lease_id
+        )
 
     def _adopt(self, rec: RoundRecord) -> RoundResult:
         self.round = rec.round

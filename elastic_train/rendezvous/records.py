@@ -18,6 +18,9 @@ Keys of a run, all under ``/elastic_train/<run_id>/``:
 - ``left/<node>``   (own lease) ``{"time", "round", "reason"}``: the node left on purpose (SIGTERM,
   :mod:`elastic_train.rendezvous.leave`); the close of the next round uses and deletes it.
 - ``closed``        ``{"reason": "finished"|"budget"|"failed", "message", "step", "time"}``: no more rounds.
+- ``evictions``     ``{"times", "total"}``: the recent evictions of slow nodes and their count
+  (:mod:`.slownodes`); ``evict/<node>`` (the decider's lease) the order to one, ``straggler/<node>`` a slow
+  node's standing for ``status``.
 - ``config``        ``{"failure_budget", "failure_window", "min_nodes", "max_nodes"}``: written once, by the
   first node.
 - ``identity``      ``{"fingerprint", "settings", "time", "node"}``: the settings every node must share
@@ -54,7 +57,7 @@ from elastic_train.rendezvous.view import RunView
 #: Seconds a closed run's record (closed mark, identity, last round, failures) stays in etcd.
 RUN_RECORD_TTL = 7 * 24 * 3600
 #: Keys of a run that are not on a node's lease (they outlive the nodes until the run is closed).
-RUN_RECORD_KEYS = ("closed", "identity", "round", "failures", "budget", "config")
+RUN_RECORD_KEYS = ("closed", "identity", "round", "failures", "budget", "config", "evictions")
 #: Key group of the clean leaves' marks (:mod:`elastic_train.rendezvous.leave`).
 LEFT = "left/"
 
@@ -153,24 +156,33 @@ class RoundResult:
     nodes: dict[str, dict[str, Any]]
 
 
+def parse_join(node: str, kv: KeyValue) -> Joiner:
+    """The join key of ``node`` (``{"target", "reason", ...}``).
+
+    Raises:
+        ValueError: it does not decode (not a JSON object, or no target round).
+    """
+    d = _object(kv.value)
+    code = d.get("exit_code")
+    error = d.get("error") or ""
+    return Joiner(
+        node,
+        _count(d.get("target"), "target"),
+        str(d.get("reason", "start")),
+        kv.create_revision,
+        exit_code=code if isinstance(code, int) and not isinstance(code, bool) else None,
+        error=str(error)[:2000],
+        trained=d.get("trained") is True,
+        ran_s=seconds(d.get("ran_s")),
+        signature=str(d.get("signature") or "")[:2000],
+        asked_at=unix_time(d.get("time")),
+    )
+
+
 def decode_join(node: str, kv: KeyValue) -> Joiner | None:
     """The join key of ``node`` (``{"target", "reason", ...}``), or None when it does not decode."""
     try:
-        d = _object(kv.value)
-        code = d.get("exit_code")
-        error = d.get("error") or ""
-        return Joiner(
-            node,
-            _count(d.get("target"), "target"),
-            str(d.get("reason", "start")),
-            kv.create_revision,
-            exit_code=code if isinstance(code, int) and not isinstance(code, bool) else None,
-            error=str(error)[:2000],
-            trained=d.get("trained") is True,
-            ran_s=seconds(d.get("ran_s")),
-            signature=str(d.get("signature") or "")[:2000],
-            asked_at=unix_time(d.get("time")),
-        )
+        return parse_join(node, kv)
     except ValueError:
         return None
 
@@ -197,15 +209,16 @@ def when(t: Any) -> str:
 
 
 class RunReader:
-    """A run's records as a node's watched view holds them, decoded (and cached while a key is unchanged).
+    """A run's records as a node's watched view holds them, decoded once per change of a key for every reader
+    of the view (:meth:`RunView.decoded`, :meth:`RunView.decoded_under`: the participants of one process that
+    share a view, as the scale benchmark runs them, decode a large round record or N joins once, not once
+    each).
 
     Every method reads the view's copy, no etcd call: call it with ``view.cond`` held.
     """
 
     def __init__(self, view: RunView) -> None:
         self.view = view
-        self._round: tuple[int, RoundRecord | None] = (0, None)
-        self._joins: dict[str, tuple[int, Joiner | None]] = {}
 
     def round_record(self) -> tuple[RoundRecord | None, int]:
         """The last closed round and its key's mod revision (None, 0 before the first).
@@ -216,9 +229,7 @@ class RunReader:
         kv = self.view.get("round")
         if kv is None:
             return None, 0
-        if self._round[0] != kv.mod_revision:
-            self._round = (kv.mod_revision, RoundRecord.decode(kv.value))
-        return self._round[1], kv.mod_revision
+        return self.view.decoded("round", RoundRecord.decode), kv.mod_revision
 
     def closed(self) -> dict[str, Any] | None:
         """The run's closed mark, if any (one that does not decode still closes the run)."""
@@ -252,18 +263,9 @@ class RunReader:
         return set(self.view.under("nodes/"))
 
     def joins(self) -> dict[str, Joiner]:
-        """Each node's join request (those that do not decode left out)."""
-        out = {}
-        for node, kv in self.view.under("join/").items():
-            cached = self._joins.get(node)
-            if cached is not None and cached[0] == kv.mod_revision:
-                joiner = cached[1]
-            else:
-                joiner = decode_join(node, kv)
-                self._joins[node] = (kv.mod_revision, joiner)
-            if joiner is not None:
-                out[node] = joiner
-        return out
+        """Each node's join request (those that do not decode left out): the view's own copy, valid while
+        ``view.cond`` is held; read it, do not mutate it."""
+        return self.view.decoded_under("join/", parse_join)
 
     def node(self, node: str) -> dict[str, Any] | None:
         """``node``'s node key (its address and store port), or None."""

@@ -18,6 +18,7 @@ from elastic_train.etcd.client import Etcd
 from elastic_train.rendezvous.budget import BudgetRecord
 from elastic_train.rendezvous.config import run_prefix
 from elastic_train.rendezvous.records import RoundRecord, decode_join
+from elastic_train.straggler.record import StragglerRecord
 
 
 @dataclass(slots=True)
@@ -66,6 +67,10 @@ class JobStatus:
     identity: dict[str, Any] = field(default_factory=dict)
     """The settings every node of the run shares (readable copy)."""
     fingerprint: str | None = None
+    stragglers: list[StragglerRecord] = field(default_factory=list)
+    """Slow nodes: flagged, evicted or on probation (``straggler/<node>``)."""
+    unreadable: list[str] = field(default_factory=list)
+    """Keys of the run that could not be read (their names)."""
 
     @property
     def failures_left(self) -> int | None:
@@ -131,6 +136,13 @@ def read_status(etcd: Etcd, run_id: str) -> JobStatus:
         entry = rec.nodes.get(node) if rec else None
         addr = entry.get("addr") if isinstance(entry, dict) else None
         members.append(Member(node=node, addr=addr, rank=rank, alive=node in live))
+    stragglers, unreadable = [], []
+    for k, v in sorted(keys.items()):
+        if k.startswith("straggler/"):
+            try:
+                stragglers.append(StragglerRecord.decode(k[len("straggler/") :], v))
+            except ValueError:
+                unreadable.append(k)
     waiting = []
     for kv in kvs:
         name = kv.key[len(prefix) :]
@@ -175,4 +187,6 @@ def read_status(etcd: Etcd, run_id: str) -> JobStatus:
         closed_at=float(at) if isinstance(at, int | float) else None,
         identity=settings if isinstance(settings, dict) else {},
         fingerprint=str(ident["fingerprint"]) if "fingerprint" in ident else None,
+        stragglers=stragglers,
+        unreadable=unreadable,
     )

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from elastic_train.checkpoint.config import CheckpointConfig
 from elastic_train.log import get_logger
+from elastic_train.train.busy import StepClock
 from elastic_train.train.errors import NotStateful, TrainingError
 from elastic_train.train.events import EventWriter
 from elastic_train.train.group import World, current_world
@@ -177,6 +178,9 @@ class Checkpointer:
         self.manager: Manager = manager
         self._planned = isinstance(manager, Planned) and manager.planned_snapshots is True
         self.hooks = list(hooks)
+        #: Times each step's wait for the gradient all-reduce (reported by the DDP hook of
+        #: :func:`elastic_train.train.busy.time_collectives`): slow-node detection compares busy times.
+        self.clock = StepClock()
         #: Where the restored state came from (``memory``, ``durable``, ``resume_from``), None when fresh.
         self.source: str | None = None
         self._restored = False
@@ -296,6 +300,7 @@ class Checkpointer:
     ) -> None:
         """The second half of :meth:`commit`: save the state of the step just counted and report it."""
         step = self.step
+        busy = self.clock.lap()
         for hook in self.hooks:
             hook(step)
         # A manager that takes a flattened state gets the planned one (no state dicts built per step).
@@ -316,7 +321,7 @@ class Checkpointer:
         committed = self._report_commit()
         if self.link.stats is not None:  # the agent's metrics (none outside an agent)
             durable = (committed.step, committed.seconds, committed.bytes) if committed is not None else None
-            self.link.committed(step, saved_s, durable)
+            self.link.committed(step, saved_s, durable, busy)
         if self.events.enabled:
             now = time.perf_counter()
             rate = samples / max(now - self._last_commit, 1e-9)

@@ -153,11 +153,18 @@ class ProcessLink:
             self._trained = self.round
             self.channel.mark_trained(self.round)
 
-    def committed(self, step: int, save_s: float, durable: tuple[int, float, int] | None = None) -> None:
-        """Count a committed step for the agent's metrics: the seconds its save took, and the newest durable
-        checkpoint committed so far (``(step, seconds, bytes)``); reported at most once a second."""
+    def committed(
+        self,
+        step: int,
+        save_s: float,
+        durable: tuple[int, float, int] | None = None,
+        busy_s: float | None = None,
+    ) -> None:
+        """Count a committed step for the agent's metrics and slow-node detection: the seconds its save took,
+        the newest durable checkpoint committed so far (``(step, seconds, bytes)``) and the step's busy time
+        (:mod:`elastic_train.train.busy`); reported at most once a second."""
         if self.stats is not None:
-            self.stats.committed(self.round, step, save_s, durable)
+            self.stats.committed(self.round, step, save_s, durable, busy_s)
 
     def report_exit(self, exc: BaseException, code: int = 1) -> None:
         """Tell the agent how this worker ends: the exception that escapes the script (its type, where it

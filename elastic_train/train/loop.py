@@ -27,6 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 from elastic_train.log import get_logger
 from elastic_train.train.api import Task
 from elastic_train.train.batching import loss_scale, micro_batches
+from elastic_train.train.busy import time_collectives
 from elastic_train.train.checkpointer import Checkpointer, Manager
 from elastic_train.train.config import TrainConfig
 from elastic_train.train.errors import TrainingError
@@ -198,8 +199,10 @@ class Trainer:
             options["init_sync"] = False
         ddp = DistributedDataParallel(self.model, device_ids=device_ids, **options)
         if self.world_size > 1 and LossCarrier.suitable(self.model):
-            self._carrier = LossCarrier()
+            self._carrier = LossCarrier(clock=self.ckpt.clock)
             self._carrier.register(ddp)
+        elif self.world_size > 1:
+            time_collectives(ddp, self.ckpt.clock)
         self.ddp = ddp
         return ddp
 

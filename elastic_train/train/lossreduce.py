@@ -21,14 +21,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from elastic_train.train.busy import StepClock
+
 PRECISE_DTYPES = (torch.float32, torch.float64)
 
 
 class LossCarrier:
     """DDP comm hook state: :meth:`arm` before the step's synchronizing backward, :meth:`take` after it."""
 
-    def __init__(self, group: Any = None) -> None:
+    def __init__(self, group: Any = None, clock: StepClock | None = None) -> None:
         self.group = group if group is not None else dist.group.WORLD
+        self.clock = clock
         self._pending: torch.Tensor | None = None
         self._reduced: torch.Tensor | None = None
 
@@ -56,9 +59,12 @@ def _hook(state: LossCarrier, bucket: dist.GradBucket) -> torch.futures.Future[t
     buf = bucket.buffer()
     buf.div_(world)  # as DDP's default hook: divide first, then sum
     pending = state._pending
+    clock = state.clock
     if bucket.index() != 0 or pending is None:
+        if clock is not None:
+            clock.launched()
         fut = dist.all_reduce(buf, group=state.group, async_op=True).get_future()
-        return fut.then(lambda f: f.value()[0])
+        return fut.then(lambda f: _done(clock, f.value()[0]))
     state._pending = None
     flat = torch.cat([buf, pending.reshape(1).to(device=buf.device, dtype=buf.dtype)])
     n = buf.numel()
@@ -66,9 +72,18 @@ def _hook(state: LossCarrier, bucket: dist.GradBucket) -> torch.futures.Future[t
     def split(f: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
         out = f.value()[0]
         state._reduced = out[n:]
-        return out[:n]
+        return _done(clock, out[:n])
 
+    if clock is not None:
+        clock.launched()
     return dist.all_reduce(flat, group=state.group, async_op=True).get_future().then(split)
+
+
+def _done(clock: StepClock | None, out: torch.Tensor) -> torch.Tensor:
+    """A bucket's all-reduce completed: tell the step clock (slow-node detection's wait)."""
+    if clock is not None:
+        clock.completed()
+    return out
 
 
 # DDP checks a hook's annotations by identity; postponed (string) annotations would fail that check.

@@ -8,6 +8,7 @@ from typing import Any
 
 from elastic_train.checkpoint.config import CheckpointConfig
 from elastic_train.rendezvous.config import RendezvousConfig
+from elastic_train.straggler.config import StragglerConfig
 from tests.docs.doccmds import ROOT
 
 
@@ -66,3 +67,9 @@ def test_rendezvous_md_names_every_rendezvous_setting() -> None:
     for name in ("lease_ttl", "settle", "failure_budget", "identity_wait", "connect_timeout", "rpc_timeout"):
         default = getattr(RendezvousConfig(), name)
         assert rows[name].split()[0] == shown(default), (name, rows[name], default)
+
+
+def test_stragglers_md_lists_every_slow_node_setting_with_its_default() -> None:
+    rows = table_rows(section("stragglers.md", "## Settings (`rendezvous.straggler:` in job.yaml)"))
+    expected = {f.name: shown(f.default) for f in dataclasses.fields(StragglerConfig)}
+    assert rows == expected

@@ -218,6 +218,29 @@ def test_scale_targets() -> None:
     assert "status" not in n256 and n256["why"] == "no N=256 round in this run (quick mode?)"
 
 
+def test_scale_targets_beyond_256_appear_for_the_sizes_a_run_tried() -> None:
+    assert set(scale_targets([scale_rec(8, 0.1, 0.1, 9)])) == {
+        "rendezvous alone at N=256 participants", "etcd writes per rendezvous round"
+    }  # fmt: skip
+    big = scale_rec(1024, 2.1, 3.4, 1030)
+    projection = {"watch_mb_per_agent": 0.3, "agent_cpu_ms": 12.0, "machine_cpu_s": 5.25}
+    for ops in (big["first_round_ops"], big["failure_round_ops"]):
+        ops["requests"] = 1040
+    big["projection"] = projection
+    doc = {"benchmark": "rdzv_scale", "settle_s": 1.0, "processes": 8, "watch": "shared", "bootstrap": []}
+    rounds = [scale_rec(8, 0.1, 0.1, 9), big, {"n": 4096, "watch": "shared", "error": "no answer"}]
+    done = load("rdzv_scale").summary(doc | {"scale": rounds})
+    row = done["figures"][1]
+    assert (row["requests/N"], row["KB watched / agent"], row["machine CPU s"]) == (1040 / 1024, 300.0, 5.25)
+    t = {x["name"]: x for x in done["targets"]}
+    n1024, n4096 = t["rendezvous alone at N=1024 participants"], t["rendezvous alone at N=4096 participants"]
+    assert (
+        n1024["status"] == "missed" and n1024["figure"].startswith("3.40 s") and "5.25 CPU-s" in n1024["why"]
+    )
+    assert n4096["threshold"] == "<= 10 s per round (first and failure)"
+    assert (n4096["status"], n4096["figure"], n4096["why"]) == ("missed", "did not finish", "no answer")
+
+
 def test_checkpoint_targets() -> None:
     t = ckpt_targets(ckpt_size(50), ckpt_size(200, stall=2.0))
     stall, thr = t["checkpoint stall of the training loop"], t["durable checkpoint throughput"]

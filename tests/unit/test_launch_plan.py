@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -34,6 +35,30 @@ def test_parse_fault_forms() -> None:
 )
 def test_parse_fault_errors(kind: str, spec: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
+        parse_fault(kind, spec)
+
+
+def test_a_slow_node_takes_a_factor_and_a_span() -> None:
+    f = parse_fault("slow-node", "1@step=30,factor=3,for=20")
+    assert (f.node, f.step, f.option("factor"), f.option("for")) == (1, 30, 3.0, 20.0)
+    assert f.label == "slow-node 1@step=30,factor=3,for=20"
+    g = parse_fault("slow-node", "2@step=5")
+    assert (g.option("factor"), g.option("for"), g.label) == (2.0, None, "slow-node 2@step=5")
+
+
+@pytest.mark.parametrize(
+    ("kind", "spec", "message"),
+    [
+        ("slow-node", "1@step=3,speed=2", "unknown option 'speed' (slow-node takes factor, for)"),
+        ("slow-node", "1@step=3,factor=1", "factor=1 must be above 1"),
+        ("slow-node", "1@step=3,for=0", "for=0 must be > 0 seconds"),
+        ("slow-node", "1@step=3,factor=fast", "factor='fast' is not a number"),
+        ("slow-node", "1@step=3,", "expected NODE@step=S[,factor=X][,for=X]"),
+        ("kill-node", "1@step=3,factor=2", "unknown option 'factor' (kill-node takes no options)"),
+    ],
+)
+def test_fault_options_are_checked(kind: str, spec: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)):
         parse_fault(kind, spec)
 
 

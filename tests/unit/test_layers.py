@@ -31,6 +31,7 @@ LAYER_OF = {
     "hf": "integration",
     "integrations": "integration",
     "node": "foundation",
+    "straggler": "foundation",
     "metrics": "foundation",
     "torchcompat": "compat",
     "config": "config",

@@ -7,6 +7,7 @@ import os
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,9 @@ class View:
 
     def under(self, group: str) -> dict[str, KV]:
         return {k[len(group) :]: KV(v) for k, v in self.keys.items() if k.startswith(group)}
+
+    def decoded(self, key: str, decode: Callable[[bytes], Any]) -> Any:
+        return decode(self.keys[key]) if key in self.keys else None
 
 
 @dataclass

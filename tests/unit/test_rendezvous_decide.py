@@ -10,6 +10,7 @@ from elastic_train.rendezvous.decide import (
     assign_ranks,
     count_waiting,
     decide_close,
+    ranks_before,
 )
 
 
@@ -82,6 +83,18 @@ def test_rank_zero_stays_while_alive_and_max_nodes_prefers_survivors():
     joiners = [j("x", rev=1), j("b"), j("a")]
     assert assign_ranks(["a", "b"], joiners, 2) == ["a", "b"]
     assert assign_ranks(["a", "b"], [j("b"), j("x", rev=1)], 4) == ["b", "x"]
+
+
+def test_ranks_before_agrees_with_the_order_assign_ranks_gives():
+    previous = ["a", "b", "c"]
+    joiners = [j("new2", rev=9), j("c"), j("a", rev=12), j("new1", rev=5), j("new0", rev=5)]
+    order = assign_ranks(previous, joiners, 8)
+    rank = {n: i for i, n in enumerate(previous)}
+    by_id = {x.node_id: x for x in joiners}
+    for x in order:
+        for y in order:
+            if x != y:
+                assert ranks_before(rank, by_id[x], by_id[y]) == (order.index(x) < order.index(y))
 
 
 def waiting(**kw):

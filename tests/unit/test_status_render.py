@@ -36,6 +36,17 @@ def test_failed_and_stopped_runs_call_no_member_lost() -> None:
         assert not any("(lost)" in ln for ln in lines), lines
 
 
+def test_slow_nodes_and_unreadable_keys_are_shown_while_the_run_lives() -> None:
+    from elastic_train.straggler.record import StragglerRecord
+
+    slow = [StragglerRecord(node="n1", state="flagged", score=2.04, step=120, since=5.0, policy="report")]
+    lines = render(status("running", (True, True), stragglers=slow, unreadable=["straggler/n9"]))
+    assert "slow nodes:" in lines
+    assert "  n1: flagged at step 120 (score 2.04, policy report)" in lines
+    assert "unreadable keys: straggler/n9" in lines
+    assert "slow nodes:" not in render(status("finished", (False, False), stragglers=slow))
+
+
 def test_the_budget_line_counts_the_window_and_the_leaves_apart() -> None:
     st = status("running", (True,), failures_used=7, failure_window=3600.0, failures_in_window=2, leaves=5)
     assert render(st)[1] == (

@@ -1,0 +1,99 @@
+"""Chaos: a node slowed for good is flagged, evicted through the hot path, readmitted on trial, evicted again,
+and leaves; nobody else restarts and no failure is counted.
+
+``slow-node 1@step=S,factor=3``: node 1's workers are held stopped two thirds of the time (SIGSTOP/SIGCONT)
+until the job ends. With ``rendezvous.straggler.policy: evict`` and ``failure_budget: 0`` (one failure would
+end the job), the run must: flag node 1 (and no other node) within its detection window, evict it as a clean
+leave (the survivors re-form in-process: no ``hot_fallback`` on them), let it rejoin after its probation,
+evict it again, and let it leave with one line and status 0 after ``max_trials`` evictions. Every sample is
+trained exactly once, at most one step is redone per eviction, and the run records two leaves, two
+evictions and no failure.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from elastic_train.config import load_job_config
+from elastic_train.launch.faults import parse_fault
+from elastic_train.launch.local import LocalJob, LocalOptions
+from elastic_train.train.audit import check_exactly_once
+
+pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.long, pytest.mark.timeout(300)]
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS = 260
+
+
+def events(log: Path) -> list[dict]:  # type: ignore[type-arg]
+    out = []
+    for line in log.read_text(errors="replace").splitlines():
+        if line.startswith("{") and '"straggler_' in line:
+            out.append(json.loads(line))
+    return out
+
+
+def test_a_node_slow_for_good_is_evicted_readmitted_on_trial_and_leaves(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    ov = {
+        "rendezvous.run_id": "slow-nodes",
+        "rendezvous.min_nodes": 2,
+        "rendezvous.max_nodes": 3,
+        "rendezvous.failure_budget": 0,
+        "rendezvous.lease_ttl": 2.0,
+        "rendezvous.settle": 0.5,
+        "rendezvous.straggler": {
+            "policy": "evict",
+            "report_every": 0.5,
+            "window": 3,
+            "slow_steps": 5,
+            "probation_seconds": 2.0,
+            "max_trials": 2,
+            "max_evictions": 5,
+        },
+        "train.task": "tests.chaos.chaos_task:build",
+        "train.task_args": {"step_delay": 0.03},
+        "train.steps": STEPS,
+        "train.global_batch": 24,
+        "train.audit_dir": str(tmp_path / "audit"),
+        "checkpoint.url": str(tmp_path / "ckpt"),
+        "checkpoint.every_steps": 100,
+    }
+    job = LocalJob(
+        load_job_config(None, ov),
+        LocalOptions(
+            config_path=None, overrides=ov, nodes=3, faults=[parse_fault("slow-node", "1@step=15,factor=3")],
+            workdir=str(tmp_path / "work"), timeout=240.0, out=io.StringIO(),
+        ),
+    )  # fmt: skip
+    summary = job.run()
+    out = job.opts.out.getvalue()  # type: ignore[attr-defined]
+    where = f"{out}\nlogs: {tmp_path / 'work'}"
+    assert summary.succeeded and summary.completed_steps == STEPS, where
+    audit = check_exactly_once(str(tmp_path / "audit"), steps=STEPS)
+    assert audit.ok, audit.problems[:5]
+    fault = summary.faults[0]
+    assert fault.detected_at is not None and fault.extra["flagged_score"] >= 1.5, where
+    assert fault.steps_redone is not None and fault.steps_redone <= 1, where
+
+    slow = job.nodes[1]
+    slow_id = next(e["node"] for e in events(Path(slow.log_path)) if e["event"] == "straggler_evicted")
+    decided = [e for n in job.nodes for e in events(Path(n.log_path)) if e["event"] == "straggler_evict"]
+    assert [e["node"] for e in decided] == [slow_id, slow_id], decided  # no other node evicted
+    assert all(e["score"] >= 1.5 and e["world"] == 3 for e in decided), decided
+    slow_log = Path(slow.log_path).read_text(errors="replace")
+    assert slow.proc.returncode == 0, (slow.proc.returncode, where)
+    assert f"elastic-train: node {slow_id} leaves the job: evicted as a slow node 2 times" in slow_log
+    assert '"straggler_rejoin"' in slow_log and "Traceback" not in slow_log
+    for n in (job.nodes[0], job.nodes[2]):  # the others kept their worker processes
+        log = Path(n.log_path).read_text(errors="replace")
+        assert '"hot_fallback"' not in log and n.proc.returncode == 0, (n.index, where)
+    st = job.final_status
+    assert st is not None and (st.state, st.failures_used, st.leaves) == ("finished", 0, 2), st
+    sizes = [p["world_size"] for p in summary.world_size_timeline]
+    assert sizes == [3, 2, 3, 2], summary.world_size_timeline

@@ -1,0 +1,62 @@
+"""The ``slow-node`` fault of ``elastic-train local``: a node's workers held stopped for ``1 - 1/factor`` of
+every period and continued for the rest, for a span or until the job ends, while the agent runs untouched."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import psutil
+
+from elastic_train.config import JobConfig
+from elastic_train.launch.faults import FaultRecord, parse_fault
+from elastic_train.launch.local import SLOW_PERIOD, LocalJob, LocalOptions, Node
+
+#: A stand-in node: an "agent" that starts one "worker" (a busy loop whose argv names the worker module,
+#: as torchrun's workers do) and waits.
+NODE = (
+    "import subprocess, sys, time\n"
+    "w = subprocess.Popen([sys.executable, '-c', 'while True: pass', 'elastic_train.worker'])\n"
+    "time.sleep(60)\n"
+)
+
+
+def stopped_share(proc: psutil.Process, seconds: float) -> float:
+    """The share of samples (every ~5 ms for ``seconds``) in which ``proc`` was stopped."""
+    samples, stopped = 0, 0
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        samples += 1
+        stopped += proc.status() == psutil.STATUS_STOPPED
+        time.sleep(0.005)
+    return stopped / samples
+
+
+def test_a_slowed_nodes_worker_is_held_for_its_share_and_runs_freely_after_the_span(tmp_path, reaper) -> None:  # type: ignore[no-untyped-def]
+    agent = reaper.popen([sys.executable, "-c", NODE])
+    deadline = time.monotonic() + 20
+    while len(psutil.Process(agent.pid).children()) < 1:
+        assert time.monotonic() < deadline, "the stand-in node did not start its worker"
+        time.sleep(0.05)
+    worker = psutil.Process(agent.pid).children()[0]
+    job = LocalJob(JobConfig(), LocalOptions(config_path=None, overrides={}, nodes=1, workdir=str(tmp_path)))
+    node = Node(index=0, proc=agent, log_path=str(tmp_path / "node-0.log"))
+    for_good = FaultRecord(fault=parse_fault("slow-node", "0@step=1,factor=4"))
+    spanned = FaultRecord(fault=parse_fault("slow-node", "0@step=1,factor=4,for=1.5"))
+    job._slow_node(spanned, node)
+    try:
+        share = stopped_share(worker, 1.0)
+        assert 0.5 < share < 0.95, f"held {share:.0%} of the time, factor 4 holds it 75%"
+        assert psutil.Process(agent.pid).status() != psutil.STATUS_STOPPED  # the agent is left alone
+        job._slowing[0].join(timeout=5)
+        assert stopped_share(worker, 0.5) == 0.0  # the span is over
+        assert spanned.extra["pids"] == [worker.pid] and spanned.extra["ended_s"] >= 1.5
+        assert 0.5 * 1.5 < spanned.extra["stopped_s"] < 1.5  # type: ignore[operator]
+        job._slow_node(for_good, node)
+        time.sleep(5 * SLOW_PERIOD)
+    finally:
+        job._ending.set()  # the job ends (cleanup() does this first)
+        for thread in job._slowing:
+            thread.join(timeout=5)
+    assert stopped_share(worker, 0.3) == 0.0  # continued when the job ended
+    assert for_good.extra["for_s"] is None and for_good.extra["factor"] == 4.0
