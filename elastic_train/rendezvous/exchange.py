@@ -32,16 +32,31 @@ from elastic_train.torchcompat import TorchrunAgent, WorkerSlot, role_info_key
 ASSIGN_TIMEOUT = 10.0
 #: Seconds between two probes of a member of the forming round that has not written its rank information.
 PROBE_EVERY = 0.1
-#: Seconds of waiting for a member's part before its agent is probed (a live member writes in milliseconds;
-#: probing all N members at once would be N connections per agent).
+#: Seconds of waiting for a member's part before its agent is probed, in a round of more than SCAN_ALWAYS
+#: agents (a live member writes in milliseconds; probing N members at once is N connections per agent).
 PROBE_AFTER = 0.5
 #: Missing parts an agent looks up one by one at every look; above, one by one every SCAN_EVERY seconds once
 #: a part is PROBE_AFTER seconds late.
 SCAN_ALWAYS = 32
 SCAN_EVERY = 0.25
+#: Keys asked in one request when looking for the missing parts.
+SCAN_CHUNK = 64
 #: Extra seconds between two looks per agent of the round (at most MAX_SPACING): rank 0's store serves all.
 SPACING_PER_AGENT = 0.00005
 MAX_SPACING = 0.1
+
+
+def missing_parts(store: Any, keys: dict[int, str]) -> dict[int, str]:
+    """The ``keys`` not in ``store``: asked by chunks of :data:`SCAN_CHUNK` (one request for a chunk whose
+    keys are all there), key by key within a chunk that is not."""
+    items = list(keys.items())
+    out: dict[int, str] = {}
+    for at in range(0, len(items), SCAN_CHUNK):
+        chunk = items[at : at + SCAN_CHUNK]
+        if len(chunk) > 1 and store.check([k for _, k in chunk]):
+            continue
+        out.update((i, k) for i, k in chunk if not store.check([k]))
+    return out
 
 
 class RoundAbandoned(Exception):
@@ -135,45 +150,50 @@ def await_members(
     """
     if os.environ.get("TORCH_ELASTIC_WORKER_IDENTICAL", "0") == "1":
         return  # torch's fast path: no exchange through the store
-    # what the exchange writes first, written here so that the members waiting here see it
+    # what the exchange writes first, written here so that the members waiting here see it; then a count
+    # of the parts written: a look is one O(1) request to rank 0's store, whatever the round's size
+    parts = f"elastic_train/parts/{result.round}"
     try:
         agent.write_role_info(store, result.rank)
+        store.add(parts, 1)
     except RuntimeError as exc:
         raise RoundAbandoned(f"the round's store on rank 0 is unreachable: {exc}") from exc
     keys = {i: role_info_key(i) for i in range(result.world_size) if i != result.rank}
-    deadline = time.monotonic() + ASSIGN_TIMEOUT
+    waiting = {result.members[i]: i for i in keys}  # whom this agent may wait for, by node
+    started = time.monotonic()
+    deadline = started + ASSIGN_TIMEOUT
     probed: dict[int, float] = {}
     scanned = -1.0
-    started = time.monotonic()
-    # every agent of the round asks rank 0's store: at N agents a look costs it N requests, so a large
-    # round looks less often, and asks key by key (to know whom it waits for) only once a part is late
-    # (PROBE_AFTER), then at most every SCAN_EVERY
+    # every agent of the round asks rank 0's store: a large round looks less often; which parts are missing
+    # (to probe their agents) is asked key by key only once they are late (PROBE_AFTER), in chunks
     spacing = min(MAX_SPACING, SPACING_PER_AGENT * result.world_size)
-    while keys:
+    while True:
+        now = time.monotonic()
         try:
-            if store.check(list(keys.values())):  # one request: every part written
+            if store.add(parts, 0) >= result.world_size:
                 return
-            now = time.monotonic()
             if len(keys) <= SCAN_ALWAYS or (now - started >= PROBE_AFTER and now - scanned >= SCAN_EVERY):
                 scanned = now
-                keys = {i: k for i, k in keys.items() if not store.check([k])}
+                keys = missing_parts(store, keys)
+                waiting = {result.members[i]: i for i in keys}
         except RuntimeError as exc:
             raise RoundAbandoned(f"the round's store on rank 0 is unreachable: {exc}") from exc
         if not keys:
             return
-        lost = participant.lost_members()
-        beyond = participant.asking_beyond(result.round)
-        now = time.monotonic()
-        for i in keys:
-            node = result.members[i]
-            if node in lost:
-                raise RoundAbandoned(f"member {node} (rank {i}) lost its lease")
-            if node in beyond:
-                raise RoundAbandoned(f"member {node} (rank {i}) asks for a newer round")
-            if now - started >= PROBE_AFTER and now - probed.get(i, 0.0) >= PROBE_EVERY:
-                probed[i] = now
-                if probe_node(result.nodes.get(node)) == "refused":
-                    raise RoundAbandoned(f"member {node} (rank {i}): its agent is gone (store port refused)")
+        for node in participant.lost_members() & waiting.keys():
+            raise RoundAbandoned(f"member {node} (rank {waiting[node]}) lost its lease")
+        for node in participant.asking_beyond(result.round) & waiting.keys():
+            raise RoundAbandoned(f"member {node} (rank {waiting[node]}) asks for a newer round")
+        small = result.world_size <= SCAN_ALWAYS  # a few probes: at once, as soon as a part is missing
+        if scanned >= started and (small or now - started >= PROBE_AFTER):
+            for i in keys:
+                node = result.members[i]
+                if now - probed.get(i, 0.0) >= PROBE_EVERY:
+                    probed[i] = now
+                    if probe_node(result.nodes.get(node)) == "refused":
+                        raise RoundAbandoned(
+                            f"member {node} (rank {i}): its agent is gone (store port refused)"
+                        )
         if now > deadline:
             raise RuntimeError(
                 f"rank(s) {sorted(keys)} of round {result.round} did not exchange ranks within "
