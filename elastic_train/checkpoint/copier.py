@@ -2,8 +2,11 @@
 
 ``save`` copies what the next forward may change and hands the rest — the parameters and optimizer state of
 an attached optimizer, which only the next optimizer step changes — to one persistent thread, which copies
-it and then seals the slot (the snapshot's own :meth:`Sealer.seal`). The snapshot's ``fence``, called from
-the optimizer's step pre-hook, waits for those copies (:attr:`Copier.copying`). On a GPU the device-to-host
+it and then seals the slot (the snapshot's own :meth:`Sealer.seal`). A job may also carry the slots' layout
+(allocated first, when the state's layout is new: :attr:`CopyJob.prepare`) and a follow-up run after the
+seal (a sharded state's replica exchange: :attr:`CopyJob.then`). The snapshot's ``fence``, called from
+the optimizer's step pre-hook, waits for the copies (:attr:`Copier.copying`); its next save waits for the
+whole job. On a GPU the device-to-host
 copies run on a side CUDA stream into the page-locked mapping (:class:`DeviceCopies`) and the fence orders
 them before the current stream's next kernels instead of blocking the host.
 """
@@ -45,6 +48,13 @@ class CopyJob:
     run by the copier before the deferred copies and the seal; None: nothing left to check."""
     previous: int | None = None
     """The newest slot before this one: the newest again if the check fails (this slot stays invalid)."""
+    prepare: Callable[[CopyJob], None] | None = None
+    """Run by the copier before the copies: a new layout's slots allocated, and :attr:`dests` and
+    :attr:`later` set in them (None: the slot is ready)."""
+    then: Callable[[CopyJob], None] | None = None
+    """Run with the job by the copier once the slot is copied and its seal done (a sharded state's replica
+    sent), before the snapshot counts as idle; not run when the copy failed or the check rejected it. It
+    reports its own failures."""
 
 
 class Sealer(Protocol):
@@ -122,6 +132,8 @@ class Copier:
                 if job.verify is not None and not job.verify():
                     self.reject(job)
                     continue
+                if job.prepare is not None:
+                    job.prepare(job)
                 self.copy(job)
             except BaseException as exc:  # reported to the loop by the snapshot's raise_error()/fence()
                 log.error("memory_snapshot_copy_failed", path=self._path, step=job.step, error=str(exc))
@@ -134,11 +146,23 @@ class Copier:
                 self.copying = False
                 self.cond.notify_all()
             self._sealer.seal(job)
+            if job.then is not None:
+                self.then(job)
             with self.cond:
                 self.job = None
                 if self.sealing == job.slot:
                     self.sealing = None
                 self.cond.notify_all()
+
+    def then(self, job: CopyJob) -> None:
+        """Run ``job``'s follow-up (its own failures are its to report; anything else goes to
+        :attr:`error`)."""
+        assert job.then is not None
+        try:
+            job.then(job)
+        except BaseException as exc:
+            log.error("memory_snapshot_then_failed", path=self._path, step=job.step, error=str(exc))
+            self.error = exc
 
     def reject(self, job: CopyJob) -> None:
         """Leave ``job``'s slot invalid: the state's structure is no longer the snapshot's plan, so what was
