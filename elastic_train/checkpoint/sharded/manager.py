@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from elastic_train.checkpoint.agent import Agent
+from elastic_train.checkpoint.attach import Attachments
 from elastic_train.checkpoint.codec import Flat, flatten
 from elastic_train.checkpoint.config import CheckpointConfig
 from elastic_train.checkpoint.errors import CheckpointError
@@ -141,6 +142,9 @@ class ShardedCheckpointManager(DurableWriting, Restoring):
         self._lineage: tuple[threading.Thread, list[BaseException]] | None = None
         #: The next snapshot is the first after a restore (its slots are allocated anew for this world).
         self._relayout = False
+        #: The snapshots (and the fence) that may wait long for a relayout in flight count as progress.
+        self._slow = 0
+        self._attached = Attachments(self.fence, self._idle)
 
     def save(self, step: int, state: Mapping[str, Any] | Callable[[], Mapping[str, Any]]) -> None:
         """After every optimizer step, on every rank: memory tier (and replica) and, when due, a durable
@@ -176,25 +180,63 @@ class ShardedCheckpointManager(DurableWriting, Restoring):
         return flatten({INFO: info, "state": local})
 
     def _save(self, step: int, state: Any, dur_due: bool, *, exchange: bool) -> None:
-        if self._relayout:  # the first snapshot at a new world size allocates its slots: seconds at 1 GB
-            self._relayout = False
+        if self._relayout:
+            # The first snapshot at a new world size grows its slots (seconds at 1 GB, on the copier thread
+            # with an attached optimizer): it, the fence after it and the next snapshot, which waits for its
+            # replica's growth at the buddy, count as progress for the agent.
+            self._relayout, self._slow = False, 3
+        if self._slow:
+            self._slow -= 1
             with self._beating():
-                self._save(step, state, dur_due, exchange=exchange)
-            return
+                self._save_now(step, state, dur_due, exchange=exchange)
+        else:
+            self._save_now(step, state, dur_due, exchange=exchange)
+
+    def _save_now(self, step: int, state: Any, dur_due: bool, *, exchange: bool) -> None:
         flat = self._flat(state)
         slot = None
         if self.memory is not None:
-            slot = self.memory.save(step, flat)
+            replica = None
             if exchange and self.replicas and self._rep is not None:
-                self.memory.exchange(
-                    step, slot, flat, buddy=self._global(self.buddy), source=self._global(self.source),
-                    group=self._rep,
-                )  # fmt: skip
+                replica = (self._global(self.buddy), self._global(self.source), self._rep)
+            slot = self.memory.save(step, flat, defer=self._attached.deferrable(flat), replica=replica)
         if dur_due:
             if self.memory is not None:
                 self.memory.wait_idle()  # sealed: the writer reads what the slot holds
                 self.memory.raise_error()
             self._submit(step, flat, slot)
+
+    # -- the snapshot fence -----------------------------------------------------------------------------
+    def attach(self, optimizer: torch.optim.Optimizer) -> Any:
+        """Let snapshots copy ``optimizer``'s local shards (parameters and state) on the memory tier's copier
+        thread while the next step computes; its step pre-hook waits for that copy (:meth:`fence`). As
+        :meth:`elastic_train.checkpoint.CheckpointManager.attach`.
+
+        Returns:
+            A handle whose ``remove()`` detaches the optimizer again.
+        """
+        return self._attached.add(optimizer)
+
+    def fence(self) -> None:
+        """Wait until the last snapshot no longer reads the parameters and optimizer state (their copy; the
+        seal and the replica's exchange go on).
+
+        Raises:
+            CheckpointError: the background copy failed.
+            RuntimeError: the replica's exchange failed (a peer is gone: the group is broken).
+        """
+        if self.memory is None:
+            return
+        if self._slow:
+            with self._beating():
+                self.memory.own.fence()
+        else:
+            self.memory.own.fence()
+        self.memory.raise_error()
+
+    def _idle(self) -> None:
+        if self.memory is not None:
+            self.memory.own.wait_copied()
 
     def _due_here(self, step: int) -> bool:
         since = time.monotonic() - self._last_durable_time
@@ -243,6 +285,7 @@ class ShardedCheckpointManager(DurableWriting, Restoring):
 
     def _shutdown(self, *, release_memory: bool, timeout: float | None = None) -> None:
         self._closed = True
+        self._attached.remove_all()
         with self._cond:
             self._stop = True
             self._cond.notify_all()
@@ -250,10 +293,15 @@ class ShardedCheckpointManager(DurableWriting, Restoring):
             self._writer.join(timeout)
         done = self._writer is None or not self._writer.is_alive()
         if self.memory is not None:
-            if release_memory:
-                self.memory.release()
+            # A replica's exchange in flight may wait on a peer that failed: bounded, like the writer.
+            if self.memory.stop(timeout):
+                if release_memory:
+                    self.memory.release()
+                else:
+                    self.memory.detach()
             else:
-                self.memory.detach()
+                log.warning("memory_snapshot_busy_at_close", seconds=timeout)
+                done = False  # its exchange still uses the replica group
         if done:
             for g in (self._ctl, self._io, self._rep):
                 if g is not None:
