@@ -11,7 +11,7 @@ tensor's storage.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -36,10 +36,18 @@ class Attachments:
     Args:
         fence: the manager's fence (waits until the snapshot no longer reads the optimizer's tensors).
         idle: waits until the snapshot in flight is done (before an optimizer is detached).
+        parameters: the model's parameters, when the manager knows its model: deferred too while an optimizer
+            is attached (frozen ones included: a parameter changes only in an optimizer step, or after a
+            ``fence`` by whoever changes it in place, which is :meth:`add`'s contract).
     """
 
-    def __init__(self, fence: Callable[[], None], idle: Callable[[], None]) -> None:
-        self._fence, self._idle = fence, idle
+    def __init__(
+        self,
+        fence: Callable[[], None],
+        idle: Callable[[], None],
+        parameters: Callable[[], Iterable[torch.Tensor]] | None = None,
+    ) -> None:
+        self._fence, self._idle, self._parameters = fence, idle, parameters
         self._items: list[Attachment] = []
         self._cache: tuple[Any, int, frozenset[int]] | None = None
 
@@ -69,8 +77,9 @@ class Attachments:
             attachment.remove()
 
     def deferrable(self, flat: Flat) -> frozenset[int]:
-        """Indices of the tensors of ``flat`` that only an attached optimizer's step changes (kept for the
-        specs of ``flat``: reused while a planned snapshot hands over the same ones)."""
+        """Indices of the tensors of ``flat`` that only an attached optimizer's step changes (and the model's
+        parameters, see ``parameters``), kept for the specs of ``flat``: reused while a planned snapshot hands
+        over the same ones."""
         cached = self._cache
         if cached is not None and cached[0] is flat.specs and cached[1] == len(self._items):
             return cached[2]
@@ -85,6 +94,8 @@ class Attachments:
 
         owned: set[int] = set()
         with torch.no_grad():
+            if self._parameters is not None:
+                owned.update(storage(p) for p in self._parameters())
             for opt in (a.optimizer for a in self._items):
                 for group in opt.param_groups:
                     owned.update(storage(p) for p in group["params"])

@@ -324,3 +324,21 @@ def test_the_replica_exchange_runs_on_the_copier_and_its_failure_is_a_group_fail
     time.sleep(0.2)
     assert memory.wait_idle(10)
     assert [h.step for h in memory.replica.valid_slots()] == [1]  # ...and it writes no replica afterwards
+
+
+def test_frozen_parameters_are_copied_off_the_training_thread_too(world_one: World, shm: Path) -> None:
+    """Not only the optimizer's: a parameter changes only in an optimizer step (or after a fence)."""
+    state, manager = job(world_one, shm)
+    frozen = list(state.model.layers[0].parameters())  # type: ignore[index]
+    for p in frozen:
+        p.requires_grad_(False)
+    optimizer = torch.optim.AdamW(state.model.layers[1].parameters(), lr=0.1)  # type: ignore[index]
+    manager.attach(optimizer)
+    flat = manager._flat(state.state_dict)
+    defer = manager._attached.deferrable(flat)
+    deferred = {s.path for i, s in enumerate(flat.specs) if i in defer}
+    assert {f"/state/model/layers.0.{n}" for n in ("weight", "bias")} <= deferred
+    assert {f"/state/model/layers.1.{n}" for n in ("weight", "bias")} <= deferred
+    assert "/state/model/scale" not in deferred  # a buffer: the next forward may change it
+    assert not any(s.path.startswith("/state/rng") for i, s in enumerate(flat.specs) if i in defer)
+    manager.close(release_memory=True)

@@ -144,7 +144,7 @@ class ShardedCheckpointManager(DurableWriting, Restoring):
         self._relayout = False
         #: The snapshots (and the fence) that may wait long for a relayout in flight count as progress.
         self._slow = 0
-        self._attached = Attachments(self.fence, self._idle)
+        self._attached = Attachments(self.fence, self._idle, model.parameters)
 
     def save(self, step: int, state: Mapping[str, Any] | Callable[[], Mapping[str, Any]]) -> None:
         """After every optimizer step, on every rank: memory tier (and replica) and, when due, a durable
@@ -208,9 +208,10 @@ class ShardedCheckpointManager(DurableWriting, Restoring):
 
     # -- the snapshot fence -----------------------------------------------------------------------------
     def attach(self, optimizer: torch.optim.Optimizer) -> Any:
-        """Let snapshots copy ``optimizer``'s local shards (parameters and state) on the memory tier's copier
-        thread while the next step computes; its step pre-hook waits for that copy (:meth:`fence`). As
-        :meth:`elastic_train.checkpoint.CheckpointManager.attach`.
+        """Let snapshots copy the local shards of the model's parameters (frozen ones too) and of
+        ``optimizer``'s state on the memory tier's copier thread while the next step computes; its step
+        pre-hook waits for that copy (:meth:`fence`). As :meth:`elastic_train.checkpoint.CheckpointManager.
+        attach`: code that changes parameters in place outside ``optimizer.step()`` calls :meth:`fence` first.
 
         Returns:
             A handle whose ``remove()`` detaches the optimizer again.

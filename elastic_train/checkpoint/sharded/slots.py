@@ -12,8 +12,8 @@ node back in a second snapshot file: each shard is then in the memory of two nod
 die without a byte of the state going with it. That costs a second set of three slots in shared memory and
 sending the rank's part of the state (the state size / W) over the network after every step.
 
-Off the training thread: the own snapshot's copier thread copies an attached optimizer's tensors (the local
-shards of parameters and optimizer state; the next optimizer step waits for that copy), seals the slot, and
+Off the training thread: the own snapshot's copier thread copies the local shards of the model's parameters
+and of an attached optimizer's state (the next optimizer step waits for that copy), seals the slot, and
 then exchanges replicas, writing and sealing the received slot in the replica file. The next snapshot waits
 for all of it. Only what the next forward may change (buffers, RNG states) is copied before ``save`` returns.
 """
