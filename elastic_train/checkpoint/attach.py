@@ -49,7 +49,7 @@ class Attachments:
     ) -> None:
         self._fence, self._idle, self._parameters = fence, idle, parameters
         self._items: list[Attachment] = []
-        self._cache: tuple[Any, int, frozenset[int]] | None = None
+        self._cache: tuple[Any, int, frozenset[int], frozenset[int]] | None = None
 
     def __iter__(self) -> Iterator[Attachment]:
         return iter(self._items)
@@ -77,14 +77,18 @@ class Attachments:
             attachment.remove()
 
     def deferrable(self, flat: Flat) -> frozenset[int]:
+        return self.split(flat)[0]
+
+    def split(self, flat: Flat) -> tuple[frozenset[int], frozenset[int]]:
         """Indices of the tensors of ``flat`` that only an attached optimizer's step changes (and the model's
-        parameters, see ``parameters``), kept for the specs of ``flat``: reused while a planned snapshot hands
-        over the same ones."""
+        parameters, see ``parameters``), and those of them that no attached optimizer owns (frozen
+        parameters: the step pre-hook need not wait for their copy). Kept for the specs of ``flat``: reused
+        while a planned snapshot hands over the same ones."""
         cached = self._cache
         if cached is not None and cached[0] is flat.specs and cached[1] == len(self._items):
-            return cached[2]
+            return cached[2], cached[3]
         if not self._items:
-            return frozenset()
+            return frozenset(), frozenset()
         # No DTensor exists unless its module was imported (importing it here would cost a replicated job).
         dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
 
@@ -93,14 +97,17 @@ class Attachments:
             return int((t.to_local() if dtensor is not None and isinstance(t, dtensor) else t).data_ptr())
 
         owned: set[int] = set()
+        model: set[int] = set()
         with torch.no_grad():
             if self._parameters is not None:
-                owned.update(storage(p) for p in self._parameters())
+                model.update(storage(p) for p in self._parameters())
             for opt in (a.optimizer for a in self._items):
                 for group in opt.param_groups:
                     owned.update(storage(p) for p in group["params"])
                 for per_param in opt.state.values():
                     owned.update(storage(v) for v in per_param.values() if isinstance(v, torch.Tensor))
-        defer = frozenset(i for i, t in enumerate(flat.tensors) if t.data_ptr() in owned)
-        self._cache = (flat.specs, len(self._items), defer)
-        return defer
+        ptrs = [t.data_ptr() for t in flat.tensors]
+        defer = frozenset(i for i, p in enumerate(ptrs) if p in owned or p in model)
+        unfenced = frozenset(i for i in defer if ptrs[i] not in owned)
+        self._cache = (flat.specs, len(self._items), defer, unfenced)
+        return defer, unfenced

@@ -224,6 +224,7 @@ class MemorySnapshot:
         *,
         defer: Container[int] = (),
         background: bool = True,
+        unfenced: Container[int] = (),
         then: Callable[[CopyJob], None] | None = None,
     ) -> int:
         """Copy ``flat`` into the oldest free slot and seal it; returns the slot.
@@ -238,6 +239,9 @@ class MemorySnapshot:
         A CPU state of a new layout (the first save, or a sharded rank's part at another world size) with
         deferred tensors is laid out on the copier thread too: the slots are allocated (or grown) there, and
         the tensors not deferred are cloned here first (what the next forward may change, usually small).
+
+        The tensors of ``defer`` also in ``unfenced`` (frozen parameters: no optimizer step changes them) are
+        copied last, and only a full :meth:`fence` waits for them, not ``fence(step=True)``.
 
         ``then`` runs with the copy job once the slot is copied and sealed, on the copier thread when the
         seal runs there (a sharded state's replica send); the next save and :meth:`wait_idle` wait for it.
@@ -260,7 +264,7 @@ class MemorySnapshot:
             )
             if not same:
                 if background and defer and flat.nbytes > INLINE_BYTES and not self._any_cuda(flat):
-                    return self._save_laid_out_later(step, flat, defer, then)
+                    return self._save_laid_out_later(step, flat, defer, unfenced, then)
                 self._allocate(flat, max(self._meta_need, len(self._meta.encode(flat, flat.layout_key))))
                 self._slot_seq, self._newest = [0] * SLOTS, None
                 self._meta_need = 0
@@ -284,6 +288,7 @@ class MemorySnapshot:
         if dests is None:
             dests = self._dests[slot] = destinations(flat.specs, file.data(slot, flat.nbytes))
         event = None
+        rest: list[int] = []  # deferred, but no optimizer step changes them (CPU only)
         gpu = self._gpu  # decided once per specs object (see _on_gpu)
         on_gpu = gpu[1] if gpu is not None and gpu[0] is flat.specs else self._on_gpu(flat, dests)
         if on_gpu:
@@ -311,6 +316,9 @@ class MemorySnapshot:
             ):
                 lists = self._split(slot, flat, deferred)
             now, later, now_dests, take = lists[2]
+            if unfenced and later:
+                rest = [i for i in later if i in unfenced]
+                later = [i for i in later if i not in unfenced]
             if now:
                 if take is True:
                     sources = flat.tensors
@@ -330,7 +338,18 @@ class MemorySnapshot:
         device = flat.tensors[on_gpu[0]].device if on_gpu else None
         verify = flat.verify if isinstance(flat, Planned) else None
         job = CopyJob(
-            slot, step, self._seq, flat, dests, later, event, device, verify, self._newest, then=then
+            slot,
+            step,
+            self._seq,
+            flat,
+            dests,
+            later,
+            event,
+            device,
+            verify,
+            self._newest,
+            rest=rest,
+            then=then,
         )
         self._newest = slot
         if not background or (not on_gpu and flat.nbytes <= SEAL_INLINE_BYTES):
@@ -338,6 +357,7 @@ class MemorySnapshot:
                 copier.reject(job)
                 return slot
             copier.copy(job)
+            copier.copy_rest(job)
             self.seal(job, timed=self.stats.record)
             if then is not None:
                 copier.then(job)
@@ -346,7 +366,7 @@ class MemorySnapshot:
         # A larger state's seal (metadata, checksums, header) runs on the copier thread, and the slot is not
         # valid before it is done. The fence also waits for a pending structure check: the state may change
         # once it returns.
-        copying = bool(later) or verify is not None
+        copying = bool(later) or bool(rest) or verify is not None
         if self.stats.record:
             t0, c0 = time.perf_counter(), time.thread_time()
             copier.hand_over(job, copying=copying)
@@ -357,7 +377,12 @@ class MemorySnapshot:
         return slot
 
     def _save_laid_out_later(
-        self, step: int, flat: Flat, defer: Container[int], then: Callable[[CopyJob], None] | None
+        self,
+        step: int,
+        flat: Flat,
+        defer: Container[int],
+        unfenced: Container[int],
+        then: Callable[[CopyJob], None] | None,
     ) -> int:
         """:meth:`save` of a CPU state whose slots the copier allocates: seconds at a gigabyte (the tmpfs
         pages of a grown file are allocated, then faulted in by the copy), which the next forward and
@@ -382,7 +407,10 @@ class MemorySnapshot:
             dests = self._dests[job.slot] = destinations(
                 job.flat.specs, self._file.data(job.slot, job.flat.nbytes)
             )
-            job.dests, job.later = dests, [i for i, d in enumerate(dests) if d is not None]
+            copied = [i for i, d in enumerate(dests) if d is not None]
+            job.dests = dests
+            job.later = [i for i in copied if i in defer and i not in unfenced]
+            job.rest = [i for i in copied if i not in defer or i in unfenced]  # clones: no step changes them
 
         verify = flat.verify if isinstance(flat, Planned) else None
         job = CopyJob(
@@ -465,27 +493,29 @@ class MemorySnapshot:
         self._slot_seq[job.slot] = 0  # rewritten first
         self.rejected_step = job.step
 
-    def fence(self) -> None:
+    def fence(self, *, step: bool = False) -> None:
         """Return once the last snapshot's tensors are copied (and a planned snapshot's structure checked):
         they may be modified from now on.
 
         On a GPU the copies are ordered before the current stream's later kernels instead (the host does
-        not wait). The seal (checksums) may still be running.
+        not wait). The seal (checksums) may still be running. ``step``: only what an optimizer step changes
+        (the step pre-hook's fence; see ``unfenced`` in :meth:`save`).
 
         Raises:
             CheckpointError: the background copy failed.
         """
-        job = self.wait_copied()
+        job = self.wait_copied(rest=not step)
         if job is not None and job.event is not None:
             torch.cuda.current_stream(job.device).wait_event(job.event)
         self.raise_error()
 
-    def wait_copied(self) -> CopyJob | None:
-        """Block until the last snapshot's CPU copies (and a planned snapshot's structure check) are done;
-        returns the job still being sealed, if any (its GPU copies may still run)."""
+    def wait_copied(self, *, rest: bool = True) -> CopyJob | None:
+        """Block until the last snapshot's CPU copies (and a planned snapshot's structure check) are done,
+        those of tensors no optimizer step changes too unless ``rest`` is False; returns the job still being
+        sealed, if any (its GPU copies may still run)."""
         copier = self.copier
         with self._cond:
-            while copier.copying:
+            while copier.copying or (rest and copier.copying_rest):
                 self._cond.wait()
             return copier.job
 

@@ -342,3 +342,42 @@ def test_frozen_parameters_are_copied_off_the_training_thread_too(world_one: Wor
     assert "/state/model/scale" not in deferred  # a buffer: the next forward may change it
     assert not any(s.path.startswith("/state/rng") for i, s in enumerate(flat.specs) if i in defer)
     manager.close(release_memory=True)
+
+
+def test_the_optimizer_step_does_not_wait_for_frozen_parameters_but_a_fence_does(
+    world_one: World, shm: Path, background: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    state, manager = job(world_one, shm)
+    for p in state.model.layers[0].parameters():  # type: ignore[index]
+        p.requires_grad_(False)
+    state.optimizer = torch.optim.AdamW(state.model.layers[1].parameters(), lr=0.1)  # type: ignore[index]
+    state.scheduler = torch.optim.lr_scheduler.StepLR(state.optimizer, 2, 0.5)
+    manager.optimizer = state.optimizer
+    manager.attach(state.optimizer)
+    manager.restore()
+    train(state, manager, 1)
+    assert manager.memory is not None and manager.memory.wait_idle(10)
+    entered, release = threading.Event(), threading.Event()
+    original = Copier.copy_rest
+
+    def held(job: CopyJob) -> None:
+        if job.rest:
+            entered.set()
+            assert release.wait(30), "never released"
+        original(job)
+
+    monkeypatch.setattr(Copier, "copy_rest", staticmethod(held))
+    train(state, manager, 1)  # its optimizer step did not wait for step 1's frozen copies either
+    assert entered.wait(10)  # step 2's frozen shards are being copied
+    state.optimizer.step()  # the optimizer's own tensors are copied: its step goes on
+    fenced = threading.Event()
+    fencer = threading.Thread(target=lambda: (manager.fence(), fenced.set()))
+    fencer.start()
+    time.sleep(0.3)
+    assert not fenced.is_set(), "a fence returned while frozen parameters were still being copied"
+    release.set()
+    fencer.join(10)
+    assert fenced.is_set() and manager.memory.wait_idle(10)
+    held_slot = reader(manager, shm).newest_valid()
+    assert held_slot is not None and held_slot.step == 2
+    manager.close(release_memory=True)

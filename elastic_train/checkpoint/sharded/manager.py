@@ -144,7 +144,7 @@ class ShardedCheckpointManager(DurableWriting, Restoring):
         self._relayout = False
         #: The snapshots (and the fence) that may wait long for a relayout in flight count as progress.
         self._slow = 0
-        self._attached = Attachments(self.fence, self._idle, model.parameters)
+        self._attached = Attachments(self._step_fence, self._idle, model.parameters)
 
     def save(self, step: int, state: Mapping[str, Any] | Callable[[], Mapping[str, Any]]) -> None:
         """After every optimizer step, on every rank: memory tier (and replica) and, when due, a durable
@@ -199,7 +199,8 @@ class ShardedCheckpointManager(DurableWriting, Restoring):
             replica = None
             if exchange and self.replicas and self._rep is not None:
                 replica = (self._global(self.buddy), self._global(self.source), self._rep)
-            slot = self.memory.save(step, flat, defer=self._attached.deferrable(flat), replica=replica)
+            defer, unfenced = self._attached.split(flat)
+            slot = self.memory.save(step, flat, defer=defer, unfenced=unfenced, replica=replica)
         if dur_due:
             if self.memory is not None:
                 self.memory.wait_idle()  # sealed: the writer reads what the slot holds
@@ -226,13 +227,21 @@ class ShardedCheckpointManager(DurableWriting, Restoring):
             CheckpointError: the background copy failed.
             RuntimeError: the replica's exchange failed (a peer is gone: the group is broken).
         """
+        self._fence(step=False)
+
+    def _step_fence(self) -> None:
+        """The optimizer step pre-hook's fence: only the copy of what an optimizer step changes (the
+        attached optimizers' parameters and state; frozen parameters may still be copied)."""
+        self._fence(step=True)
+
+    def _fence(self, *, step: bool) -> None:
         if self.memory is None:
             return
         if self._slow:
             with self._beating():
-                self.memory.own.fence()
+                self.memory.own.fence(step=step)
         else:
-            self.memory.own.fence()
+            self.memory.own.fence(step=step)
         self.memory.raise_error()
 
     def _idle(self) -> None:

@@ -134,12 +134,14 @@ class ShardedMemory:
         flat: Flat,
         *,
         defer: Container[int] = (),
+        unfenced: Container[int] = (),
         replica: tuple[int, int, Any] | None = None,
     ) -> int:
         """Copy this rank's part of the state into its own snapshot; returns the slot.
 
-        The tensors in ``defer`` (an attached optimizer's) may be copied after this returns, on the own
-        snapshot's copier thread (see :meth:`MemorySnapshot.save`). With ``replica`` (buddy, source, group:
+        The tensors in ``defer`` (the model's parameters and an attached optimizer's state) may be copied
+        after this returns, on the own snapshot's copier thread, those in ``unfenced`` (frozen parameters)
+        after the others (see :meth:`MemorySnapshot.save`). With ``replica`` (buddy, source, group:
         global ranks in the group), that thread then sends the sealed slot to the buddy and keeps the one the
         source sends (:meth:`exchange`): the next save waits for it.
         """
@@ -150,7 +152,7 @@ class ShardedMemory:
             def then(job: CopyJob) -> None:
                 self._exchange_off_thread(job, buddy=buddy, source=source, group=group)
 
-        return self.own.save(step, flat, defer=defer, then=then)
+        return self.own.save(step, flat, defer=defer, unfenced=unfenced, then=then)
 
     def _exchange_off_thread(self, job: CopyJob, *, buddy: int, source: int, group: Any) -> None:
         try:
