@@ -5,10 +5,11 @@ an attached optimizer, which only the next optimizer step changes — to one per
 it and then seals the slot (the snapshot's own :meth:`Sealer.seal`). A job may also carry the slots' layout
 (allocated first, when the state's layout is new: :attr:`CopyJob.prepare`) and a follow-up run after the
 seal (a sharded state's replica exchange: :attr:`CopyJob.then`). The snapshot's ``fence``, called from
-the optimizer's step pre-hook, waits for the copies (:attr:`Copier.copying`); its next save waits for the
-whole job. On a GPU the device-to-host
-copies run on a side CUDA stream into the page-locked mapping (:class:`DeviceCopies`) and the fence orders
-them before the current stream's next kernels instead of blocking the host.
+the optimizer's step pre-hook, waits for the copies (:attr:`Copier.copying`; a full fence also for those
+of tensors no optimizer step changes, :attr:`Copier.copying_rest`); its next save waits for the whole job.
+On a GPU the device-to-host copies run on a side CUDA stream into the page-locked mapping
+(:class:`DeviceCopies`) and the fence orders them before the current stream's next kernels instead of
+blocking the host.
 """
 
 from __future__ import annotations
@@ -104,12 +105,14 @@ class Copier:
         """The deferred CPU copies that no optimizer step waits for."""
         _copy(job, job.rest)
 
-    def hand_over(self, job: CopyJob, *, copying: bool) -> None:
+    def hand_over(self, job: CopyJob, *, copying: bool, rest: bool | None = None) -> None:
         """Give ``job`` to the copier thread (started here when there is none) and wake it; ``copying``:
-        deferred copies or a structure check are pending (the fence waits for them)."""
+        deferred copies or a structure check are pending (the fence waits for them); ``rest``: copies only
+        a full fence waits for are pending (default: whether the job lists any; its ``prepare`` may add
+        some)."""
         with self.cond:
             self.job, self.copying, self.sealing = job, copying, job.slot
-            self.copying_rest = bool(job.rest)
+            self.copying_rest = bool(job.rest) if rest is None else rest
             # The copier never returns but by an exception (it then clears thread); a forked child has none.
             if self.thread is None or self._pid != os.getpid():
                 self.thread = threading.Thread(target=self._work, name="ckpt-memory-copy", daemon=True)

@@ -417,7 +417,7 @@ class MemorySnapshot:
             slot, step, self._seq, dataclasses.replace(flat, tensors=staged), [], [], None, None, verify,
             None, prepare=lay_out, then=then,
         )  # fmt: skip
-        self.copier.hand_over(job, copying=True)
+        self.copier.hand_over(job, copying=True, rest=True)  # lay_out lists the copies
         return slot
 
     @staticmethod

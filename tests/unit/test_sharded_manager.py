@@ -276,9 +276,10 @@ def test_a_snapshot_in_flight_is_never_read_as_valid(
     train(state3, manager3, 1)
     assert gate.entered.wait(10)
     assert allocated_on == ["ckpt-memory-copy"]
+    assert manager3.memory is not None and manager3.memory.own.copier.copying_rest  # the clones come after
     assert reader(manager3, shm).newest_valid() is None
     gate.open()
-    assert manager3.memory is not None and manager3.memory.wait_idle(10)
+    assert manager3.memory.wait_idle(10)
     held = reader(manager3, shm).newest_valid()
     assert held is not None and held.step == 1
     manager3.close(release_memory=True)
