@@ -382,3 +382,60 @@ def test_the_optimizer_step_does_not_wait_for_frozen_parameters_but_a_fence_does
     held_slot = reader(manager, shm).newest_valid()
     assert held_slot is not None and held_slot.step == 2
     manager.close(release_memory=True)
+
+
+def test_closing_a_broken_group_leaves_an_exchange_waiting_on_a_stopped_peer_behind(
+    tmp_path: Path, background: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A send to (or a receive from) a peer that stopped may never return, even with the connections cut:
+    closing after the group broke waits for the own slot's copy and seal, not for that exchange, so the
+    process asks for the next round in time; the exchange left behind writes no replica."""
+    from elastic_train.checkpoint.sharded import slots
+
+    memory = ShardedMemory(str(tmp_path), "r", 0, 1)
+    entered, never = threading.Event(), threading.Event()
+
+    def exchange(step: int, slot: int, flat: Flat, **_: object) -> None:
+        entered.set()
+        never.wait(30)  # the stopped peer
+        assert memory.replica is not None
+        with memory._lock:
+            if not memory._stopped:
+                memory.replica.save(step, flat, background=False)
+
+    monkeypatch.setattr(memory, "exchange", exchange)
+    flat = flatten({"w": torch.ones(1 << 16)})
+    memory.save(1, flat, replica=(0, 0, None))
+    assert entered.wait(10)
+    started = time.monotonic()
+    assert not memory.stop(10, broken=True)
+    assert time.monotonic() - started < slots.BROKEN_EXCHANGE_WAIT + 1.0  # not the close's 10 s
+    assert memory.own.valid_slots()[0].step == 1  # sealed before the exchange began
+    never.set()
+    assert memory.wait_idle(10)
+    assert memory.replica is not None and memory.replica.valid_slots() == []  # nothing written after
+
+
+def test_a_broken_close_still_waits_for_the_own_slots_copy(
+    tmp_path: Path, background: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only the exchange is left behind: a copy in progress (no peer involved) is waited for."""
+    memory = ShardedMemory(str(tmp_path), "r", 0, 0)
+    entered, release = threading.Event(), threading.Event()
+    original = Copier.copy
+
+    def slow(job: CopyJob) -> None:
+        entered.set()
+        assert release.wait(10)
+        original(job)
+
+    monkeypatch.setattr(Copier, "copy", staticmethod(slow))
+    flat = flatten({"w": torch.ones(1 << 16)})
+    memory.save(1, flat, defer=range(len(flat.specs)))
+    assert entered.wait(10)
+    threading.Timer(0.5, release.set).start()
+    started = time.monotonic()
+    assert memory.stop(10, broken=True)  # waited past the exchange's bound for the copy
+    assert time.monotonic() - started >= 0.4
+    memory.raise_error()
+    assert memory.own.valid_slots()[0].step == 1

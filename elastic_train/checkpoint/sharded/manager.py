@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from elastic_train import net
 from elastic_train.checkpoint.agent import Agent
 from elastic_train.checkpoint.attach import Attachments
 from elastic_train.checkpoint.codec import Flat, flatten
@@ -99,13 +100,19 @@ class ShardedCheckpointManager(DurableWriting, Restoring):
         self.storage = open_storage(cfg.url, cfg.storage_options, direct_io=cfg.direct_io)
         self.run_path = self.storage.join(self.storage.root, run_id)
         self._ctl = self._io = self._rep = None
+        self._rep_links: dict[int, int] = {}
         self.replicas = cfg.shard_replicas if world_size > 1 else 0
         if group is not None and world_size > 1:
             ranks = dist.get_process_group_ranks(group)
             self._ctl = dist.new_group(ranks=ranks, backend="gloo")
             self._io = dist.new_group(ranks=ranks, backend="gloo")
             if self.replicas:
-                self._rep = dist.new_group(ranks=ranks, backend="gloo")
+                # the replica exchange runs on the memory tier's copier thread: its connections are
+                # recorded, so that a group that broke (or a cut of one blocked on a stopped peer) fails an
+                # exchange waiting on the failed peer instead of leaving it blocked
+                rep = net.opened_by(lambda: dist.new_group(ranks=ranks, backend="gloo"))
+                self._rep, self._rep_links = rep
+                net.add_extra_links(self, self._rep_links)
         step_ranks = max(1, min(local_world_size, world_size - 1)) if world_size > 1 else 0
         self.buddy = (rank + step_ranks) % world_size if world_size > 1 else rank
         self.source = (rank - step_ranks) % world_size if world_size > 1 else rank
@@ -287,13 +294,25 @@ class ShardedCheckpointManager(DurableWriting, Restoring):
             self._shutdown(release_memory=True)
         return self.last_committed if self.rank == 0 else None
 
+    def abort(self, *, timeout: float = 10.0) -> None:
+        """:meth:`close` after the group broke: a replica's exchange in flight on the copier thread may wait
+        on the failed peer, which never answers when it stopped instead of dying. The replica group's
+        connections are cut first (the exchange fails at once), and the exchange is waited for only briefly
+        (:data:`~elastic_train.checkpoint.sharded.slots.BROKEN_EXCHANGE_WAIT`): this process asks for the
+        next round meanwhile. The received replica is written only after the whole of it arrived, and never
+        once closed, so a cut or abandoned exchange leaves no slot torn."""
+        if not self._closed:
+            cut = net.shut_down(self._rep_links)
+            log.debug("shard_replica_links_cut", links=cut)
+            self._shutdown(release_memory=False, timeout=timeout, broken=True)
+
     def close(self, *, release_memory: bool = False, timeout: float = 10.0) -> None:
         """Stop the writer without a new checkpoint (error paths); the snapshots stay unless
         ``release_memory``."""
         if not self._closed:
             self._shutdown(release_memory=release_memory, timeout=timeout)
 
-    def _shutdown(self, *, release_memory: bool, timeout: float | None = None) -> None:
+    def _shutdown(self, *, release_memory: bool, timeout: float | None = None, broken: bool = False) -> None:
         self._closed = True
         self._attached.remove_all()
         with self._cond:
@@ -304,13 +323,14 @@ class ShardedCheckpointManager(DurableWriting, Restoring):
         done = self._writer is None or not self._writer.is_alive()
         if self.memory is not None:
             # A replica's exchange in flight may wait on a peer that failed: bounded, like the writer.
-            if self.memory.stop(timeout):
+            if self.memory.stop(timeout, broken=broken):
                 if release_memory:
                     self.memory.release()
                 else:
                     self.memory.detach()
             else:
-                log.warning("memory_snapshot_busy_at_close", seconds=timeout)
+                # broken: a replica's exchange left waiting on a failed peer (it writes nothing now)
+                log.warning("memory_snapshot_busy_at_close", seconds=timeout, broken=broken)
                 done = False  # its exchange still uses the replica group
         if done:
             for g in (self._ctl, self._io, self._rep):
@@ -320,3 +340,5 @@ class ShardedCheckpointManager(DurableWriting, Restoring):
                     except Exception as exc:
                         log.debug("checkpoint_group_destroy_failed", error=str(exc))
             self._ctl = self._io = self._rep = None
+            self._rep_links = {}
+        net.drop_extra_links(self)  # no cut of a later group reaches this manager's any more

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import pickle
 import threading
+import time
 from collections.abc import Container, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -45,6 +46,11 @@ REPLICA_SUFFIX = "-shard-replica"
 #: Bytes read from a slot (and hashed) per read while a restore takes its data.
 READ_CHUNK = 64 << 20
 _HEADER_TAG = 1 << 27
+#: Seconds closing after the group broke waits for a replica's exchange in flight (it may wait forever on a
+#: peer that stopped); the exchange of a group whose peers all live finishes well within it at 100 MB a rank.
+BROKEN_EXCHANGE_WAIT = 0.25
+#: Seconds between the looks of such a close at the copier (error path only).
+_POLL = 0.01
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +120,9 @@ class ShardedMemory:
         #: after the manager stopped (a later manager of this process may be using the file).
         self._lock = threading.Lock()
         self._stopped = False
+        #: Set while the copier thread exchanges a replica (the own slot sealed): what :meth:`stop` of a
+        #: broken group need not wait for.
+        self._exchanging = threading.Event()
 
     def slots(self) -> list[Slot]:
         """Every valid slot of both files, newest first per file."""
@@ -155,11 +164,14 @@ class ShardedMemory:
         return self.own.save(step, flat, defer=defer, unfenced=unfenced, then=then)
 
     def _exchange_off_thread(self, job: CopyJob, *, buddy: int, source: int, group: Any) -> None:
+        self._exchanging.set()
         try:
             self.exchange(job.step, job.slot, job.flat, buddy=buddy, source=source, group=group)
         except BaseException as exc:  # raised in the training thread by raise_error()
             log.error("shard_replica_failed", step=job.step, error=(str(exc).splitlines() or [""])[0])
             self.error = exc
+        finally:
+            self._exchanging.clear()
 
     def exchange(self, step: int, slot: int, flat: Flat, *, buddy: int, source: int, group: Any) -> None:
         """Send the slot just written to ``buddy`` and keep the one ``source`` sends in the replica file
@@ -278,10 +290,26 @@ class ShardedMemory:
         is not after ``timeout`` seconds."""
         return all(snap.wait_idle(timeout) for snap in self.files())
 
-    def stop(self, timeout: float | None) -> bool:
+    def stop(self, timeout: float | None, *, broken: bool = False) -> bool:
         """Wait up to ``timeout`` seconds for the snapshot in flight (its exchange may wait on a peer that
-        failed), then never write the replica file again; whether it finished."""
-        idle = self.wait_idle(timeout)
+        failed), then never write the replica file again; whether it finished.
+
+        ``broken``: the group failed. The own slot's copy and seal are still waited for (they wait on no
+        peer), its replica's exchange at most :data:`BROKEN_EXCHANGE_WAIT` seconds: a send to or a receive
+        from a peer that stopped instead of dying may never return, even with the group's connections cut,
+        and the process must ask for the next round meanwhile. Left behind, that exchange writes nothing
+        (the replica file is written only under the lock this sets, so no slot is torn either).
+        """
+        if broken:
+            deadline = None if timeout is None else time.monotonic() + timeout
+            while not (idle := self.wait_idle(_POLL)) and not self._exchanging.is_set():
+                if deadline is not None and time.monotonic() >= deadline:
+                    break
+            if not idle and self._exchanging.is_set():
+                left = BROKEN_EXCHANGE_WAIT if deadline is None else max(0.0, deadline - time.monotonic())
+                idle = self.wait_idle(min(BROKEN_EXCHANGE_WAIT, left))
+        else:
+            idle = self.wait_idle(timeout)
         with self._lock:
             self._stopped = True
         return idle
