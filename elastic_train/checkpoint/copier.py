@@ -2,10 +2,14 @@
 
 ``save`` copies what the next forward may change and hands the rest — the parameters and optimizer state of
 an attached optimizer, which only the next optimizer step changes — to one persistent thread, which copies
-it and then seals the slot (the snapshot's own :meth:`Sealer.seal`). The snapshot's ``fence``, called from
-the optimizer's step pre-hook, waits for those copies (:attr:`Copier.copying`). On a GPU the device-to-host
-copies run on a side CUDA stream into the page-locked mapping (:class:`DeviceCopies`) and the fence orders
-them before the current stream's next kernels instead of blocking the host.
+it and then seals the slot (the snapshot's own :meth:`Sealer.seal`). A job may also carry the slots' layout
+(allocated first, when the state's layout is new: :attr:`CopyJob.prepare`) and a follow-up run after the
+seal (a sharded state's replica exchange: :attr:`CopyJob.then`). The snapshot's ``fence``, called from
+the optimizer's step pre-hook, waits for the copies (:attr:`Copier.copying`; a full fence also for those
+of tensors no optimizer step changes, :attr:`Copier.copying_rest`); its next save waits for the whole job.
+On a GPU the device-to-host copies run on a side CUDA stream into the page-locked mapping
+(:class:`DeviceCopies`) and the fence orders them before the current stream's next kernels instead of
+blocking the host.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import operator
 import os
 import threading
 from collections.abc import Callable, Container
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -36,7 +40,7 @@ class CopyJob:
     flat: Flat
     dests: list[torch.Tensor | None]
     later: list[int]
-    """Indices of the CPU tensors the background copier copies."""
+    """Indices of the CPU tensors the background copier copies (the step pre-hook's fence waits for them)."""
     event: Any
     """CUDA event recorded after the last device-to-host copy (None without GPU tensors)."""
     device: torch.device | None = None
@@ -45,6 +49,16 @@ class CopyJob:
     run by the copier before the deferred copies and the seal; None: nothing left to check."""
     previous: int | None = None
     """The newest slot before this one: the newest again if the check fails (this slot stays invalid)."""
+    prepare: Callable[[CopyJob], None] | None = None
+    """Run by the copier before the copies: a new layout's slots allocated, and :attr:`dests` and
+    :attr:`later` set in them (None: the slot is ready)."""
+    rest: list[int] = field(default_factory=list)
+    """Indices of the CPU tensors the copier copies after :attr:`later`, which no optimizer step changes
+    (frozen parameters, the clones of a new layout's tensors): only a full fence waits for them."""
+    then: Callable[[CopyJob], None] | None = None
+    """Run with the job by the copier once the slot is copied and its seal done (a sharded state's replica
+    sent), before the snapshot counts as idle; not run when the copy failed or the check rejected it. It
+    reports its own failures."""
 
 
 class Sealer(Protocol):
@@ -72,6 +86,8 @@ class Copier:
         #: pending, and the slot being sealed: set only by the training thread, cleared by the copier.
         self.job: CopyJob | None = None
         self.copying = False
+        #: The job's :attr:`CopyJob.rest` is still being copied.
+        self.copying_rest = False
         self.sealing: int | None = None
         self.thread: threading.Thread | None = None
         self._pid = 0
@@ -80,21 +96,23 @@ class Copier:
 
     @staticmethod
     def copy(job: CopyJob) -> None:
-        """The deferred CPU copies (GPU copies run on the side stream meanwhile)."""
-        if job.later:
-            # C-level picks: on the copier thread, Python per tensor holds the interpreter lock the
-            # training thread needs.
-            take = operator.itemgetter(*job.later)
-            dests, srcs = take(job.dests), take(job.flat.tensors)
-            if len(job.later) == 1:
-                dests, srcs = (dests,), (srcs,)
-            foreach_copy(dests, srcs)
+        """The deferred CPU copies the step pre-hook waits for (GPU copies run on the side stream
+        meanwhile)."""
+        _copy(job, job.later)
 
-    def hand_over(self, job: CopyJob, *, copying: bool) -> None:
+    @staticmethod
+    def copy_rest(job: CopyJob) -> None:
+        """The deferred CPU copies that no optimizer step waits for."""
+        _copy(job, job.rest)
+
+    def hand_over(self, job: CopyJob, *, copying: bool, rest: bool | None = None) -> None:
         """Give ``job`` to the copier thread (started here when there is none) and wake it; ``copying``:
-        deferred copies or a structure check are pending (the fence waits for them)."""
+        deferred copies or a structure check are pending (the fence waits for them); ``rest``: copies only
+        a full fence waits for are pending (default: whether the job lists any; its ``prepare`` may add
+        some)."""
         with self.cond:
             self.job, self.copying, self.sealing = job, copying, job.slot
+            self.copying_rest = bool(job.rest) if rest is None else rest
             # The copier never returns but by an exception (it then clears thread); a forked child has none.
             if self.thread is None or self._pid != os.getpid():
                 self.thread = threading.Thread(target=self._work, name="ckpt-memory-copy", daemon=True)
@@ -122,23 +140,42 @@ class Copier:
                 if job.verify is not None and not job.verify():
                     self.reject(job)
                     continue
+                if job.prepare is not None:
+                    job.prepare(job)
                 self.copy(job)
+                if job.rest:
+                    with self.cond:  # the optimizer step may go on: what is left, no step changes
+                        self.copying = False
+                        self.cond.notify_all()
+                    self.copy_rest(job)
             except BaseException as exc:  # reported to the loop by the snapshot's raise_error()/fence()
                 log.error("memory_snapshot_copy_failed", path=self._path, step=job.step, error=str(exc))
                 self.error = exc
                 with self.cond:
-                    self.job, self.copying, self.sealing = None, False, None
+                    self.job, self.copying, self.copying_rest, self.sealing = None, False, False, None
                     self.cond.notify_all()
                 continue
             with self.cond:
-                self.copying = False
+                self.copying = self.copying_rest = False
                 self.cond.notify_all()
             self._sealer.seal(job)
+            if job.then is not None:
+                self.then(job)
             with self.cond:
                 self.job = None
                 if self.sealing == job.slot:
                     self.sealing = None
                 self.cond.notify_all()
+
+    def then(self, job: CopyJob) -> None:
+        """Run ``job``'s follow-up (its own failures are its to report; anything else goes to
+        :attr:`error`)."""
+        assert job.then is not None
+        try:
+            job.then(job)
+        except BaseException as exc:
+            log.error("memory_snapshot_then_failed", path=self._path, step=job.step, error=str(exc))
+            self.error = exc
 
     def reject(self, job: CopyJob) -> None:
         """Leave ``job``'s slot invalid: the state's structure is no longer the snapshot's plan, so what was
@@ -150,8 +187,19 @@ class Copier:
         with self.cond:
             self._sealer.rejected(job)
             if self.job is job:
-                self.job, self.copying, self.sealing = None, False, None
+                self.job, self.copying, self.copying_rest, self.sealing = None, False, False, None
             self.cond.notify_all()
+
+
+def _copy(job: CopyJob, indices: list[int]) -> None:
+    if indices:
+        # C-level picks: on the copier thread, Python per tensor holds the interpreter lock the training
+        # thread needs.
+        take = operator.itemgetter(*indices)
+        dests, srcs = take(job.dests), take(job.flat.tensors)
+        if len(indices) == 1:
+            dests, srcs = (dests,), (srcs,)
+        foreach_copy(dests, srcs)
 
 
 class DeviceCopies:

@@ -24,6 +24,7 @@ import torch
 
 from elastic_train.checkpoint import durable
 from elastic_train.checkpoint.agent import Agent
+from elastic_train.checkpoint.attach import Attachments
 from elastic_train.checkpoint.codec import Flat, TensorSpec, flatten
 from elastic_train.checkpoint.config import CheckpointConfig
 from elastic_train.checkpoint.errors import CheckpointError
@@ -43,21 +44,6 @@ log = get_logger(__name__)
 #: A state as :meth:`CheckpointManager.save` takes it: the state, or a function returning it (or a
 #: :class:`Flat` of it).
 StateArg = Mapping[str, Any] | Callable[[], Mapping[str, Any] | Flat]
-
-
-class _Attachment:
-    """An optimizer attached to a manager (see :meth:`CheckpointManager.attach`)."""
-
-    def __init__(self, manager: CheckpointManager, optimizer: torch.optim.Optimizer, hook: Any) -> None:
-        self.manager, self.optimizer, self._hook = manager, optimizer, hook
-
-    def remove(self) -> None:
-        """Detach: wait for a copy in flight, drop the step pre-hook."""
-        if self in self.manager._attached:
-            if self.manager.memory is not None:
-                self.manager.memory.wait_idle()
-            self.manager._attached.remove(self)
-            self._hook.remove()
 
 
 class CheckpointManager:
@@ -130,8 +116,7 @@ class CheckpointManager:
             local_rank=local_rank,
         )
         self._closed = False
-        self._attached: list[_Attachment] = []
-        self._defer_cache: tuple[Any, int, frozenset[int]] | None = None
+        self._attached = Attachments(self.fence, self._idle)
 
     @property
     def coordinated(self) -> bool:
@@ -260,12 +245,7 @@ class CheckpointManager:
         if self.memory is not None:
             # Which tensors the copier may copy later is decided once per plan (a planned snapshot hands over
             # the same specs while its tensors are the same); a small state is copied whole in save anyway.
-            cached = self._defer_cache
-            if cached is not None and cached[0] is flat.specs and cached[1] == len(self._attached):
-                defer = cached[2]
-            else:
-                defer = self._deferrable(flat)
-            slot = self.memory.save(step, flat, defer=defer)
+            slot = self.memory.save(step, flat, defer=self._attached.deferrable(flat))
             if timed:
                 self.memory.stats.add_save(time.perf_counter() - started, time.thread_time() - cpu)
             if dur_due:  # the writer reads the slot: its copy must be complete
@@ -302,12 +282,11 @@ class CheckpointManager:
             A handle whose ``remove()`` detaches the optimizer again (later snapshots then copy everything
             before :meth:`save` returns).
         """
-        attachment = _Attachment(self, optimizer, optimizer.register_step_pre_hook(self._fence_hook))
-        self._attached.append(attachment)
-        return attachment
+        return self._attached.add(optimizer)
 
-    def _fence_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        self.fence()
+    def _idle(self) -> None:
+        if self.memory is not None:
+            self.memory.wait_idle()
 
     def fence(self) -> None:
         """Wait until the last snapshot no longer reads the parameters and optimizer state.
@@ -317,21 +296,6 @@ class CheckpointManager:
         """
         if self.memory is not None:
             self.memory.fence()
-
-    def _deferrable(self, flat: Flat) -> frozenset[int]:
-        """Indices of the tensors of ``flat`` that only an attached optimizer's step changes (kept for the
-        specs of ``flat``: :meth:`_save` reuses them while they are the same)."""
-        if not self._attached:
-            return frozenset()
-        owned: set[int] = set()
-        for opt in (a.optimizer for a in self._attached):
-            for group in opt.param_groups:
-                owned.update(p.data_ptr() for p in group["params"])
-            for per_param in opt.state.values():
-                owned.update(v.data_ptr() for v in per_param.values() if isinstance(v, torch.Tensor))
-        defer = frozenset(i for i, t in enumerate(flat.tensors) if t.data_ptr() in owned)
-        self._defer_cache = (flat.specs, len(self._attached), defer)
-        return defer
 
     # -- the durable cadence -----------------------------------------------------------------------------
     def _due_here(self, step: int) -> bool:
@@ -414,8 +378,7 @@ class CheckpointManager:
 
     def _shutdown(self, *, release_memory: bool, timeout: float | None = None) -> None:
         self._closed = True
-        for attachment in list(self._attached):
-            attachment.remove()
+        self._attached.remove_all()
         writer_done = self._writer.stop(timeout)
         if self.memory is not None:
             if release_memory:

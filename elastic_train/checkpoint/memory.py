@@ -15,10 +15,11 @@ checksum.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import operator
 import os
 import time
-from collections.abc import Container, Iterator
+from collections.abc import Callable, Container, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -120,8 +121,6 @@ class MemorySnapshot:
         check_node_room(self.path, sizes(flat.nbytes, meta_len)[3], flat.nbytes)
         self._file.allocate(flat.nbytes, meta_len, flat.layout_key)
         self._specs = flat.specs
-        self._slot_seq = [0] * SLOTS
-        self._newest = None
 
     def _unmap(self) -> None:
         self._specs = None
@@ -165,10 +164,10 @@ class MemorySnapshot:
         return list(self._valid(verify_data=False))
 
     def _valid(self, *, verify_data: bool) -> Iterator[Held]:
+        self.wait_idle()  # (a save in flight may be laying the file out anew)
         file = self._file
         if file.mm is None and not file.open_existing():
             return
-        self.wait_idle()
         headers = []
         for slot in range(SLOTS):
             fields = file.header(slot)
@@ -218,7 +217,16 @@ class MemorySnapshot:
         return self._file.data(slot, nbytes)
 
     # -- writing -----------------------------------------------------------------------------------------
-    def save(self, step: int, flat: Flat, *, defer: Container[int] = (), background: bool = True) -> int:
+    def save(
+        self,
+        step: int,
+        flat: Flat,
+        *,
+        defer: Container[int] = (),
+        background: bool = True,
+        unfenced: Container[int] = (),
+        then: Callable[[CopyJob], None] | None = None,
+    ) -> int:
         """Copy ``flat`` into the oldest free slot and seal it; returns the slot.
 
         The tensors whose index is in ``defer`` may still be copied after this returns (by the background
@@ -227,6 +235,16 @@ class MemorySnapshot:
         (or, on a GPU, ordered before any later kernel of the current stream) before this returns, so state
         that changes outside the optimizer step (BatchNorm buffers, RNG states) is taken at this step.
         The slot is sealed (checksums, then the header) only once every byte of it is written.
+
+        A CPU state of a new layout (the first save, or a sharded rank's part at another world size) with
+        deferred tensors is laid out on the copier thread too: the slots are allocated (or grown) there, and
+        the tensors not deferred are cloned here first (what the next forward may change, usually small).
+
+        The tensors of ``defer`` also in ``unfenced`` (frozen parameters: no optimizer step changes them) are
+        copied last, and only a full :meth:`fence` waits for them, not ``fence(step=True)``.
+
+        ``then`` runs with the copy job once the slot is copied and sealed, on the copier thread when the
+        seal runs there (a sharded state's replica send); the next save and :meth:`wait_idle` wait for it.
 
         Raises:
             CheckpointError: the shared memory cannot hold the state (needed and free sizes in the message),
@@ -245,12 +263,16 @@ class MemorySnapshot:
                 flat.specs == self._specs if self._specs is not None else flat.layout_key == file.layout
             )
             if not same:
+                if background and defer and flat.nbytes > INLINE_BYTES and not self._any_cuda(flat):
+                    return self._save_laid_out_later(step, flat, defer, unfenced, then)
                 self._allocate(flat, max(self._meta_need, len(self._meta.encode(flat, flat.layout_key))))
+                self._slot_seq, self._newest = [0] * SLOTS, None
                 self._meta_need = 0
             self._specs = flat.specs
             self._copy_lists = {}
         if self._meta_need > file.meta_cap:
             self._allocate(flat, self._meta_need)
+            self._slot_seq, self._newest = [0] * SLOTS, None
             self._meta_need = 0
         # The oldest slot that is neither the newest snapshot nor pinned by a durable write: with one slot
         # pinned, the other two still alternate, so a crash mid-copy always leaves the previous step valid.
@@ -266,6 +288,7 @@ class MemorySnapshot:
         if dests is None:
             dests = self._dests[slot] = destinations(flat.specs, file.data(slot, flat.nbytes))
         event = None
+        rest: list[int] = []  # deferred, but no optimizer step changes them (CPU only)
         gpu = self._gpu  # decided once per specs object (see _on_gpu)
         on_gpu = gpu[1] if gpu is not None and gpu[0] is flat.specs else self._on_gpu(flat, dests)
         if on_gpu:
@@ -293,6 +316,9 @@ class MemorySnapshot:
             ):
                 lists = self._split(slot, flat, deferred)
             now, later, now_dests, take = lists[2]
+            if unfenced and later:
+                rest = [i for i in later if i in unfenced]
+                later = [i for i in later if i not in unfenced]
             if now:
                 if take is True:
                     sources = flat.tensors
@@ -311,20 +337,36 @@ class MemorySnapshot:
         self._slot_seq[slot] = self._seq
         device = flat.tensors[on_gpu[0]].device if on_gpu else None
         verify = flat.verify if isinstance(flat, Planned) else None
-        job = CopyJob(slot, step, self._seq, flat, dests, later, event, device, verify, self._newest)
+        job = CopyJob(
+            slot,
+            step,
+            self._seq,
+            flat,
+            dests,
+            later,
+            event,
+            device,
+            verify,
+            self._newest,
+            rest=rest,
+            then=then,
+        )
         self._newest = slot
         if not background or (not on_gpu and flat.nbytes <= SEAL_INLINE_BYTES):
             if verify is not None and not verify():
                 copier.reject(job)
                 return slot
             copier.copy(job)
+            copier.copy_rest(job)
             self.seal(job, timed=self.stats.record)
+            if then is not None:
+                copier.then(job)
             self.raise_error()
             return slot
         # A larger state's seal (metadata, checksums, header) runs on the copier thread, and the slot is not
         # valid before it is done. The fence also waits for a pending structure check: the state may change
         # once it returns.
-        copying = bool(later) or verify is not None
+        copying = bool(later) or bool(rest) or verify is not None
         if self.stats.record:
             t0, c0 = time.perf_counter(), time.thread_time()
             copier.hand_over(job, copying=copying)
@@ -333,6 +375,54 @@ class MemorySnapshot:
         else:
             copier.hand_over(job, copying=copying)
         return slot
+
+    def _save_laid_out_later(
+        self,
+        step: int,
+        flat: Flat,
+        defer: Container[int],
+        unfenced: Container[int],
+        then: Callable[[CopyJob], None] | None,
+    ) -> int:
+        """:meth:`save` of a CPU state whose slots the copier allocates: seconds at a gigabyte (the tmpfs
+        pages of a grown file are allocated, then faulted in by the copy), which the next forward and
+        backward overlap. The fence waits for it as for the deferred copies.
+
+        The tensors not in ``defer`` are cloned here (taken at this step); every slot of the old layout is
+        invalid from the allocation on, as when :meth:`save` allocates itself.
+        """
+        staged = tuple(t if i in defer else t.detach().clone() for i, t in enumerate(flat.tensors))
+        pinned = self._pinned
+        slot = next(s for s in range(SLOTS) if s not in pinned)  # the new file's slots are all invalid
+        self._slot_seq, self._newest = [0] * SLOTS, None
+        self._seq += 1
+        self._slot_seq[slot] = self._seq
+        self._newest = slot
+        need = self._meta_need
+        self._meta_need = 0
+
+        def lay_out(job: CopyJob) -> None:
+            self._allocate(job.flat, max(need, len(self._meta.encode(job.flat, job.flat.layout_key))))
+            self._copy_lists = {}
+            dests = self._dests[job.slot] = destinations(
+                job.flat.specs, self._file.data(job.slot, job.flat.nbytes)
+            )
+            copied = [i for i, d in enumerate(dests) if d is not None]
+            job.dests = dests
+            job.later = [i for i in copied if i in defer and i not in unfenced]
+            job.rest = [i for i in copied if i not in defer or i in unfenced]  # clones: no step changes them
+
+        verify = flat.verify if isinstance(flat, Planned) else None
+        job = CopyJob(
+            slot, step, self._seq, dataclasses.replace(flat, tensors=staged), [], [], None, None, verify,
+            None, prepare=lay_out, then=then,
+        )  # fmt: skip
+        self.copier.hand_over(job, copying=True, rest=True)  # lay_out lists the copies
+        return slot
+
+    @staticmethod
+    def _any_cuda(flat: Flat) -> bool:
+        return any(t.is_cuda for t in flat.tensors)
 
     def _oldest_free(self) -> int | None:
         """The slot with the lowest sequence that is neither the newest nor pinned (the first such in
@@ -403,30 +493,39 @@ class MemorySnapshot:
         self._slot_seq[job.slot] = 0  # rewritten first
         self.rejected_step = job.step
 
-    def fence(self) -> None:
+    def fence(self, *, step: bool = False) -> None:
         """Return once the last snapshot's tensors are copied (and a planned snapshot's structure checked):
         they may be modified from now on.
 
         On a GPU the copies are ordered before the current stream's later kernels instead (the host does
-        not wait). The seal (checksums) may still be running.
+        not wait). The seal (checksums) may still be running. ``step``: only what an optimizer step changes
+        (the step pre-hook's fence; see ``unfenced`` in :meth:`save`).
 
         Raises:
             CheckpointError: the background copy failed.
         """
-        copier = self.copier
-        with self._cond:
-            while copier.copying:
-                self._cond.wait()
-            job = copier.job
+        job = self.wait_copied(rest=not step)
         if job is not None and job.event is not None:
             torch.cuda.current_stream(job.device).wait_event(job.event)
         self.raise_error()
+
+    def wait_copied(self, *, rest: bool = True) -> CopyJob | None:
+        """Block until the last snapshot's CPU copies (and a planned snapshot's structure check) are done,
+        those of tensors no optimizer step changes too unless ``rest`` is False; returns the job still being
+        sealed, if any (its GPU copies may still run)."""
+        copier = self.copier
+        with self._cond:
+            while copier.copying or (rest and copier.copying_rest):
+                self._cond.wait()
+            return copier.job
 
     def raise_error(self) -> None:
         """Raise a failure of the background copier or a seal in the caller's thread."""
         copier = self.copier
         if copier.error is not None:
             exc, copier.error = copier.error, None
+            if isinstance(exc, CheckpointError):  # one line already (the slots could not be allocated)
+                raise exc
             raise CheckpointError(f"sealing the shared-memory snapshot failed: {exc}") from exc
 
     def wait_idle(self, timeout: float | None = None) -> bool:

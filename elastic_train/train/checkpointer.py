@@ -88,6 +88,15 @@ class Fenced(Protocol):
         ...
 
 
+@runtime_checkable
+class Exchanges(Protocol):
+    """A manager whose snapshots talk to peers off the training thread (the sharded replica exchange)."""
+
+    def abort(self) -> None:
+        """Close after the group broke: that talk, which may wait on the failed peer, is cut short."""
+        ...
+
+
 def _manager(cfg: CheckpointConfig, run_id: str, state: TrainState, world: World, link: Link) -> Manager:
     """The checkpoint manager of ``state``: the sharded one when the model's parameters are DTensors
     (FSDP2's ``fully_shard``), the replicated one otherwise."""
@@ -369,9 +378,18 @@ class Checkpointer:
         self._release()
         return committed
 
-    def close(self) -> None:
-        """Stop without a final checkpoint (error paths); the memory snapshot stays for a restarted group."""
-        self.manager.close()
+    def close(self, *, broken: bool = False) -> None:
+        """Stop without a final checkpoint (error paths); the memory snapshot stays for a restarted group.
+
+        ``broken``: the group failed. A peer exchange in flight on the manager's own connections (a sharded
+        replica's, on the copier thread) may wait on the failed peer, which never answers when it stopped
+        instead of dying, and closing would wait for it: it is cut short (the manager's ``abort``), so that
+        this process asks for the next round without waiting out the close's timeout.
+        """
+        if broken and isinstance(self.manager, Exchanges):
+            self.manager.abort()
+        else:
+            self.manager.close()
         self._release()
 
     def _release(self) -> None:
@@ -387,4 +405,5 @@ class Checkpointer:
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
         if kind is not None:
-            self.close()
+            # an announced change leaves at a step boundary with the group whole: its exchanges complete
+            self.close(broken=not isinstance(exc, GroupChanged))

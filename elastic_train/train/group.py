@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
-import stat
 import sys
 import threading
 import time
@@ -24,7 +23,7 @@ import torch.distributed as dist
 from elastic_train import torchcompat
 from elastic_train.errors import ElasticTrainError
 from elastic_train.log import bind_context, configure_logging
-from elastic_train.net import free_port
+from elastic_train.net import cut_extra_links, free_port, shut_down, stream_sockets
 from elastic_train.train.env import WorkerEnv
 from elastic_train.train.errors import TrainingError
 from elastic_train.train.link import process_link
@@ -196,10 +195,10 @@ def _form_group(backend: str, device: torch.device, env: WorkerEnv, timeout: tim
         os.environ.setdefault("MASTER_ADDR", env.master_addr)
         kwargs["store"] = _open_store(env, timeout)
     formed = time.perf_counter()
-    before = _stream_sockets() if backend == "gloo" else {}
+    before = stream_sockets() if backend == "gloo" else {}
     dist.init_process_group(backend, rank=env.rank, world_size=env.world_size, **kwargs)
     if backend == "gloo":
-        opened = _stream_sockets(connected=True)
+        opened = stream_sockets(connected=True)
         with _LINKS_LOCK:
             _LINKS.clear()
             _LINKS.update({fd: ino for fd, ino in opened.items() if before.get(fd) != ino})
@@ -284,61 +283,17 @@ def cut_links(round: int | None = None) -> int:
     Only the sockets the group opened are touched: each is checked by inode, since gloo closes a failed
     pair's socket itself and its descriptor may by now belong to another connection of this process.
     ``round``: only if the group is that round's (another thread asks for a group that may have re-formed
-    meanwhile).
+    meanwhile). The connections other layers registered (:func:`elastic_train.net.add_extra_links`: the
+    sharded checkpoint's replica group) are cut too.
     """
     with _LINKS_LOCK:
         if round is not None and _LINKS_ROUND[0] != round:
             return 0
-        links = list(_LINKS.items())
+        links = dict(_LINKS)
         _LINKS.clear()
-    cut = 0
-    for fd, inode in links:
-        try:
-            sock = socket.socket(fileno=os.dup(fd))
-        except OSError:  # closed by gloo already
-            continue
-        try:
-            if os.fstat(sock.fileno()).st_ino == inode:
-                sock.shutdown(socket.SHUT_RDWR)
-                cut += 1
-        except OSError:  # not connected any more
-            pass
-        finally:
-            sock.close()  # the duplicate only
-    return cut
-
-
-def _stream_sockets(*, connected: bool = False) -> dict[int, int]:
-    """This process's TCP sockets, file descriptor -> inode (none where ``/proc/self/fd`` does not exist);
-    with ``connected``, listening sockets left out."""
-    try:
-        names = os.listdir("/proc/self/fd")
-    except OSError:
-        return {}
-    found: dict[int, int] = {}
-    for name in names:
-        fd = int(name)
-        try:
-            st = os.fstat(fd)
-        except OSError:
-            continue
-        if not stat.S_ISSOCK(st.st_mode):
-            continue
-        try:
-            sock = socket.socket(fileno=os.dup(fd))
-        except OSError:
-            continue
-        try:
-            if sock.type != socket.SOCK_STREAM or sock.family not in (socket.AF_INET, socket.AF_INET6):
-                continue
-            if connected and sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
-                continue
-            found[fd] = st.st_ino
-        except OSError:
-            continue
-        finally:
-            sock.close()
-    return found
+    # and the groups other layers formed on it (a sharded checkpoint's replica exchange runs on the memory
+    # tier's copier thread, on a group of its own: a stopped peer would block it past the cut)
+    return shut_down(links) + cut_extra_links()
 
 
 def _backend_of_default_group() -> str:

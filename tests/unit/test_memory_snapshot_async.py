@@ -240,6 +240,26 @@ def test_state_too_large_for_shared_memory_names_both_sizes(memdir, monkeypatch)
     assert not os.listdir(memdir)
 
 
+def test_a_new_layout_is_allocated_on_the_copier_and_its_failure_is_the_same_line(memdir, monkeypatch):
+    """With deferred tensors the slots are allocated on the copier thread; a tmpfs too small fails the fence
+    with the one line a save on the training thread gives."""
+
+    def full(fd, offset, length):
+        assert threading.current_thread().name == "ckpt-memory-copy"
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    monkeypatch.setattr(slots_mod, "free_bytes", lambda d: 3 << 20)
+    monkeypatch.setattr(memory_mod, "check_node_room", lambda *args: None)
+    snap = MemorySnapshot(memdir, "run", 0)
+    snap.save(1, flatten({"w": torch.zeros(5 << 18), "b": torch.ones(4)}), defer={0})  # returns at once
+    with pytest.raises(CheckpointError) as err:
+        snap.fence()  # the optimizer step's pre-hook
+    msg = str(err.value)
+    assert "\n" not in msg and msg.startswith("the shared-memory snapshot needs 15.2 MiB"), msg
+    assert not os.listdir(memdir)
+
+
 _CRASHER = textwrap.dedent(
     """
     import os, sys, threading, time

@@ -5,6 +5,8 @@ tests/integration/test_fsdp_train.py."""
 from __future__ import annotations
 
 import os
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,7 +16,13 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from elastic_train.checkpoint import CheckpointConfig, ModelMismatch
+from elastic_train.checkpoint import memory as memory_mod
+from elastic_train.checkpoint.codec import Flat, flatten
+from elastic_train.checkpoint.copier import Copier, CopyJob
+from elastic_train.checkpoint.memory import MemorySnapshot
 from elastic_train.checkpoint.sharded.manager import ShardedCheckpointManager
+from elastic_train.checkpoint.sharded.slots import ShardedMemory
+from elastic_train.checkpoint.slots import SlotFile
 from elastic_train.train.fsdp import device_mesh, load_full, shard_model
 from elastic_train.train.group import World
 from elastic_train.train.sampler import ElasticBatchSampler
@@ -161,3 +169,273 @@ def test_a_checkpoint_of_another_model_is_refused(world_one: World, shm: Path) -
     ):
         manager2.restore(state2.model.state_dict())
     manager2.close()
+
+
+# -- the snapshot off the training thread ------------------------------------------------------------------
+
+
+@pytest.fixture
+def background(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These states are small: without this they would be copied and sealed inside save (INLINE_BYTES)."""
+    monkeypatch.setattr(memory_mod, "INLINE_BYTES", 0)
+    monkeypatch.setattr(memory_mod, "SEAL_INLINE_BYTES", 0)
+
+
+class Gate:
+    """Holds the copier thread in a snapshot's deferred copies (half of them done) until :meth:`open`."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.entered, self._open = threading.Event(), threading.Event()
+        original = Copier.copy
+
+        def held(job: CopyJob) -> None:
+            if job.later:
+                for i in job.later[: len(job.later) // 2]:
+                    job.dests[i].copy_(job.flat.tensors[i])  # type: ignore[union-attr]
+                self.entered.set()
+                assert self._open.wait(30), "gate never opened"
+            original(job)
+
+        monkeypatch.setattr(Copier, "copy", staticmethod(held))
+
+    def open(self) -> None:
+        self._open.set()
+
+
+def reader(manager: ShardedCheckpointManager, shm: Path) -> MemorySnapshot:
+    """The own snapshot file as another process (a restarted worker) reads it."""
+    return MemorySnapshot(str(shm / "shm"), "r", 0, manager.run_path)
+
+
+def test_the_optimizer_step_waits_for_the_snapshot_copy(
+    world_one: World, shm: Path, background: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    state, manager = job(world_one, shm)
+    manager.attach(state.optimizer)  # type: ignore[arg-type]
+    manager.restore()
+    train(state, manager, 1)
+    assert manager.memory is not None and manager.memory.wait_idle(10)
+    gate = Gate(monkeypatch)
+    train(state, manager, 1)
+    assert gate.entered.wait(10)  # step 2's shards and moments are being copied on the copier thread
+    expected = local(state)
+    state.model(torch.randn(8, 4)).pow(2).mean().backward()  # the next forward and backward run meanwhile
+    stepped = threading.Event()
+    stepper = threading.Thread(target=lambda: (state.optimizer.step(), stepped.set()))  # type: ignore[union-attr]
+    stepper.start()
+    time.sleep(0.3)
+    assert not stepped.is_set(), "the optimizer step ran before the snapshot's copy was done"
+    gate.open()
+    stepper.join(10)
+    assert stepped.is_set() and not torch.equal(
+        local(state)["model.layers.0.weight"], expected["model.layers.0.weight"]
+    )
+    manager.close()
+
+    state2, manager2 = job(world_one, shm)
+    restored = manager2.restore(state2.model.state_dict())
+    assert restored is not None and restored.step == 2
+    state2.load_state_dict(restored.state)
+    got = local(state2)
+    assert all(torch.equal(got[k], expected[k]) for k in expected)  # the state of step 2, not the step after
+    manager2.close(release_memory=True)
+
+
+def test_a_snapshot_in_flight_is_never_read_as_valid(
+    world_one: World, shm: Path, background: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    state, manager = job(world_one, shm)
+    manager.attach(state.optimizer)  # type: ignore[arg-type]
+    manager.restore()
+    train(state, manager, 1)
+    assert manager.memory is not None and manager.memory.wait_idle(10)
+    gate = Gate(monkeypatch)
+    train(state, manager, 1)
+    assert gate.entered.wait(10)
+    held = reader(manager, shm).newest_valid()  # what a worker restarted now (the copy half done) finds
+    assert held is not None and held.step == 1
+    gate.open()
+    assert manager.memory.wait_idle(10)
+    held = reader(manager, shm).newest_valid()
+    assert held is not None and held.step == 2
+    manager.close()
+
+    # The first snapshot of a new layout (a rank's part at another world size): its slots are allocated on the
+    # copier thread, and no slot is valid until the new one is sealed whole.
+    state3, manager3 = job(world_one, shm, out=6)
+    manager3.attach(state3.optimizer)  # type: ignore[arg-type]
+    gate = Gate(monkeypatch)
+    allocated_on: list[str] = []
+    allocate = SlotFile.allocate
+
+    def recorded(self: SlotFile, *args: object) -> None:
+        allocated_on.append(threading.current_thread().name)
+        allocate(self, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(SlotFile, "allocate", recorded)
+    train(state3, manager3, 1)
+    assert gate.entered.wait(10)
+    assert allocated_on == ["ckpt-memory-copy"]
+    assert manager3.memory is not None and manager3.memory.own.copier.copying_rest  # the clones come after
+    assert reader(manager3, shm).newest_valid() is None
+    gate.open()
+    assert manager3.memory.wait_idle(10)
+    held = reader(manager3, shm).newest_valid()
+    assert held is not None and held.step == 1
+    manager3.close(release_memory=True)
+
+
+def test_the_replica_exchange_runs_on_the_copier_and_its_failure_is_a_group_failure(
+    tmp_path: Path, background: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from elastic_train.train.hot import classify_failure
+
+    memory = ShardedMemory(str(tmp_path), "r", 0, 1)
+    ran: list[tuple[int, str]] = []
+    hold = threading.Event()
+
+    def exchange(step: int, slot: int, flat: Flat, **_: object) -> None:
+        ran.append((step, threading.current_thread().name))
+        if step == 2:
+            raise RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:4242")
+        if step == 3:
+            assert hold.wait(10)
+        assert memory.replica is not None
+        with memory._lock:
+            if not memory._stopped:
+                memory.replica.save(step, flat, background=False)
+
+    monkeypatch.setattr(memory, "exchange", exchange)
+    flat = flatten({"w": torch.ones(1 << 16)})
+    memory.save(1, flat, replica=(0, 0, None))
+    assert memory.wait_idle(10)
+    assert ran == [(1, "ckpt-memory-copy")] and memory.replica is not None
+    assert [h.step for h in memory.replica.valid_slots()] == [1]
+    memory.save(2, flat, replica=(0, 0, None))
+    assert memory.wait_idle(10)
+    with pytest.raises(RuntimeError, match="Connection closed by peer") as err:
+        memory.raise_error()  # raised as it is: the training loop re-forms the group on it
+    failure = classify_failure(err.value)
+    assert failure is not None and failure.reform
+    assert memory.own.valid_slots()[0].step == 2  # the own slot is sealed all the same
+
+    memory.save(3, flat, replica=(0, 0, None))  # an exchange that waits on a peer
+    assert not memory.stop(0.2)  # the manager closes without it...
+    hold.set()
+    time.sleep(0.2)
+    assert memory.wait_idle(10)
+    assert [h.step for h in memory.replica.valid_slots()] == [1]  # ...and it writes no replica afterwards
+
+
+def test_frozen_parameters_are_copied_off_the_training_thread_too(world_one: World, shm: Path) -> None:
+    """Not only the optimizer's: a parameter changes only in an optimizer step (or after a fence)."""
+    state, manager = job(world_one, shm)
+    frozen = list(state.model.layers[0].parameters())  # type: ignore[index]
+    for p in frozen:
+        p.requires_grad_(False)
+    optimizer = torch.optim.AdamW(state.model.layers[1].parameters(), lr=0.1)  # type: ignore[index]
+    manager.attach(optimizer)
+    flat = manager._flat(state.state_dict)
+    defer = manager._attached.deferrable(flat)
+    deferred = {s.path for i, s in enumerate(flat.specs) if i in defer}
+    assert {f"/state/model/layers.0.{n}" for n in ("weight", "bias")} <= deferred
+    assert {f"/state/model/layers.1.{n}" for n in ("weight", "bias")} <= deferred
+    assert "/state/model/scale" not in deferred  # a buffer: the next forward may change it
+    assert not any(s.path.startswith("/state/rng") for i, s in enumerate(flat.specs) if i in defer)
+    manager.close(release_memory=True)
+
+
+def test_the_optimizer_step_does_not_wait_for_frozen_parameters_but_a_fence_does(
+    world_one: World, shm: Path, background: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    state, manager = job(world_one, shm)
+    for p in state.model.layers[0].parameters():  # type: ignore[index]
+        p.requires_grad_(False)
+    state.optimizer = torch.optim.AdamW(state.model.layers[1].parameters(), lr=0.1)  # type: ignore[index]
+    state.scheduler = torch.optim.lr_scheduler.StepLR(state.optimizer, 2, 0.5)
+    manager.optimizer = state.optimizer
+    manager.attach(state.optimizer)
+    manager.restore()
+    train(state, manager, 1)
+    assert manager.memory is not None and manager.memory.wait_idle(10)
+    entered, release = threading.Event(), threading.Event()
+    original = Copier.copy_rest
+
+    def held(job: CopyJob) -> None:
+        if job.rest:
+            entered.set()
+            assert release.wait(30), "never released"
+        original(job)
+
+    monkeypatch.setattr(Copier, "copy_rest", staticmethod(held))
+    train(state, manager, 1)  # its optimizer step did not wait for step 1's frozen copies either
+    assert entered.wait(10)  # step 2's frozen shards are being copied
+    state.optimizer.step()  # the optimizer's own tensors are copied: its step goes on
+    fenced = threading.Event()
+    fencer = threading.Thread(target=lambda: (manager.fence(), fenced.set()))
+    fencer.start()
+    time.sleep(0.3)
+    assert not fenced.is_set(), "a fence returned while frozen parameters were still being copied"
+    release.set()
+    fencer.join(10)
+    assert fenced.is_set() and manager.memory.wait_idle(10)
+    held_slot = reader(manager, shm).newest_valid()
+    assert held_slot is not None and held_slot.step == 2
+    manager.close(release_memory=True)
+
+
+def test_closing_a_broken_group_leaves_an_exchange_waiting_on_a_stopped_peer_behind(
+    tmp_path: Path, background: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A send to (or a receive from) a peer that stopped may never return, even with the connections cut:
+    closing after the group broke waits for the own slot's copy and seal, not for that exchange, so the
+    process asks for the next round in time; the exchange left behind writes no replica."""
+    from elastic_train.checkpoint.sharded import slots
+
+    memory = ShardedMemory(str(tmp_path), "r", 0, 1)
+    entered, never = threading.Event(), threading.Event()
+
+    def exchange(step: int, slot: int, flat: Flat, **_: object) -> None:
+        entered.set()
+        never.wait(30)  # the stopped peer
+        assert memory.replica is not None
+        with memory._lock:
+            if not memory._stopped:
+                memory.replica.save(step, flat, background=False)
+
+    monkeypatch.setattr(memory, "exchange", exchange)
+    flat = flatten({"w": torch.ones(1 << 16)})
+    memory.save(1, flat, replica=(0, 0, None))
+    assert entered.wait(10)
+    started = time.monotonic()
+    assert not memory.stop(10, broken=True)
+    assert time.monotonic() - started < slots.BROKEN_EXCHANGE_WAIT + 1.0  # not the close's 10 s
+    assert memory.own.valid_slots()[0].step == 1  # sealed before the exchange began
+    never.set()
+    assert memory.wait_idle(10)
+    assert memory.replica is not None and memory.replica.valid_slots() == []  # nothing written after
+
+
+def test_a_broken_close_still_waits_for_the_own_slots_copy(
+    tmp_path: Path, background: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only the exchange is left behind: a copy in progress (no peer involved) is waited for."""
+    memory = ShardedMemory(str(tmp_path), "r", 0, 0)
+    entered, release = threading.Event(), threading.Event()
+    original = Copier.copy
+
+    def slow(job: CopyJob) -> None:
+        entered.set()
+        assert release.wait(10)
+        original(job)
+
+    monkeypatch.setattr(Copier, "copy", staticmethod(slow))
+    flat = flatten({"w": torch.ones(1 << 16)})
+    memory.save(1, flat, defer=range(len(flat.specs)))
+    assert entered.wait(10)
+    threading.Timer(0.5, release.set).start()
+    started = time.monotonic()
+    assert memory.stop(10, broken=True)  # waited past the exchange's bound for the copy
+    assert time.monotonic() - started >= 0.4
+    memory.raise_error()
+    assert memory.own.valid_slots()[0].step == 1

@@ -29,7 +29,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from elastic_train import net
 from elastic_train.checkpoint.agent import Agent
+from elastic_train.checkpoint.attach import Attachments
 from elastic_train.checkpoint.codec import Flat, flatten
 from elastic_train.checkpoint.config import CheckpointConfig
 from elastic_train.checkpoint.errors import CheckpointError
@@ -98,13 +100,19 @@ class ShardedCheckpointManager(DurableWriting, Restoring):
         self.storage = open_storage(cfg.url, cfg.storage_options, direct_io=cfg.direct_io)
         self.run_path = self.storage.join(self.storage.root, run_id)
         self._ctl = self._io = self._rep = None
+        self._rep_links: dict[int, int] = {}
         self.replicas = cfg.shard_replicas if world_size > 1 else 0
         if group is not None and world_size > 1:
             ranks = dist.get_process_group_ranks(group)
             self._ctl = dist.new_group(ranks=ranks, backend="gloo")
             self._io = dist.new_group(ranks=ranks, backend="gloo")
             if self.replicas:
-                self._rep = dist.new_group(ranks=ranks, backend="gloo")
+                # the replica exchange runs on the memory tier's copier thread: its connections are
+                # recorded, so that a group that broke (or a cut of one blocked on a stopped peer) fails an
+                # exchange waiting on the failed peer instead of leaving it blocked
+                rep = net.opened_by(lambda: dist.new_group(ranks=ranks, backend="gloo"))
+                self._rep, self._rep_links = rep
+                net.add_extra_links(self, self._rep_links)
         step_ranks = max(1, min(local_world_size, world_size - 1)) if world_size > 1 else 0
         self.buddy = (rank + step_ranks) % world_size if world_size > 1 else rank
         self.source = (rank - step_ranks) % world_size if world_size > 1 else rank
@@ -141,6 +149,9 @@ class ShardedCheckpointManager(DurableWriting, Restoring):
         self._lineage: tuple[threading.Thread, list[BaseException]] | None = None
         #: The next snapshot is the first after a restore (its slots are allocated anew for this world).
         self._relayout = False
+        #: The snapshots (and the fence) that may wait long for a relayout in flight count as progress.
+        self._slow = 0
+        self._attached = Attachments(self._step_fence, self._idle, model.parameters)
 
     def save(self, step: int, state: Mapping[str, Any] | Callable[[], Mapping[str, Any]]) -> None:
         """After every optimizer step, on every rank: memory tier (and replica) and, when due, a durable
@@ -176,25 +187,73 @@ class ShardedCheckpointManager(DurableWriting, Restoring):
         return flatten({INFO: info, "state": local})
 
     def _save(self, step: int, state: Any, dur_due: bool, *, exchange: bool) -> None:
-        if self._relayout:  # the first snapshot at a new world size allocates its slots: seconds at 1 GB
-            self._relayout = False
+        if self._relayout:
+            # The first snapshot at a new world size grows its slots (seconds at 1 GB, on the copier thread
+            # with an attached optimizer): it, the fence after it and the next snapshot, which waits for its
+            # replica's growth at the buddy, count as progress for the agent.
+            self._relayout, self._slow = False, 3
+        if self._slow:
+            self._slow -= 1
             with self._beating():
-                self._save(step, state, dur_due, exchange=exchange)
-            return
+                self._save_now(step, state, dur_due, exchange=exchange)
+        else:
+            self._save_now(step, state, dur_due, exchange=exchange)
+
+    def _save_now(self, step: int, state: Any, dur_due: bool, *, exchange: bool) -> None:
         flat = self._flat(state)
         slot = None
         if self.memory is not None:
-            slot = self.memory.save(step, flat)
+            replica = None
             if exchange and self.replicas and self._rep is not None:
-                self.memory.exchange(
-                    step, slot, flat, buddy=self._global(self.buddy), source=self._global(self.source),
-                    group=self._rep,
-                )  # fmt: skip
+                replica = (self._global(self.buddy), self._global(self.source), self._rep)
+            defer, unfenced = self._attached.split(flat)
+            slot = self.memory.save(step, flat, defer=defer, unfenced=unfenced, replica=replica)
         if dur_due:
             if self.memory is not None:
                 self.memory.wait_idle()  # sealed: the writer reads what the slot holds
                 self.memory.raise_error()
             self._submit(step, flat, slot)
+
+    # -- the snapshot fence -----------------------------------------------------------------------------
+    def attach(self, optimizer: torch.optim.Optimizer) -> Any:
+        """Let snapshots copy the local shards of the model's parameters (frozen ones too) and of
+        ``optimizer``'s state on the memory tier's copier thread while the next step computes; its step
+        pre-hook waits for that copy (:meth:`fence`). As :meth:`elastic_train.checkpoint.CheckpointManager.
+        attach`: code that changes parameters in place outside ``optimizer.step()`` calls :meth:`fence` first.
+
+        Returns:
+            A handle whose ``remove()`` detaches the optimizer again.
+        """
+        return self._attached.add(optimizer)
+
+    def fence(self) -> None:
+        """Wait until the last snapshot no longer reads the parameters and optimizer state (their copy; the
+        seal and the replica's exchange go on).
+
+        Raises:
+            CheckpointError: the background copy failed.
+            RuntimeError: the replica's exchange failed (a peer is gone: the group is broken).
+        """
+        self._fence(step=False)
+
+    def _step_fence(self) -> None:
+        """The optimizer step pre-hook's fence: only the copy of what an optimizer step changes (the
+        attached optimizers' parameters and state; frozen parameters may still be copied)."""
+        self._fence(step=True)
+
+    def _fence(self, *, step: bool) -> None:
+        if self.memory is None:
+            return
+        if self._slow:
+            with self._beating():
+                self.memory.own.fence(step=step)
+        else:
+            self.memory.own.fence(step=step)
+        self.memory.raise_error()
+
+    def _idle(self) -> None:
+        if self.memory is not None:
+            self.memory.own.wait_copied()
 
     def _due_here(self, step: int) -> bool:
         since = time.monotonic() - self._last_durable_time
@@ -235,14 +294,27 @@ class ShardedCheckpointManager(DurableWriting, Restoring):
             self._shutdown(release_memory=True)
         return self.last_committed if self.rank == 0 else None
 
+    def abort(self, *, timeout: float = 10.0) -> None:
+        """:meth:`close` after the group broke: a replica's exchange in flight on the copier thread may wait
+        on the failed peer, which never answers when it stopped instead of dying. The replica group's
+        connections are cut first (the exchange fails at once), and the exchange is waited for only briefly
+        (:data:`~elastic_train.checkpoint.sharded.slots.BROKEN_EXCHANGE_WAIT`): this process asks for the
+        next round meanwhile. The received replica is written only after the whole of it arrived, and never
+        once closed, so a cut or abandoned exchange leaves no slot torn."""
+        if not self._closed:
+            cut = net.shut_down(self._rep_links)
+            log.debug("shard_replica_links_cut", links=cut)
+            self._shutdown(release_memory=False, timeout=timeout, broken=True)
+
     def close(self, *, release_memory: bool = False, timeout: float = 10.0) -> None:
         """Stop the writer without a new checkpoint (error paths); the snapshots stay unless
         ``release_memory``."""
         if not self._closed:
             self._shutdown(release_memory=release_memory, timeout=timeout)
 
-    def _shutdown(self, *, release_memory: bool, timeout: float | None = None) -> None:
+    def _shutdown(self, *, release_memory: bool, timeout: float | None = None, broken: bool = False) -> None:
         self._closed = True
+        self._attached.remove_all()
         with self._cond:
             self._stop = True
             self._cond.notify_all()
@@ -250,10 +322,16 @@ class ShardedCheckpointManager(DurableWriting, Restoring):
             self._writer.join(timeout)
         done = self._writer is None or not self._writer.is_alive()
         if self.memory is not None:
-            if release_memory:
-                self.memory.release()
+            # A replica's exchange in flight may wait on a peer that failed: bounded, like the writer.
+            if self.memory.stop(timeout, broken=broken):
+                if release_memory:
+                    self.memory.release()
+                else:
+                    self.memory.detach()
             else:
-                self.memory.detach()
+                # broken: a replica's exchange left waiting on a failed peer (it writes nothing now)
+                log.warning("memory_snapshot_busy_at_close", seconds=timeout, broken=broken)
+                done = False  # its exchange still uses the replica group
         if done:
             for g in (self._ctl, self._io, self._rep):
                 if g is not None:
@@ -262,3 +340,5 @@ class ShardedCheckpointManager(DurableWriting, Restoring):
                     except Exception as exc:
                         log.debug("checkpoint_group_destroy_failed", error=str(exc))
             self._ctl = self._io = self._rep = None
+            self._rep_links = {}
+        net.drop_extra_links(self)  # no cut of a later group reaches this manager's any more

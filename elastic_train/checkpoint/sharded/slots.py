@@ -11,12 +11,19 @@ rank one node further on (``(rank + local ranks) mod W``), and keeps the slot it
 node back in a second snapshot file: each shard is then in the memory of two nodes, and any single node may
 die without a byte of the state going with it. That costs a second set of three slots in shared memory and
 sending the rank's part of the state (the state size / W) over the network after every step.
+
+Off the training thread: the own snapshot's copier thread copies the local shards of the model's parameters
+and of an attached optimizer's state (the next optimizer step waits for that copy), seals the slot, and
+then exchanges replicas, writing and sealing the received slot in the replica file. The next snapshot waits
+for all of it. Only what the next forward may change (buffers, RNG states) is copied before ``save`` returns.
 """
 
 from __future__ import annotations
 
 import pickle
-from collections.abc import Iterator, Mapping, Sequence
+import threading
+import time
+from collections.abc import Container, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from elastic_train.checkpoint.codec import ALIGN, Flat, TensorSpec, tensor_at
+from elastic_train.checkpoint.copier import CopyJob
 from elastic_train.checkpoint.memory import MemorySnapshot
 from elastic_train.checkpoint.sharded.shardmap import ShardMap
 from elastic_train.checkpoint.slots import DataCheck, Held
@@ -38,6 +46,11 @@ REPLICA_SUFFIX = "-shard-replica"
 #: Bytes read from a slot (and hashed) per read while a restore takes its data.
 READ_CHUNK = 64 << 20
 _HEADER_TAG = 1 << 27
+#: Seconds closing after the group broke waits for a replica's exchange in flight (it may wait forever on a
+#: peer that stopped); the exchange of a group whose peers all live finishes well within it at 100 MB a rank.
+BROKEN_EXCHANGE_WAIT = 0.25
+#: Seconds between the looks of such a close at the copier (error path only).
+_POLL = 0.01
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,9 +113,20 @@ class ShardedMemory:
         )
         self._recv: torch.Tensor | None = None
         self.sent_bytes = 0
+        #: A failure of the replica's exchange (on the copier thread), raised as it is by :meth:`raise_error`
+        #: (a broken group's error: the training loop re-forms on it).
+        self.error: BaseException | None = None
+        #: Held while a received replica is written, and by :meth:`stop`: no write into the replica file
+        #: after the manager stopped (a later manager of this process may be using the file).
+        self._lock = threading.Lock()
+        self._stopped = False
+        #: Set while the copier thread exchanges a replica (the own slot sealed): what :meth:`stop` of a
+        #: broken group need not wait for.
+        self._exchanging = threading.Event()
 
     def slots(self) -> list[Slot]:
         """Every valid slot of both files, newest first per file."""
+        self.wait_idle()  # a snapshot in flight may still write either file
         out = []
         for kind, snap in (("own", self.own), ("replica", self.replica)):
             if snap is None:
@@ -113,13 +137,46 @@ class ShardedMemory:
                     out.append(slot)
         return out
 
-    def save(self, step: int, flat: Flat) -> int:
-        """Copy this rank's part of the state into its own snapshot; returns the slot."""
-        return self.own.save(step, flat)
+    def save(
+        self,
+        step: int,
+        flat: Flat,
+        *,
+        defer: Container[int] = (),
+        unfenced: Container[int] = (),
+        replica: tuple[int, int, Any] | None = None,
+    ) -> int:
+        """Copy this rank's part of the state into its own snapshot; returns the slot.
+
+        The tensors in ``defer`` (the model's parameters and an attached optimizer's state) may be copied
+        after this returns, on the own snapshot's copier thread, those in ``unfenced`` (frozen parameters)
+        after the others (see :meth:`MemorySnapshot.save`). With ``replica`` (buddy, source, group:
+        global ranks in the group), that thread then sends the sealed slot to the buddy and keeps the one the
+        source sends (:meth:`exchange`): the next save waits for it.
+        """
+        then = None
+        if replica is not None:
+            buddy, source, group = replica
+
+            def then(job: CopyJob) -> None:
+                self._exchange_off_thread(job, buddy=buddy, source=source, group=group)
+
+        return self.own.save(step, flat, defer=defer, unfenced=unfenced, then=then)
+
+    def _exchange_off_thread(self, job: CopyJob, *, buddy: int, source: int, group: Any) -> None:
+        self._exchanging.set()
+        try:
+            self.exchange(job.step, job.slot, job.flat, buddy=buddy, source=source, group=group)
+        except BaseException as exc:  # raised in the training thread by raise_error()
+            log.error("shard_replica_failed", step=job.step, error=(str(exc).splitlines() or [""])[0])
+            self.error = exc
+        finally:
+            self._exchanging.clear()
 
     def exchange(self, step: int, slot: int, flat: Flat, *, buddy: int, source: int, group: Any) -> None:
         """Send the slot just written to ``buddy`` and keep the one ``source`` sends in the replica file
-        (global ranks in ``group``). Collective in a ring: every rank calls it at the same step.
+        (global ranks in ``group``). Collective in a ring: every rank calls it at the same step. Runs on the
+        own snapshot's copier thread (:meth:`save`); the replica's slot is written and sealed there too.
 
         Raises:
             RuntimeError: a peer failed (the group is broken).
@@ -147,7 +204,9 @@ class ShardedMemory:
         skeleton, spec_json = pickle.loads(their_meta.numpy().tobytes())
         specs = tuple(TensorSpec.from_json(s) for s in spec_json)
         tensors = tuple(tensor_at(data, s) for s in specs)
-        self.replica.save(step, Flat(skeleton, specs, tensors, nbytes))
+        with self._lock:
+            if not self._stopped:
+                self.replica.save(step, Flat(skeleton, specs, tensors, nbytes), background=False)
 
     def land(
         self,
@@ -226,11 +285,39 @@ class ShardedMemory:
         if self.replica is not None:
             yield self.replica
 
-    def wait_idle(self) -> None:
-        for snap in self.files():
-            snap.wait_idle()
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Block until the snapshot in flight is copied, sealed and its replica exchanged; False if it still
+        is not after ``timeout`` seconds."""
+        return all(snap.wait_idle(timeout) for snap in self.files())
+
+    def stop(self, timeout: float | None, *, broken: bool = False) -> bool:
+        """Wait up to ``timeout`` seconds for the snapshot in flight (its exchange may wait on a peer that
+        failed), then never write the replica file again; whether it finished.
+
+        ``broken``: the group failed. The own slot's copy and seal are still waited for (they wait on no
+        peer), its replica's exchange at most :data:`BROKEN_EXCHANGE_WAIT` seconds: a send to or a receive
+        from a peer that stopped instead of dying may never return, even with the group's connections cut,
+        and the process must ask for the next round meanwhile. Left behind, that exchange writes nothing
+        (the replica file is written only under the lock this sets, so no slot is torn either).
+        """
+        if broken:
+            deadline = None if timeout is None else time.monotonic() + timeout
+            while not (idle := self.wait_idle(_POLL)) and not self._exchanging.is_set():
+                if deadline is not None and time.monotonic() >= deadline:
+                    break
+            if not idle and self._exchanging.is_set():
+                left = BROKEN_EXCHANGE_WAIT if deadline is None else max(0.0, deadline - time.monotonic())
+                idle = self.wait_idle(min(BROKEN_EXCHANGE_WAIT, left))
+        else:
+            idle = self.wait_idle(timeout)
+        with self._lock:
+            self._stopped = True
+        return idle
 
     def raise_error(self) -> None:
+        if self.error is not None:
+            exc, self.error = self.error, None
+            raise exc
         for snap in self.files():
             snap.raise_error()
 
