@@ -126,6 +126,9 @@ def breakdown(
         return {"error": "no step after the fault"}
     first = after[0]
     resumed_at, new_round = float(first["time"]), first["round"]
+    if any(r.get("event") == "restore_nothing_found" and r.get("round") == new_round for r in logs):
+        # it trained again, from step 0: the state was lost, not recovered (no recovery time to report)
+        return {"error": "restored nothing: trained again from step 0"}
     fired_at = resumed_at - float(fault["resumed_s"])
     new_node = fault.get("extra", {}).get("new_node")
     joiner = f"node-{new_node}" if new_node is not None else None

@@ -75,9 +75,14 @@ def _snapshots(directory: str, keep: Callable[[re.Match[str]], bool]) -> list[st
     return []
 
 
-def owned_by(directory: str, pid: int) -> list[str]:
-    """Paths of every snapshot file in ``directory`` whose owner is process ``pid``."""
-    return _snapshots(directory, lambda m: int(m["pid"]) == pid)
+def owned_by(directory: str, pid: int, started_ms: int | None = None) -> list[str]:
+    """Paths of every snapshot file in ``directory`` whose owner is process ``pid`` (and, given
+    ``started_ms``, the process that started then, :func:`~elastic_train.procs.start_ms`, not a later one
+    with its PID)."""
+    return _snapshots(
+        directory,
+        lambda m: int(m["pid"]) == pid and (started_ms is None or int(m["ctime"]) == started_ms),
+    )
 
 
 def snapshot_files(directory: str, run_id: str) -> list[str]:

@@ -18,7 +18,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TextIO
 
@@ -41,7 +41,7 @@ from elastic_train.launch.netlink import SilentLink
 from elastic_train.launch.run import worker_overrides_argv
 from elastic_train.launch.summary import Summary, render_table, world_size_timeline
 from elastic_train.log import get_logger
-from elastic_train.procs import signal_tree, terminate_tree, tree
+from elastic_train.procs import signal_tree, start_ms, terminate_tree, tree
 
 if TYPE_CHECKING:
     from elastic_train.etcd.client import Etcd
@@ -106,6 +106,8 @@ class Node:
     started_at: float = 0.0
     links: list[SilentLink] = field(default_factory=list)
     """The node's own links to the etcd members (jobs with a ``partition-etcd`` fault only)."""
+    owner: tuple[int, int] | None = None
+    """The node process's (PID, start time in ms): the owner its workers name their memory snapshots by."""
 
 
 Action = Callable[[FaultRecord, Node | None], None]
@@ -240,7 +242,13 @@ class LocalJob:
                 cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                 start_new_session=True,
             )  # fmt: skip
-        node = Node(index=index, proc=proc, log_path=log_path, started_at=time.time(), links=links)
+        try:
+            owner: tuple[int, int] | None = (proc.pid, start_ms(proc.pid))
+        except psutil.NoSuchProcess:  # gone already: it allocated nothing
+            owner = None
+        node = Node(
+            index=index, proc=proc, log_path=log_path, started_at=time.time(), links=links, owner=owner
+        )
         self._remember(proc.pid)
         return node
 
@@ -675,12 +683,28 @@ class LocalJob:
         if self.etcd is not None:
             self.etcd.stop()
             self.etcd = None
-        from elastic_train.checkpoint.shmfiles import snapshot_files
-
         # Snapshots of nodes that were killed are never released by their workers.
-        for path in snapshot_files(self.cfg.checkpoint.memory_dir, self.run_id):
-            with contextlib.suppress(OSError):
+        owners = [n.owner for n in [*self.nodes, *(node for _, node in self.intruders)] if n.owner]
+        release_snapshots(self.cfg.checkpoint.memory_dir, owners)
+
+
+def release_snapshots(directory: str, owners: Iterable[tuple[int, int]]) -> list[str]:
+    """Delete the memory snapshots in ``directory`` owned by the processes ``owners`` ((PID, start time in
+    ms): this job's nodes); returns their paths.
+
+    By owner, not by run id: another job on this machine may train under the same run id (a default one is
+    the second it started, and tests fix theirs), and deleting its live snapshots loses its state: its
+    workers go on writing to the unlinked files, and its next restore finds nothing and starts at step 0.
+    """
+    from elastic_train.checkpoint.shmfiles import owned_by
+
+    removed = []
+    for pid, started in owners:
+        for path in owned_by(directory, pid, started):
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
+                removed.append(path)
+    return removed
 
 
 def _last_plain_line(path: str) -> str:

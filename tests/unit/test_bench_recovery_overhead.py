@@ -67,6 +67,20 @@ def test_breakdown_reports_a_fault_that_never_recovered() -> None:
     }
 
 
+def test_breakdown_reports_a_fault_after_which_nothing_was_restored() -> None:
+    """Survivors that re-formed in-process but found no snapshot train again from step 0: lost, not a
+    recovery of a few seconds (a job under the same run id had deleted their snapshots)."""
+    fault = {"kind": "kill-node", "fired_round": 1, "resumed_s": 3.4, "source": None, "extra": {}}
+    events = [{"event": "step", "time": 103.4, "round": 2, "world_size": 2}]
+    logs = [
+        _log("node-0", 101.0, "rendezvous_join", reason="failure"),
+        _log("node-0", 101.1, "hot_round", round=2),
+        _log("node-0", 101.2, "restore_nothing_found", round=2),
+        _log("node-0", 101.2, "worker_ready", round=2, restore_s=0.01),
+    ]
+    assert recovery.breakdown(fault, events, logs) == {"error": "restored nothing: trained again from step 0"}
+
+
 def test_recovery_targets_hold_one_receiver_from_100_mb_to_1_3x_and_0_9x_of_the_link() -> None:
     def fault(restore: float, nbytes: int, broadcast: float) -> dict:
         return {"restore": restore, "state_bytes": nbytes, "broadcast_s": broadcast}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 from pathlib import Path
 
@@ -212,3 +213,46 @@ def test_etcd_cluster_faults_need_a_cluster() -> None:
 def test_endpoint_is_loopback_without_ports() -> None:
     assert endpoint_is_loopback("127.0.0.1") and endpoint_is_loopback("localhost,[::1]")
     assert not endpoint_is_loopback("etcd-0,127.0.0.1") and not endpoint_is_loopback("a:x")
+
+
+class _Exited:
+    """A node process that already exited (what ``LocalJob.cleanup`` finds after a run)."""
+
+    pid = 100
+    returncode = 0
+
+    def poll(self) -> int:
+        return 0
+
+    def wait(self, timeout: float | None = None) -> int:
+        return 0
+
+
+def test_cleanup_deletes_its_own_nodes_snapshots_only(tmp_path: Path) -> None:
+    """Two jobs on one machine under one run id (a default run id is the second the job started): the one
+    that ends first deletes its nodes' memory snapshots, not the other's. Deleting those lost the other
+    job's state: its workers wrote on into the unlinked files, and after a kill its survivors re-formed
+    in-process, found no snapshot and trained again from step 0."""
+    from elastic_train.checkpoint.shmfiles import PREFIX, snapshot_files
+    from elastic_train.config import load_job_config
+    from elastic_train.launch.local import LocalJob, LocalOptions, Node
+
+    memdir = tmp_path / "shm"
+    memdir.mkdir()
+    run = "elastic-train-20261204-162833"
+
+    def snapshot(pid: int, started_ms: int, local_rank: int = 0) -> str:
+        path = memdir / f"{PREFIX}{run}+0123456789ab.{pid}-{started_ms}.{local_rank}"
+        path.write_bytes(b"state")
+        return str(path)
+
+    ours = [snapshot(100, 5000), snapshot(100, 5000, 1), snapshot(101, 5001)]
+    # another job's node, and an earlier process that had the PID of one of ours
+    theirs = [snapshot(200, 5002), snapshot(100, 4000)]
+    cfg = load_job_config(None, {"rendezvous.run_id": run, "checkpoint.memory_dir": str(memdir)}, environ={})
+    job = LocalJob(cfg, LocalOptions(config_path=None, overrides={}, nodes=2, workdir=str(tmp_path / "w")))
+    for index, owner in enumerate([(100, 5000), (101, 5001)]):
+        job.nodes.append(Node(index, _Exited(), str(tmp_path / f"node-{index}.log"), owner=owner))  # type: ignore[arg-type]
+    job.cleanup()
+    assert sorted(snapshot_files(str(memdir), run)) == sorted(theirs)
+    assert not any(os.path.exists(p) for p in ours)
