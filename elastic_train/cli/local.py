@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import signal
 import sys
 import time
@@ -111,7 +112,10 @@ def run(args: argparse.Namespace) -> int:
     base = load_job_config(args.config, overrides)
     adds = sum(f.kind == "add-node" for f in faults)
     if "rendezvous.run_id" not in overrides:
-        overrides["rendezvous.run_id"] = f"{base.rendezvous.run_id}-{time.strftime('%Y%m%d-%H%M%S')}"
+        # The time names the run for a reader; the random tail keeps two jobs started in the same second
+        # apart (their snapshots in /dev/shm, their runs/<id> directories and durable checkpoints).
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        overrides["rendezvous.run_id"] = f"{base.rendezvous.run_id}-{stamp}-{secrets.token_hex(2)}"
     overrides["rendezvous.min_nodes"] = args.min_nodes or (
         base.rendezvous.min_nodes if args.config else max(1, args.initial_nodes - 1)
     )
