@@ -21,6 +21,7 @@ from collections.abc import Callable
 import psutil
 
 _PR_SET_PDEATHSIG = 1
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
 def die_with_parent() -> None:
@@ -122,10 +123,26 @@ _SCRATCH_RE = re.compile(r"^elastic_train-(?P<kind>[a-z]+)-(?P<pid>\d+)(?:-(?P<s
 def start_ms(pid: int) -> int:
     """Start time of process ``pid`` in ms: with the PID, an identity no later process reuses.
 
+    On Linux it is the kernel's start tick since boot (``/proc/PID/stat``), which no clock change moves.
+    psutil's ``create_time`` adds the boot time the kernel derives from the wall clock, and that figure
+    steps when the clock is adjusted (seen here: +1 to +15 s), after which every live owner would look
+    gone and its snapshots be swept. Elsewhere: psutil's ``create_time``.
+
     Raises:
         psutil.NoSuchProcess: no such process.
     """
-    return int(psutil.Process(pid).create_time() * 1000)
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except FileNotFoundError:
+        raise psutil.NoSuchProcess(pid) from None
+    except OSError:
+        return int(psutil.Process(pid).create_time() * 1000)
+    try:
+        ticks = int(stat.rsplit(b")", 1)[1].split()[19])  # field 22, starttime; the name may hold ") "
+    except (IndexError, ValueError):
+        return int(psutil.Process(pid).create_time() * 1000)
+    return ticks * 1000 // _CLOCK_TICKS
 
 
 def owner_alive(pid: int, started_ms: int) -> bool:

@@ -49,3 +49,24 @@ def test_a_dead_owners_directories_are_swept_and_a_live_owners_kept(
     assert other_kind.exists() and unrelated.exists()  # another kind, not an owner's name: left alone
     assert procs.sweep_scratch("reform") == []  # its own live directory stays
     assert mine.is_dir()
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="Linux's /proc gives the start tick")
+def test_an_owners_identity_does_not_move_with_the_wall_clock(monkeypatch: pytest.MonkeyPatch) -> None:
+    """psutil's ``create_time`` adds a boot time the kernel derives from the wall clock, which steps when the
+    clock is adjusted: an identity built on it would call every live owner gone, and its snapshots swept."""
+    import psutil
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        mine, theirs = procs.start_ms(os.getpid()), procs.start_ms(child.pid)
+        assert theirs >= mine
+        real = psutil.Process.create_time
+        monkeypatch.setattr(psutil.Process, "create_time", lambda self: real(self) + 15.0)  # a clock step
+        assert procs.owner_alive(child.pid, theirs)
+        assert procs.start_ms(os.getpid()) == mine
+        assert not procs.owner_alive(child.pid, theirs + 1)  # another start is another process
+    finally:
+        child.kill()
+        child.wait()
+    assert not procs.owner_alive(child.pid, theirs)
