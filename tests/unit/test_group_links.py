@@ -104,14 +104,17 @@ SELF_CUT = textwrap.dedent(
         os._exit(0)
     other = group.cut_links(world.round + 1)  # a group that is not the current one: nothing
     cut = []
-    threading.Timer(1.0, lambda: cut.append(group.cut_links(world.round))).start()
+    cutter = threading.Timer(1.0, lambda: cut.append(group.cut_links(world.round)))
+    cutter.start()
     started = time.monotonic()
     try:
         dist.recv(torch.zeros(4), src=1)
         error = None
     except RuntimeError as exc:
         error = str(exc).splitlines()[0]
-    json.dump({"error": error, "blocked_s": time.monotonic() - started, "other": other, "cut": cut},
+    blocked_s = time.monotonic() - started
+    cutter.join(30)  # the receive fails while cut_links still runs: its count comes after
+    json.dump({"error": error, "blocked_s": blocked_s, "other": other, "cut": cut},
               open(out, "w"))
     os._exit(0)
     """
