@@ -152,6 +152,12 @@ class Fence:
         self._fired = None
         self._procs = {}
 
+    def joined(self, losses: int) -> None:
+        """This node joined a round in-process (its workers kept, e.g. a standby start admitted) holding the
+        lease whose loss count, read before the join, was ``losses``: a loss before that join is behind it
+        (the round has this node's current lease); one after it still fences."""
+        self._losses = losses
+
     def check(self, *, lease_loss_handled: bool = False) -> str | None:
         """Called every agent monitor tick while the workers run: the reason to stop them now (once), else
         None. ``lease_loss_handled``: the workers re-form in-process (the hot path re-joins this node), so a

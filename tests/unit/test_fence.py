@@ -84,3 +84,25 @@ def test_workers_blocked_needs_step_counters_and_a_stall() -> None:
     assert not fence.workers_blocked()  # slow steps are not a stall
     fence._progress = _Progress({1: 5}, now - 2.0)
     assert not fence.workers_blocked() and fence.ttl + 0.5 > 2.0  # no step time yet: a TTL and the grace
+
+
+def test_a_lease_loss_before_an_in_process_join_no_longer_fences_one_after_it_does(tmp_path: Path) -> None:
+    import time
+    from types import SimpleNamespace
+
+    from elastic_train.rendezvous.fence import Fence
+
+    lease = SimpleNamespace(ttl=TTL, losses=0, last_ok=time.monotonic(), interval=1.0)
+    participant = SimpleNamespace(lease=lease, round=3)
+    fence = Fence(participant, AgentChannel(str(tmp_path)))  # type: ignore[arg-type]
+    fence.arm()
+    lease.losses = 1  # lost, then re-created: this node's workers were not re-formed with the new lease
+    assert fence.check() == "lease_lost"
+
+    fence = Fence(participant, AgentChannel(str(tmp_path)))  # type: ignore[arg-type]
+    fence.arm()
+    lease.losses = 2
+    fence.joined(2)  # a round joined in-process with the re-created lease (a standby start admitted)
+    assert fence.check() is None
+    lease.losses = 3  # lost again after that join
+    assert fence.check() == "lease_lost"

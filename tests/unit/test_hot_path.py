@@ -35,6 +35,8 @@ class FakeParticipant:
         self.release = threading.Event()
         self.result: RoundResult | None = None
         self.closed: BaseException | None = None
+        self.lease = SimpleNamespace(losses=0)  # how often this node's lease was found gone
+        self.lost_during_join = False
 
     def lost_members(self) -> set[str]:
         return {m for m in self.members if m not in self.live}
@@ -58,6 +60,8 @@ class FakeParticipant:
     def join(self) -> RoundResult:
         self.joined.set()
         assert self.release.wait(10)
+        if self.lost_during_join:
+            self.lease.losses += 1
         assert self.result is not None
         return self.result
 
@@ -65,8 +69,14 @@ class FakeParticipant:
 class FakeFence:
     blocked = False
 
+    def __init__(self) -> None:
+        self.joined_with: list[int] = []
+
     def workers_blocked(self) -> bool:
         return self.blocked
+
+    def joined(self, losses: int) -> None:
+        self.joined_with.append(losses)
 
 
 class FakeStandby:
@@ -205,4 +215,32 @@ def test_a_handed_over_round_that_is_no_longer_current_is_joined_anew(tmp_path: 
     if why == "lost":
         participant.live.discard("b")
     assert hp.take_handoff() is None
+    hp.close()
+
+
+@pytest.mark.parametrize("lost", ["before", "during"])
+def test_a_round_joined_in_process_tells_the_fence_which_lease_loss_it_put_behind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lost: str
+) -> None:
+    """A standby start whose lease was lost and re-created before its admission joined the round with the
+    new lease: the old loss no longer fences it (it did: the admitted node fenced itself at once, and its
+    peers fell back to the restart path). A loss while the join ran is after the baseline and still fences."""
+    from elastic_train.rendezvous import hot as hot_module
+
+    members = ["a", "b"]
+    participant = FakeParticipant(members)
+    participant.result = RoundResult(2, 0, 2, members, {})
+    participant.lease.losses = 1  # lost and re-created while the standby workers built
+    participant.lost_during_join = lost == "during"
+    hp = hot_path(tmp_path, participant)
+    hp._agent = object()  # type: ignore[assignment]
+    info = SimpleNamespace(master_addr="127.0.0.1", master_port=1)
+    hp.stores = SimpleNamespace(bootstrap=lambda result: (None, info))  # type: ignore[assignment]
+    ranks = [SimpleNamespace(global_rank=0, world_size=2)]
+    monkeypatch.setattr(hot_module, "exchange_ranks", lambda *a: ranks)
+    participant.release.set()
+    hp._reform("1 standby worker(s) ready")
+    assert hp.round == 2 and hp.channel.assignment() is not None
+    assert hp.fence.joined_with == [1]  # type: ignore[attr-defined]
+    assert participant.lease.losses == (2 if lost == "during" else 1)
     hp.close()
