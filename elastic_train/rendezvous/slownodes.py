@@ -27,12 +27,10 @@ Everything read back (reports, orders, the evictions record) is validated; what 
 from __future__ import annotations
 
 import json
-import math
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeGuard
 
 from elastic_train.etcd.client import op_put
 from elastic_train.etcd.errors import EtcdError
@@ -43,7 +41,7 @@ from elastic_train.rendezvous.config import ProtocolSettings, validate_run_id
 from elastic_train.rendezvous.protocol import Participant
 from elastic_train.straggler import DetectorState, StragglerConfig, decide_evictions, observe
 from elastic_train.straggler.policy import Decision, changed
-from elastic_train.straggler.record import StragglerRecord
+from elastic_train.straggler.record import StragglerRecord, seconds, whole
 
 log = get_logger(__name__)
 
@@ -90,7 +88,7 @@ class BusyReport:
         if not isinstance(d, dict):
             raise ValueError("not a mapping")
         r, step, busy, t = d.get("round"), d.get("step"), d.get("busy_s"), d.get("time")
-        if not (_whole(r) and _whole(step) and _seconds(busy) and _seconds(t)):
+        if not (whole(r) and whole(step) and seconds(busy) and seconds(t)):
             raise ValueError("round, step, busy_s or time missing or invalid")
         return BusyReport(int(r), int(step), float(busy), float(t))
 
@@ -120,7 +118,7 @@ class EvictOrder:
         if not isinstance(d, dict):
             raise ValueError("not a mapping")
         r, step, score = d.get("round"), d.get("step"), d.get("score")
-        if not (_whole(r) and _whole(step) and _seconds(score)):
+        if not (whole(r) and whole(step) and seconds(score)):
             raise ValueError("round, step or score missing or invalid")
         return EvictOrder(node, int(r), int(step), float(score), str(d.get("by", ""))[:256])
 
@@ -134,7 +132,7 @@ def eviction_times(raw: bytes | None) -> list[float]:
     except (UnicodeDecodeError, json.JSONDecodeError):
         return []
     times = d.get("times") if isinstance(d, dict) else None
-    return [float(t) for t in times if _seconds(t)] if isinstance(times, list) else []
+    return [float(t) for t in times if seconds(t)] if isinstance(times, list) else []
 
 
 def eviction_total(raw: bytes | None) -> int:
@@ -144,15 +142,7 @@ def eviction_total(raw: bytes | None) -> int:
     except (UnicodeDecodeError, json.JSONDecodeError):
         return 0
     total = d.get("total") if isinstance(d, dict) else None
-    return total if _whole(total) else 0
-
-
-def _whole(v: Any) -> TypeGuard[int]:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
-
-
-def _seconds(v: Any) -> TypeGuard[float]:
-    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+    return total if whole(total) else 0
 
 
 class SlowNodes:

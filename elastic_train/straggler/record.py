@@ -52,7 +52,7 @@ class StragglerRecord:
         state, score, step, since = d.get("state"), d.get("score"), d.get("step"), d.get("since")
         if state not in STATES:
             raise ValueError(f"straggler record of {node}: state {state!r}")
-        if not (_number(score) and _number(since) and isinstance(step, int) and not isinstance(step, bool)):
+        if not (seconds(score) and seconds(since) and whole(step)):
             raise ValueError(f"straggler record of {node}: score, step or since missing")
         return StragglerRecord(
             node=node,
@@ -71,5 +71,11 @@ class StragglerRecord:
         return f"{self.node}: {self.state} at step {self.step} ({score})"
 
 
-def _number(v: Any) -> TypeGuard[float]:
-    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+def whole(v: Any) -> TypeGuard[int]:
+    """``v`` read from JSON is a count: an integer (not a bool), at least 0."""
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def seconds(v: Any) -> TypeGuard[float]:
+    """``v`` read from JSON is a finite number, at least 0 (seconds, a score, a Unix time)."""
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
