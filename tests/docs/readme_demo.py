@@ -40,7 +40,7 @@ STRUCTURE: tuple[tuple[str, str], ...] = (
     ),
     (
         "summary",
-        rf"run demo-[\d-]+: finished (\d+)/\1 steps in [\d.]+s, first step after {_T}, final loss [\d.]+",
+        rf"run demo-[\da-f-]+: finished (\d+)/\1 steps in [\d.]+s, first step after {_T}, final loss [\d.]+",
     ),
     ("world-size timeline", r"world size: 3@step1 -> 2@step\d+ -> 3@step\d+"),
     ("fault table", r"fault\s+detected\s+resumed\s+world\s+redone\s+source"),
