@@ -3,6 +3,7 @@ and the torchrun agents, environment and weight checks of the end-to-end trainin
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import os
@@ -14,9 +15,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import psutil
 import pytest
 
-from elastic_train.procs import kill_tree
+from elastic_train.procs import kill_tree, tree
 
 if TYPE_CHECKING:
     import torch
@@ -280,6 +282,19 @@ class TorchrunAgents:
         """kill -9 of a node: the agent and its workers (in their own sessions)."""
         kill_tree(proc.pid)
         proc.wait(timeout=30)
+
+    def kill_all(self) -> None:
+        """kill -9 of every node still running at once (a whole job's machines lost): each process of each
+        node is signalled before any is waited for, so that no survivors re-form in between, as they do
+        within a second of one node's kill."""
+        running = [proc for proc in self.procs if proc.poll() is None]
+        doomed = [p for proc in running for p in tree(proc.pid)]
+        for p in doomed:
+            with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+                p.kill()
+        psutil.wait_procs(doomed, timeout=10)
+        for proc in running:
+            proc.wait(timeout=30)
 
     def wait_step(self, world: int, min_step: int, timeout: float | None = None) -> dict[str, Any]:
         return wait_for_step(self.events, world, min_step, timeout or self.step_timeout, self.tmp)

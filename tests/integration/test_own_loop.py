@@ -132,9 +132,7 @@ def test_plain_torchrun_agents_kill_join_then_every_node_lost(
     job.wait_step(2, 1)
     job.start("2:4")
     job.wait_step(3, 50)
-    for proc in list(job.procs):  # every node lost: the memory tier is gone with them
-        if proc.poll() is None:
-            job.kill(proc)
+    job.kill_all()  # every node lost: the memory tier is gone with them
     before = read_events(str(job.events))
     run = tmp_path / "checkpoints" / "job-42"
     newest = max(parse_step_dir(p.name) or 0 for p in run.glob("step-*") if (p / "manifest.json").exists())
