@@ -173,17 +173,23 @@ def decide(o: Observation) -> Action:
         return NOTHING
     if o.announced_at is None:
         return Action(Act.ANNOUNCE, grace=LOST_GRACE if o.lost else STEP_GRACE)
-    if o.grace <= LOST_GRACE and o.lost and o.blocked:
-        # a stopped peer: no step boundary comes. gloo workers cut their group's connections when asked,
-        # their collective fails and they ask for the next round; others restart
+    if o.grace <= LOST_GRACE and o.blocked and (o.lost or (o.left and not o.forming)):
+        # no step boundary comes: a stopped peer, or a member whose workers stopped at the boundary before
+        # this node's heard of the change (theirs went on into the next step's collective, which waits for
+        # the gone workers). gloo workers cut their group's connections when asked, their collective fails
+        # and they ask for the next round; others restart
         if o.cut_at is None and o.cuttable:
             return Action(Act.CUT)
         if o.cut_at is None or o.now - o.cut_at > CUT_GRACE:
             after_cut = f", and still {CUT_GRACE:g} s after the cut" if o.cut_at is not None else ""
+            whom = (
+                "a member whose lease expired (a stopped peer)"
+                if o.lost
+                else f"member(s) {sorted(o.left)} that left the round"
+            )
             return Action(
                 Act.GIVE_UP,
-                "workers blocked in a collective with a member whose lease expired (a stopped peer): "
-                f"no step boundary to wait for{after_cut}",
+                f"workers blocked in a collective with {whom}: no step boundary to wait for{after_cut}",
             )
         return NOTHING
     if o.grace > LOST_GRACE and (why := no_boundary_coming(o)) is not None:

@@ -68,6 +68,21 @@ TABLE: list[tuple[str, Observation, Action]] = [
             grace=LOST_GRACE)),
     ("a member asks while the workers step: it reached the boundary first", replace(ANNOUNCED, left=("c",)),
      NOTHING),
+    # -- a member's workers stopped at the boundary, this node's went on into the next step's collective
+    ("a member left, workers blocked after the shortened grace, gloo: cut their links",
+     replace(ANNOUNCED, left=("c",), blocked=True, cuttable=True, grace=LOST_GRACE), Action(Act.CUT)),
+    ("a member left, workers blocked after the shortened grace, NCCL: restart",
+     replace(ANNOUNCED, left=("c",), blocked=True, grace=LOST_GRACE),
+     Action(Act.GIVE_UP, "workers blocked in a collective with member(s) ['c'] that left the round: no step "
+                         "boundary to wait for")),
+    ("a member left, cut, and still blocked past the grace",
+     replace(ANNOUNCED, left=("c",), blocked=True, cuttable=True, grace=LOST_GRACE,
+             cut_at=NOW - CUT_GRACE - 0.01),
+     Action(Act.GIVE_UP, "workers blocked in a collective with member(s) ['c'] that left the round: no step "
+                         "boundary to wait for, and still 1 s after the cut")),
+    ("a member left while the group forms: no collective to cut",
+     replace(ANNOUNCED, left=("c",), forming=True, blocked=True, cuttable=True, grace=LOST_GRACE,
+             announced_at=NOW - 0.1), NOTHING),
     # -- a stopped peer
     ("lost member, workers still stepping within the short grace", LOST, NOTHING),
     ("lost member, the short grace ran out", replace(LOST, announced_at=NOW - LOST_GRACE - 0.01),
