@@ -254,7 +254,14 @@ class SlowNodes:
         with p.view.cond:
             evictions = p.view.get(EVICTIONS)
             inproc = set(p.view.under("inproc/"))
-            orders = set(p.view.under(EVICT))
+            ordered = p.view.under(EVICT)
+        orders = set(ordered)
+        order_scores: dict[str, float] = {}
+        for node, kv in ordered.items():
+            try:
+                order_scores[node] = EvictOrder.decode(node, kv.value).score
+            except ValueError:
+                continue
         raw = evictions.value if evictions is not None else None
         flagged = [(n, self._state.score(n) or 0.0) for n in self._state.flagged if n in members]
         decisions = decide_evictions(
@@ -272,7 +279,7 @@ class SlowNodes:
         for d in decisions:
             if d.event == "straggler_evict" and d.node not in orders:
                 self._order(p, d, step, raw, now)
-        self._keep_standing(p, members, step, orders)
+        self._keep_standing(p, members, step, orders, order_scores)
 
     def _order(self, p: Participant, d: Decision, step: int, raw: bytes | None, now: float) -> None:
         assert p.round is not None
@@ -288,8 +295,11 @@ class SlowNodes:
         )
         self._state = DetectorState({n: t for n, t in self._state.tracks.items() if n != d.node})
 
-    def _keep_standing(self, p: Participant, members: list[str], step: int, orders: set[str]) -> None:
-        """``straggler/<node>`` for ``status``: flagged nodes (and why they are kept), evicted ones."""
+    def _keep_standing(
+        self, p: Participant, members: list[str], step: int, orders: set[str], order_scores: dict[str, float]
+    ) -> None:
+        """``straggler/<node>`` for ``status``: flagged nodes (and why they are kept), evicted ones (with the
+        score their order was given: the detector forgets a node once it ordered its eviction)."""
         want: dict[str, StragglerRecord] = {}
         for node in self._state.flagged:
             if node in members and node not in orders:
@@ -305,7 +315,10 @@ class SlowNodes:
             prev = self._standing.get(node)
             since = prev.since if prev is not None and prev.state == "evicted" else time.time()
             d = self._decided.get(node)
-            score = round(d.score, 3) if d is not None else prev.score if prev is not None else 0.0
+            if node in order_scores:
+                score = order_scores[node]
+            else:
+                score = round(d.score, 3) if d is not None else prev.score if prev is not None else 0.0
             want[node] = StragglerRecord(node, "evicted", score, step, since, self.cfg.policy)
         for node, rec in want.items():
             prev = self._standing.get(node)

@@ -79,6 +79,7 @@ def test_the_decider_flags_the_slow_node_orders_its_eviction_and_status_shows_it
         assert orders[slow][0].by == decider.node_id and orders[slow][0].round == results[0].round
         st = read_status(etcd, "slow")
         assert [(r.node, r.state) for r in st.stragglers] == [(slow, "evicted")], st.stragglers
+        assert st.stragglers[0].score == orders[slow][0].score  # the order's, however the cycles fell
         rec = etcd.get("/elastic_train/slow/" + EVICTIONS)
         assert rec is not None and eviction_total(rec.value) == 1
         ticks(3)  # the order is obeyed once
