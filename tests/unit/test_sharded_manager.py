@@ -207,17 +207,26 @@ def reader(manager: ShardedCheckpointManager, shm: Path) -> MemorySnapshot:
     return MemorySnapshot(str(shm / "shm"), "r", 0, manager.run_path)
 
 
-def test_the_optimizer_step_waits_for_the_snapshot_copy(
-    world_one: World, shm: Path, background: None, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    state, manager = job(world_one, shm)
+def copying_step_2(
+    world: World, shm: Path, monkeypatch: pytest.MonkeyPatch
+) -> tuple[TrainState, ShardedCheckpointManager, Gate]:
+    """A job with its optimizer attached, step 1's snapshot sealed, and step 2's held by the :class:`Gate`
+    on the copier thread: its shards and moments half copied."""
+    state, manager = job(world, shm)
     manager.attach(state.optimizer)  # type: ignore[arg-type]
     manager.restore()
     train(state, manager, 1)
     assert manager.memory is not None and manager.memory.wait_idle(10)
     gate = Gate(monkeypatch)
     train(state, manager, 1)
-    assert gate.entered.wait(10)  # step 2's shards and moments are being copied on the copier thread
+    assert gate.entered.wait(10)
+    return state, manager, gate
+
+
+def test_the_optimizer_step_waits_for_the_snapshot_copy(
+    world_one: World, shm: Path, background: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    state, manager, gate = copying_step_2(world_one, shm, monkeypatch)
     expected = local(state)
     state.model(torch.randn(8, 4)).pow(2).mean().backward()  # the next forward and backward run meanwhile
     stepped = threading.Event()
@@ -244,18 +253,11 @@ def test_the_optimizer_step_waits_for_the_snapshot_copy(
 def test_a_snapshot_in_flight_is_never_read_as_valid(
     world_one: World, shm: Path, background: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    state, manager = job(world_one, shm)
-    manager.attach(state.optimizer)  # type: ignore[arg-type]
-    manager.restore()
-    train(state, manager, 1)
-    assert manager.memory is not None and manager.memory.wait_idle(10)
-    gate = Gate(monkeypatch)
-    train(state, manager, 1)
-    assert gate.entered.wait(10)
+    _state, manager, gate = copying_step_2(world_one, shm, monkeypatch)
     held = reader(manager, shm).newest_valid()  # what a worker restarted now (the copy half done) finds
     assert held is not None and held.step == 1
     gate.open()
-    assert manager.memory.wait_idle(10)
+    assert manager.memory is not None and manager.memory.wait_idle(10)
     held = reader(manager, shm).newest_valid()
     assert held is not None and held.step == 2
     manager.close()
