@@ -21,7 +21,8 @@ from collections.abc import Callable
 import psutil
 
 _PR_SET_PDEATHSIG = 1
-_CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+#: Clock ticks a second, the unit of :func:`start_ticks`.
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
 def die_with_parent() -> None:
@@ -120,13 +121,10 @@ def _not_zombie(pid: int) -> bool:
 _SCRATCH_RE = re.compile(r"^elastic_train-(?P<kind>[a-z]+)-(?P<pid>\d+)(?:-(?P<start>\d+))?(?:[-.]|$)")
 
 
-def start_ms(pid: int) -> int:
-    """Start time of process ``pid`` in ms: with the PID, an identity no later process reuses.
-
-    On Linux it is the kernel's start tick since boot (``/proc/PID/stat``), which no clock change moves.
-    psutil's ``create_time`` adds the boot time the kernel derives from the wall clock, and that figure
-    steps when the clock is adjusted (seen here: +1 to +15 s), after which every live owner would look
-    gone and its snapshots be swept. Elsewhere: psutil's ``create_time``.
+def start_ticks(pid: int) -> int | None:
+    """When process ``pid`` started, in clock ticks since boot (:data:`CLOCK_TICKS` a second): the kernel's
+    ``starttime``, field 22 of ``/proc/PID/stat``, which no wall-clock change moves. None where ``/proc``
+    does not say (not Linux).
 
     Raises:
         psutil.NoSuchProcess: no such process.
@@ -137,12 +135,28 @@ def start_ms(pid: int) -> int:
     except FileNotFoundError:
         raise psutil.NoSuchProcess(pid) from None
     except OSError:
-        return int(psutil.Process(pid).create_time() * 1000)
+        return None
     try:
-        ticks = int(stat.rsplit(b")", 1)[1].split()[19])  # field 22, starttime; the name may hold ") "
+        return int(stat.rsplit(b")", 1)[1].split()[19])  # the name before it may hold ") "
     except (IndexError, ValueError):
+        return None
+
+
+def start_ms(pid: int) -> int:
+    """Start time of process ``pid`` in ms: with the PID, an identity no later process reuses.
+
+    On Linux it is the kernel's start tick since boot (:func:`start_ticks`). psutil's ``create_time`` adds
+    the boot time the kernel derives from the wall clock, and that figure steps when the clock is adjusted
+    (seen here: +1 to +15 s), after which every live owner would look gone and its snapshots be swept.
+    Elsewhere: psutil's ``create_time``.
+
+    Raises:
+        psutil.NoSuchProcess: no such process.
+    """
+    ticks = start_ticks(pid)
+    if ticks is None:
         return int(psutil.Process(pid).create_time() * 1000)
-    return ticks * 1000 // _CLOCK_TICKS
+    return ticks * 1000 // CLOCK_TICKS
 
 
 def owner_alive(pid: int, started_ms: int) -> bool:

@@ -20,22 +20,25 @@ def _since_exec() -> float:
     """Seconds since this process was created (includes the interpreter's own start-up; for a worker a fork
     server forked, since the fork).
 
-    Read from the kernel's own clock (``/proc/uptime`` less the process's start in ``/proc/self/stat``, both
-    since boot, 10 ms resolution): psutil's ``create_time`` adds the boot time, which Linux gives in whole
-    seconds, so against ``time.time()`` it is up to a second early.
+    Read from the kernel's own clock (``/proc/uptime`` less the process's start tick, both since boot, 10 ms
+    resolution): psutil's ``create_time`` adds the boot time, which Linux gives in whole seconds, so against
+    ``time.time()`` it is up to a second early.
     """
     import os
+
+    from elastic_train.procs import CLOCK_TICKS, start_ticks
 
     try:
         with open("/proc/uptime", encoding="ascii") as f:
             uptime = float(f.read().split()[0])
-        with open("/proc/self/stat", encoding="ascii", errors="replace") as f:
-            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-        return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+        ticks = start_ticks(os.getpid())
     except (OSError, ValueError, IndexError):
-        import psutil
+        ticks = None
+    if ticks is not None:
+        return max(0.0, uptime - ticks / CLOCK_TICKS)
+    import psutil
 
-        return time.time() - psutil.Process().create_time()
+    return time.time() - psutil.Process().create_time()
 
 
 def run_worker(cfg: JobConfig, env: WorkerEnv, *, started: float) -> int:
