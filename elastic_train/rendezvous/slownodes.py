@@ -123,6 +123,14 @@ class EvictOrder:
         return EvictOrder(node, int(r), int(step), float(score), str(d.get("by", ""))[:256])
 
 
+def _order_score(node: str, raw: bytes) -> float | None:
+    """The score an eviction order was given, None when the order does not parse."""
+    try:
+        return EvictOrder.decode(node, raw).score
+    except ValueError:
+        return None
+
+
 def eviction_times(raw: bytes | None) -> list[float]:
     """The run's eviction times (``evictions``); an unreadable record reads as none (and is rewritten)."""
     if raw is None:
@@ -255,18 +263,12 @@ class SlowNodes:
             evictions = p.view.get(EVICTIONS)
             inproc = set(p.view.under("inproc/"))
             ordered = p.view.under(EVICT)
-        orders = set(ordered)
-        order_scores: dict[str, float] = {}
-        for node, kv in ordered.items():
-            try:
-                order_scores[node] = EvictOrder.decode(node, kv.value).score
-            except ValueError:
-                continue
+        orders = {node: _order_score(node, kv.value) for node, kv in ordered.items()}
         raw = evictions.value if evictions is not None else None
         flagged = [(n, self._state.score(n) or 0.0) for n in self._state.flagged if n in members]
         decisions = decide_evictions(
             flagged=flagged,
-            world=len(members) - len(orders & set(members)),
+            world=len(members) - len(orders.keys() & set(members)),
             min_nodes=self.s.min_nodes,
             evicted_at=eviction_times(raw),
             now=now,
@@ -279,7 +281,7 @@ class SlowNodes:
         for d in decisions:
             if d.event == "straggler_evict" and d.node not in orders:
                 self._order(p, d, step, raw, now)
-        self._keep_standing(p, members, step, orders, order_scores)
+        self._keep_standing(p, members, step, orders)
 
     def _order(self, p: Participant, d: Decision, step: int, raw: bytes | None, now: float) -> None:
         assert p.round is not None
@@ -296,10 +298,11 @@ class SlowNodes:
         self._state = DetectorState({n: t for n, t in self._state.tracks.items() if n != d.node})
 
     def _keep_standing(
-        self, p: Participant, members: list[str], step: int, orders: set[str], order_scores: dict[str, float]
+        self, p: Participant, members: list[str], step: int, orders: dict[str, float | None]
     ) -> None:
         """``straggler/<node>`` for ``status``: flagged nodes (and why they are kept), evicted ones (with the
-        score their order was given: the detector forgets a node once it ordered its eviction)."""
+        score their order was given, ``orders``' value: the detector forgets a node once it ordered its
+        eviction)."""
         want: dict[str, StragglerRecord] = {}
         for node in self._state.flagged:
             if node in members and node not in orders:
@@ -311,12 +314,13 @@ class SlowNodes:
                 want[node] = StragglerRecord(
                     node, "flagged", round(score, 3), step, since, self.cfg.policy, why
                 )
-        for node in orders & set(members):
+        for node in orders.keys() & set(members):
             prev = self._standing.get(node)
             since = prev.since if prev is not None and prev.state == "evicted" else time.time()
             d = self._decided.get(node)
-            if node in order_scores:
-                score = order_scores[node]
+            given = orders[node]  # None: an order that does not parse
+            if given is not None:
+                score = given
             else:
                 score = round(d.score, 3) if d is not None else prev.score if prev is not None else 0.0
             want[node] = StragglerRecord(node, "evicted", score, step, since, self.cfg.policy)
@@ -326,7 +330,7 @@ class SlowNodes:
                 p.etcd.put(p.prefix + STANDING + node, rec.encode(), p.lease.lease_id)
         for node in set(self._standing) - set(want):
             p.etcd.delete(p.prefix + STANDING + node)
-        for node in orders - set(members):  # the evicted node left the round: its order is done
+        for node in orders.keys() - set(members):  # the evicted node left the round: its order is done
             p.etcd.delete(p.prefix + EVICT + node)
         self._standing = want
 
