@@ -23,7 +23,7 @@ import torch.distributed as dist
 from elastic_train import torchcompat
 from elastic_train.errors import ElasticTrainError
 from elastic_train.log import bind_context, configure_logging
-from elastic_train.net import cut_extra_links, free_port, shut_down, stream_sockets
+from elastic_train.net import cut_extra_links, free_port, opened_by, shut_down
 from elastic_train.train.env import WorkerEnv
 from elastic_train.train.errors import TrainingError
 from elastic_train.train.link import process_link
@@ -195,14 +195,18 @@ def _form_group(backend: str, device: torch.device, env: WorkerEnv, timeout: tim
         os.environ.setdefault("MASTER_ADDR", env.master_addr)
         kwargs["store"] = _open_store(env, timeout)
     formed = time.perf_counter()
-    before = stream_sockets() if backend == "gloo" else {}
-    dist.init_process_group(backend, rank=env.rank, world_size=env.world_size, **kwargs)
+
+    def form() -> None:
+        dist.init_process_group(backend, rank=env.rank, world_size=env.world_size, **kwargs)
+
     if backend == "gloo":
-        opened = stream_sockets(connected=True)
+        _, opened = opened_by(form)
         with _LINKS_LOCK:
             _LINKS.clear()
-            _LINKS.update({fd: ino for fd, ino in opened.items() if before.get(fd) != ino})
+            _LINKS.update(opened)
             _LINKS_ROUND[0] = env.round
+    else:
+        form()
     last_formation.clear()
     last_formation.update(store_s=formed - started, pg_s=time.perf_counter() - formed)
 
