@@ -12,9 +12,12 @@ node 1 is killed with SIGKILL after step ``--kill-step``. The paths:
 - ``ddp``: the same model replicated with DDP through elastic_train (the memory tier, hot path).
 
 Printed per size and path: kill → training again (the summary's), the restore (the slowest rank's reshard,
-DCP load or memory restore), and for ``hot`` the bytes each rank received against the bytes it lacked (the
-minimum). The loopback TCP bandwidth is measured in the same run. Targets: hot kill → training <=
-1.5 x (bytes that must move / loopback bandwidth) + 0.3 s, and >= 5x faster than restart + DCP load.
+DCP load or memory restore), the three steps after the first one at the new world and the steady step
+after them, the machine's least free memory during the job (under about 2 GB the kernel reclaims page
+cache in page faults, and first touches of new memory can take seconds), and for ``hot`` the bytes each
+rank received against the bytes it lacked (the minimum). The loopback TCP bandwidth is measured in the same
+run. Targets: hot kill → training <= 1.5 x (bytes that must move / loopback bandwidth) + 0.3 s, and >= 5x
+faster than restart + DCP load.
 
     PYTHONPATH=. .venv/bin/python benchmarks/sharded.py --sizes 100,1000 --json sharded.json
     PYTHONPATH=. .venv/bin/python benchmarks/sharded.py --sizes 10 --paths hot,dcp
@@ -24,11 +27,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -68,9 +74,11 @@ def run(mb: float, path: str, args: argparse.Namespace, work: Path) -> dict[str,
         env["ELASTIC_TRAIN_WORKER_START"] = "exec"
     print(f"== {mb:g} MB, {path}", flush=True)
     started = time.time()
-    proc = subprocess.run(
-        cmd, env=env, cwd=str(work), capture_output=True, text=True, timeout=args.timeout + 120
-    )
+    low = LowWater()
+    with low:
+        proc = subprocess.run(
+            cmd, env=env, cwd=str(work), capture_output=True, text=True, timeout=args.timeout + 120
+        )
     summary_path = workdir / "summary.json"
     if not summary_path.exists():
         tail = " | ".join((proc.stdout + proc.stderr).strip().splitlines()[-3:])[:300]
@@ -87,7 +95,9 @@ def run(mb: float, path: str, args: argparse.Namespace, work: Path) -> dict[str,
         "source": kill.get("source"),
         "steps_redone": kill.get("steps_redone"),
         "job_s": round(time.time() - started, 1),
+        "mem_free_min_mb": round(low.free / 2**20),
     }
+    out.update(pace(workdir / "events.jsonl", kill.get("fired_round")))
     new_round = None if kill.get("fired_round") is None else kill["fired_round"] + 1
     after = [r for r in logs if (r.get("round") or 0) > (kill.get("fired_round") or 0)]
     if path == "hot":
@@ -111,6 +121,47 @@ def run(mb: float, path: str, args: argparse.Namespace, work: Path) -> dict[str,
     out["new_round"] = new_round
     print(f"   {json.dumps(out)}", flush=True)
     return out
+
+
+class LowWater:
+    """The machine's least free memory (MemFree: pages the kernel hands out without reclaiming any) while a
+    job runs, sampled every 0.1 s: a job that ran the machine out of free pages paid for reclaim in its page
+    faults (first touches of slots and shards), and its figures say more about the machine than the path."""
+
+    def __init__(self) -> None:
+        self.free = psutil.virtual_memory().free
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while not self._done.wait(0.1):
+            self.free = min(self.free, psutil.virtual_memory().free)
+
+    def __enter__(self) -> LowWater:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._done.set()
+        self._thread.join()
+
+
+def pace(events: Path, fired_round: int | None) -> dict[str, Any]:
+    """The steps after the kill: the three after the first one at the new world (seconds each), and the
+    median step of the rest (the steady pace). What a path costs beyond kill → training shows here (the
+    first snapshots at the new world size grow their slots)."""
+    if fired_round is None or not events.exists():
+        return {}
+    times = []
+    for line in events.read_text().splitlines():
+        with contextlib.suppress(ValueError):
+            e = json.loads(line)
+            if e.get("event") == "step" and (e.get("round") or 0) > fired_round:
+                times.append(float(e["time"]))
+    steps = [round(b - a, 3) for a, b in itertools.pairwise(times)]
+    if len(steps) < 5:
+        return {}
+    return {"next_steps_s": steps[:3], "steady_step_s": round(statistics.median(steps[3:]), 3)}
 
 
 def targets(runs: list[dict[str, Any]], bandwidth: float) -> list[dict[str, Any]]:
@@ -173,7 +224,10 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 runs.append(run(mb, path, args, Path(tmp)))
     print()
-    print(f"{'state':>8} {'path':<5} {'kill->training':>15} {'restore':>9} moved / must move (MB, per rank)")
+    print(
+        f"{'state':>8} {'path':<5} {'kill->training':>15} {'restore':>9} {'next 3 steps, steady (s)':>26} "
+        f"{'free MB':>8}  moved / must move (MB, per rank)"
+    )
     for r in runs:
         if "error" in r:
             print(f"{r['state_mb']:>6g}MB {r['path']:<5} {r['error']}")
@@ -183,7 +237,12 @@ def main(argv: list[str] | None = None) -> int:
         )
         restore = f"{r['restore_s']:.3f} s" if r.get("restore_s") is not None else "-"
         total = f"{r['kill_to_training_s']:.2f} s" if r.get("kill_to_training_s") is not None else "-"
-        print(f"{r['state_mb']:>6g}MB {r['path']:<5} {total:>15} {restore:>9} {ranks}")
+        after = (
+            f"{' '.join(f'{x:.2f}' for x in r['next_steps_s'])}, {r['steady_step_s']:.2f}"
+            if r.get("next_steps_s") else "-"
+        )  # fmt: skip
+        free = r.get("mem_free_min_mb", "-")
+        print(f"{r['state_mb']:>6g}MB {r['path']:<5} {total:>15} {restore:>9} {after:>26} {free:>8}  {ranks}")
     checks = targets(runs, bandwidth)
     for t in checks:
         print(f"{t['status']:>7}  {t['name']}: {t['figure']}")

@@ -302,6 +302,7 @@ class Restoring(ManagerBase):
                 into = dests[p.path][p.dst_row : p.dst_row + p.rows] if p.dst == me and not on_gpu else None
                 wanted.setdefault(p.old, {}).setdefault(p.path, []).append((p.src_row, p.rows, into))
         torn = False
+        landing = time.perf_counter()
         staged: dict[tuple[str, int, int], torch.Tensor] = {}
         replicated_from: tuple[Slot, dict[str, torch.Tensor]] | None = None
         for slot in sorted(mine, key=lambda s: s.kind != "own"):
@@ -326,6 +327,7 @@ class Restoring(ManagerBase):
             reader.read(keys[piece.path], into, first)
 
         t0 = time.perf_counter()
+        land_s = t0 - landing
         lanes: Any = (self._ctl, self._io)
         if on_gpu:  # the rows kept were read on the host: to the device; the rows sent go from the device
             for p in plan.pieces:
@@ -370,7 +372,7 @@ class Restoring(ManagerBase):
         log.info(
             "resharded", step=choice.step, source=choice.source, from_world=smap.world_size, to_world=world,
             bytes=smap.nbytes, kept=moved.kept, received=moved.received, sent=moved.sent,
-            from_storage=moved.durable, minimum=minimum, move_s=round(moved_s, 4),
+            from_storage=moved.durable, minimum=minimum, land_s=round(land_s, 4), move_s=round(moved_s, 4),
             seconds=round(time.perf_counter() - started, 4),
         )  # fmt: skip
         source = "memory" if choice.source == reshard.MEMORY else choice.source
