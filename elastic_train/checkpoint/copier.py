@@ -89,6 +89,9 @@ class Copier:
         #: The job's :attr:`CopyJob.rest` is still being copied.
         self.copying_rest = False
         self.sealing: int | None = None
+        #: The job's follow-up (:attr:`CopyJob.then`, a sharded state's replica exchange) is running: the one
+        #: part of a job that waits on a peer.
+        self.following = False
         self.thread: threading.Thread | None = None
         self._pid = 0
         #: A failure of the copies or a seal, raised in the training thread by the snapshot's ``raise_error``.
@@ -160,9 +163,11 @@ class Copier:
                 self.cond.notify_all()
             self._sealer.seal(job)
             if job.then is not None:
+                with self.cond:
+                    self.following = True
                 self.then(job)
             with self.cond:
-                self.job = None
+                self.job, self.following = None, False
                 if self.sealing == job.slot:
                     self.sealing = None
                 self.cond.notify_all()

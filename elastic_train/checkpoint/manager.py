@@ -98,6 +98,7 @@ class CheckpointManager:
                 for path in sweep_stale(cfg.memory_dir):
                     log.info("memory_snapshot_swept", path=path)
                 self.memory = MemorySnapshot(cfg.memory_dir, run_id, local_rank, self.run_path)
+                self.memory.progress = self.agent.beat
             else:
                 log.warning("memory_tier_disabled", reason=f"{cfg.memory_dir} does not exist")
         self._origin = Origin(stamp=self.agent.round)

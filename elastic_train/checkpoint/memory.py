@@ -46,6 +46,9 @@ INLINE_BYTES = 4 << 20
 #: CPU states up to this size are also sealed in ``save`` (about 0.1 ms of checksum per MiB): handing the seal
 #: to the copier thread costs the training thread more than that (docs/training.md, measured at 1.3 MB).
 SEAL_INLINE_BYTES = 2 << 20
+#: Seconds between two counts of progress (:attr:`MemorySnapshot.progress`) while the training thread waits
+#: for the snapshot's own work.
+PROGRESS_EVERY = 0.25
 
 
 @dataclass(slots=True)
@@ -108,6 +111,12 @@ class MemorySnapshot:
         #: Per slot: the copy lists of the current layout (specs object, deferred set, copy lists).
         self._copy_lists: dict[int, tuple[Any, Any, Any]] = {}
         self._gpu: tuple[Any, list[int]] | None = None
+        #: Called every :data:`PROGRESS_EVERY` seconds while the training thread waits for this snapshot's
+        #: own work (copies, a new layout's allocation, the seal; never a follow-up such as a replica
+        #: exchange, which waits on a peer), so that the node's agent counts the wait as progress and not as
+        #: a worker blocked on a stopped peer: copying a gigabyte into memory the process had not touched
+        #: before can take seconds on a machine short of free memory.
+        self.progress: Callable[[], None] | None = None
         #: Per slot: the layout whose tensor specs are written at the start of its metadata.
         self._meta_prefix: dict[int, str] = {}
         self.stats = SaveStats()
@@ -282,7 +291,7 @@ class MemorySnapshot:
         if slot is None:
             with self._cond:
                 while (slot := self._oldest_free()) is None:
-                    self._cond.wait()
+                    self._wait()
         file.clear_header(slot)
         dests = self._dests.get(slot)
         if dests is None:
@@ -516,7 +525,7 @@ class MemorySnapshot:
         copier = self.copier
         with self._cond:
             while copier.copying or (rest and copier.copying_rest):
-                self._cond.wait()
+                self._wait()
             return copier.job
 
     def raise_error(self) -> None:
@@ -540,13 +549,21 @@ class MemorySnapshot:
         with self._cond:
             while copier.sealing is not None or copier.job is not None:
                 if deadline is None:
-                    self._cond.wait()
+                    self._wait()
                     continue
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
                 self._cond.wait(left)
         return True
+
+    def _wait(self) -> None:
+        """One wait on the copier's condition (held), counting :attr:`progress` while the copier works on
+        its own."""
+        if self.progress is None:
+            self._cond.wait()
+        elif not self._cond.wait(PROGRESS_EVERY) and not self.copier.following:
+            self.progress()
 
     def pin(self, slot: int) -> None:
         """Keep ``slot`` from being rewritten (while a background copy reads it)."""

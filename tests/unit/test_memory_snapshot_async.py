@@ -141,6 +141,56 @@ def test_fence_orders_the_copy_before_the_next_optimizer_step(memdir, tmp_path, 
     )
 
 
+def test_waiting_for_the_copier_counts_as_progress_for_the_agent(memdir, tmp_path, gate, monkeypatch):
+    """A copy that takes seconds (memory the process never touched, on a machine short of free pages) is
+    work, not a worker blocked on a peer: the optimizer step's wait for it beats the agent's counter."""
+    monkeypatch.setattr(memory_mod, "PROGRESS_EVERY", 0.05)
+    model, opt = trained()
+    m = manager(memdir, tmp_path)
+    beats: list[float] = []
+    assert m.memory is not None and m.memory.progress == m.agent.beat  # what the agent is told
+    m.memory.progress = lambda: beats.append(time.monotonic())
+    m.attach(opt)
+    m.save(1, lambda: state_of(model, opt, 1))
+    assert gate.entered.wait(10)
+    stepper = threading.Thread(target=opt.step)
+    stepper.start()
+    time.sleep(0.5)
+    held = len(beats)
+    gate.set()
+    stepper.join(10)
+    assert not stepper.is_alive()
+    assert held >= 3, f"{held} beats while the optimizer step waited 0.5 s for the copier"
+    m.close()
+
+
+def test_a_follow_up_that_waits_on_a_peer_counts_no_progress(memdir, monkeypatch):
+    """A replica exchange blocked on a stopped peer must look blocked to the agent: no beats while the
+    job's follow-up runs, only while the copier works on its own."""
+    monkeypatch.setattr(memory_mod, "PROGRESS_EVERY", 0.05)
+    snap = MemorySnapshot(memdir, "follow", 0)
+    beats: list[float] = []
+    snap.progress = lambda: beats.append(time.monotonic())
+    release, entered = threading.Event(), threading.Event()
+
+    def exchange(job) -> None:
+        entered.set()
+        assert release.wait(30)
+
+    state = {"w": torch.randn(64, 64)}
+    flat = flatten(state)
+    snap.save(1, flat, defer=range(len(flat.tensors)), then=exchange)
+    assert entered.wait(10)
+    waiter = threading.Thread(target=snap.wait_idle)
+    waiter.start()
+    time.sleep(0.4)
+    assert beats == [], "the wait for a follow-up that waits on a peer counted as progress"
+    release.set()
+    waiter.join(10)
+    assert not waiter.is_alive() and snap.newest_valid() is not None
+    snap.release()
+
+
 def test_buffers_changed_by_the_next_forward_are_taken_at_the_step(memdir, tmp_path, gate):
     """BatchNorm running stats change in forward: they are copied before save returns, never deferred."""
     model, opt = trained()

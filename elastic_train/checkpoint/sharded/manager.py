@@ -131,6 +131,8 @@ class ShardedCheckpointManager(DurableWriting, Restoring):
                 for path in sweep_stale(cfg.memory_dir):
                     log.info("memory_snapshot_swept", path=path)
                 self.memory = ShardedMemory(cfg.memory_dir, run_id, local_rank, self.replicas, self.run_path)
+                for snap in self.memory.files():
+                    snap.progress = self.agent.beat
             else:
                 log.warning("memory_tier_disabled", reason=f"{cfg.memory_dir} does not exist")
         self.last_committed: Committed | None = None
