@@ -47,8 +47,9 @@ log = get_logger(__name__)
 
 #: Root of the busy-time reports (outside every run's watched prefix).
 BUSY_ROOT = "/elastic_train_busy/"
-#: A run's eviction orders (``evict/<node>``), its eviction times (``evictions``), its nodes' standing
-#: (``straggler/<node>``), under the run's prefix.
+#: A run's eviction orders (``evict/<node>``), its evictions (``evictions``: the times of those that spent
+#: the budget, the total, the nodes ever evicted), its nodes' standing (``straggler/<node>``), under the
+#: run's prefix.
 EVICT = "evict/"
 EVICTIONS = "evictions"
 STANDING = "straggler/"
@@ -56,6 +57,8 @@ STANDING = "straggler/"
 STALE_REPORTS = 3
 #: Most eviction times the run keeps (the bound counts those within the window only).
 KEEP_EVICTIONS = 100
+#: Longest node id the eviction record's ``nodes`` holds (a longer entry is not a node of this run).
+MAX_NODE_ID = 256
 
 
 def busy_prefix(run_id: str) -> str:
@@ -141,6 +144,19 @@ def eviction_times(raw: bytes | None) -> list[float]:
         return []
     times = d.get("times") if isinstance(d, dict) else None
     return [float(t) for t in times if seconds(t)] if isinstance(times, list) else []
+
+
+def evicted_nodes(raw: bytes | None) -> list[str]:
+    """The nodes evicted earlier in the run (``evictions``'s ``nodes``, oldest first): one of them back in
+    the job is on trial. Entries that are not node ids read as absent."""
+    try:
+        d = json.loads(raw) if raw is not None else {}
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return []
+    nodes = d.get("nodes") if isinstance(d, dict) else None
+    if not isinstance(nodes, list):
+        return []
+    return [n for n in nodes if isinstance(n, str) and 0 < len(n) <= MAX_NODE_ID]
 
 
 def eviction_total(raw: bytes | None) -> int:
@@ -266,6 +282,7 @@ class SlowNodes:
         orders = {node: _order_score(node, kv.value) for node, kv in ordered.items()}
         raw = evictions.value if evictions is not None else None
         flagged = [(n, self._state.score(n) or 0.0) for n in self._state.flagged if n in members]
+        on_trial = set(evicted_nodes(raw))
         decisions = decide_evictions(
             flagged=flagged,
             world=len(members) - len(orders.keys() & set(members)),
@@ -274,6 +291,7 @@ class SlowNodes:
             now=now,
             cfg=self.cfg,
             in_process=self._in_process() and set(members) <= inproc,
+            on_trial=on_trial,
         )
         for d in changed(self._decided, decisions):
             (log.warning if d.event == "straggler_evict" else log.info)(d.event, **d.fields())
@@ -287,7 +305,12 @@ class SlowNodes:
         assert p.round is not None
         order = EvictOrder(d.node, p.round, step, round(d.score, 3), p.node_id)
         times = [t for t in eviction_times(raw) if now - t < self.cfg.eviction_window][-KEEP_EVICTIONS:]
-        record = {"times": [*times, now], "total": eviction_total(raw) + 1}
+        nodes = [n for n in evicted_nodes(raw) if n != d.node][-(KEEP_EVICTIONS - 1) :]
+        record = {
+            "times": times if d.trial else [*times, now],  # a re-eviction on trial spends no budget
+            "total": eviction_total(raw) + 1,
+            "nodes": [*nodes, d.node],
+        }
         p.etcd.txn(
             [],
             [

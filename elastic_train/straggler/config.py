@@ -32,7 +32,8 @@ class StragglerConfig:
     slow_seconds: float = 0.0
     """Seconds it must stay there as well (0: the steps alone)."""
     max_evictions: int = 1
-    """Most evictions per ``eviction_window`` (an eviction storm is a job that shrinks itself to nothing)."""
+    """Most evictions per ``eviction_window`` (an eviction storm is a job that shrinks itself to nothing); a
+    node back on trial after a probation that is evicted again is not counted (``max_trials`` bounds it)."""
     eviction_window: float = 600.0
     """Seconds over which ``max_evictions`` counts."""
     probation_seconds: float = 60.0

@@ -9,12 +9,15 @@ data and the global batch hold, no failure budget is spent.
 An evicted node waits out a probation (:func:`probation`: ``probation_seconds``, doubled at each eviction of
 the same node) and rejoins on trial, as a node joining a running job does (its workers built on standby,
 admitted at a step boundary): in the job, its own measured step time is judged again by the same detector,
-and a node still slow is evicted again. After ``max_trials`` evictions it leaves the job.
+and a node still slow is evicted again. After ``max_trials`` evictions it leaves the job. Such a re-eviction
+does not spend the eviction budget: it returns the job to where it was before the trial, and ``max_trials``
+bounds how often one node comes and goes (were it counted, a node still slow after its probation would be
+kept in, slow, for the rest of the window).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -43,6 +46,8 @@ class Decision:
     """Evictions in the last ``eviction_window`` seconds, before this one."""
     max_evictions: int
     eviction_window_s: float
+    trial: bool = False
+    """The node is back on trial after an eviction: evicting it again spends no budget."""
 
     def fields(self) -> dict[str, Any]:
         return {
@@ -54,6 +59,7 @@ class Decision:
             "evictions_in_window": self.evictions_in_window,
             "max_evictions": self.max_evictions,
             "eviction_window_s": self.eviction_window_s,
+            "trial": self.trial,
         }
 
 
@@ -66,6 +72,7 @@ def decide_evictions(
     now: float,
     cfg: StragglerConfig,
     in_process: bool = True,
+    on_trial: Container[str] = (),
 ) -> list[Decision]:
     """One decision per flagged node.
 
@@ -73,10 +80,11 @@ def decide_evictions(
         flagged: (node, score) of each flagged node still in the job.
         world: nodes in the job now.
         min_nodes: the fewest the job trains with.
-        evicted_at: when the job's earlier evictions happened (the clock of ``now``).
+        evicted_at: when the job's earlier evictions that spent the budget happened (the clock of ``now``).
         now: the time of the decision.
         cfg: the policy and its bounds.
         in_process: every member of the job re-forms in-process (an eviction restarts nobody).
+        on_trial: nodes evicted before in this run, back on trial: evicting one again spends no budget.
 
     Returns:
         The decisions, worst score first.
@@ -87,23 +95,27 @@ def decide_evictions(
     out = []
     event: Literal["straggler_evict", "straggler_kept"]
     for node, score in sorted(flagged, key=lambda f: (-f[1], f[0])):
+        trial = node in on_trial
         if cfg.policy != "evict":
             event, why = "straggler_kept", KEPT_REPORT
         elif not in_process:
             event, why = "straggler_kept", KEPT_RESTART
         elif room <= 0:
             event, why = "straggler_kept", KEPT_MIN_NODES
-        elif budget <= 0:
+        elif budget <= 0 and not (trial and cfg.max_evictions > 0):
             event, why = "straggler_kept", KEPT_BUDGET
         else:
             event, why = "straggler_evict", "policy is evict"
         out.append(
             Decision(
-                event, node, why, score, world, min_nodes, recent, cfg.max_evictions, cfg.eviction_window
+                event, node, why, score, world, min_nodes, recent, cfg.max_evictions, cfg.eviction_window,
+                trial,
             )
-        )
+        )  # fmt: skip
         if event == "straggler_evict":
-            room, budget, recent = room - 1, budget - 1, recent + 1
+            room -= 1
+            if not trial:
+                budget, recent = budget - 1, recent + 1
     return out
 
 

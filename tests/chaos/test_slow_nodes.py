@@ -5,9 +5,9 @@ and leaves; nobody else restarts and no failure is counted.
 until the job ends. With ``rendezvous.straggler.policy: evict`` and ``failure_budget: 0`` (one failure would
 end the job), the run must: flag node 1 (and no other node) within its detection window, evict it as a clean
 leave (the survivors re-form in-process: no ``hot_fallback`` on them), let it rejoin after its probation,
-evict it again, and let it leave with one line and status 0 after ``max_trials`` evictions. Every sample is
-trained exactly once, at most one step is redone per eviction, and the run records two leaves, two
-evictions and no failure.
+evict it again although ``max_evictions: 1`` (a node back on trial spends no eviction budget), and let it
+leave with one line and status 0 after ``max_trials`` evictions. Every sample is trained exactly once, at
+most one step is redone per eviction, and the run records two leaves, two evictions and no failure.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def test_a_node_slow_for_good_is_evicted_readmitted_on_trial_and_leaves(tmp_path
             "slow_steps": 5,
             "probation_seconds": 2.0,
             "max_trials": 2,
-            "max_evictions": 5,
+            "max_evictions": 1,
         },
         "train.task": "tests.chaos.chaos_task:build",
         "train.task_args": {"step_delay": 0.03},
@@ -86,6 +86,7 @@ def test_a_node_slow_for_good_is_evicted_readmitted_on_trial_and_leaves(tmp_path
     decided = [e for n in job.nodes for e in events(Path(n.log_path)) if e["event"] == "straggler_evict"]
     assert [e["node"] for e in decided] == [slow_id, slow_id], decided  # no other node evicted
     assert all(e["score"] >= 1.5 and e["world"] == 3 for e in decided), decided
+    assert [e["trial"] for e in decided] == [False, True], decided  # the second spent no budget
     slow_log = Path(slow.log_path).read_text(errors="replace")
     assert slow.proc.returncode == 0, (slow.proc.returncode, where)
     assert f"elastic-train: node {slow_id} leaves the job: evicted as a slow node 2 times" in slow_log

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from elastic_train.config import load_job_config
 from elastic_train.errors import ConfigError
+from elastic_train.rendezvous.slownodes import evicted_nodes, eviction_times, eviction_total
 from elastic_train.straggler.config import StragglerConfig
 from elastic_train.straggler.policy import (
     KEPT_BUDGET,
@@ -21,13 +24,14 @@ from elastic_train.straggler.record import StragglerRecord
 EVICT = StragglerConfig(policy="evict", max_evictions=1, eviction_window=600.0)
 
 
-def decide(flagged, world=4, min_nodes=1, evicted_at=(), now=1000.0, cfg=EVICT):  # type: ignore[no-untyped-def]
+def decide(flagged, world=4, min_nodes=1, evicted_at=(), now=1000.0, cfg=EVICT, on_trial=()):  # type: ignore[no-untyped-def]
     return [
         (d.event, d.node, d.why)
         for d in decide_evictions(
-            flagged=flagged, world=world, min_nodes=min_nodes, evicted_at=evicted_at, now=now, cfg=cfg
+            flagged=flagged, world=world, min_nodes=min_nodes, evicted_at=evicted_at, now=now, cfg=cfg,
+            on_trial=on_trial,
         )
-    ]
+    ]  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -56,6 +60,40 @@ def test_worst_first_within_the_bounds() -> None:
         ("straggler_evict", "c", "policy is evict"),
         ("straggler_kept", "a", KEPT_MIN_NODES),
     ]
+
+
+def test_a_node_back_on_trial_is_evicted_again_without_spending_the_budget() -> None:
+    """A node still slow after its probation goes out again although the window's budget is spent (it
+    returns the job to where it was before the trial; ``max_trials`` bounds how often), and its eviction
+    leaves the budget to another node."""
+    evict = ("straggler_evict", "a", "policy is evict")
+    assert decide([("a", 3.0)], evicted_at=[900.0], on_trial={"a"}) == [evict]
+    assert decide([("a", 3.0)], evicted_at=[900.0]) == [("straggler_kept", "a", KEPT_BUDGET)]
+    assert decide([("a", 3.0), ("b", 2.0)], on_trial={"a"}) == [
+        evict,
+        ("straggler_evict", "b", "policy is evict"),
+    ]
+    assert decide([("a", 3.0), ("b", 2.0)], evicted_at=[900.0], on_trial={"a"}) == [
+        evict,
+        ("straggler_kept", "b", KEPT_BUDGET),
+    ]
+    assert decide([("a", 3.0)], world=2, min_nodes=2, on_trial={"a"}) == [
+        ("straggler_kept", "a", KEPT_MIN_NODES)
+    ]
+    never = StragglerConfig(policy="evict", max_evictions=0)  # flag and never evict
+    assert decide([("a", 3.0)], on_trial={"a"}, cfg=never) == [("straggler_kept", "a", KEPT_BUDGET)]
+    (d,) = decide_evictions(
+        flagged=[("a", 3.0)], world=3, min_nodes=1, evicted_at=[900.0], now=1000.0, cfg=EVICT, on_trial={"a"}
+    )
+    assert d.fields()["trial"] is True and d.fields()["evictions_in_window"] == 1
+
+
+def test_the_eviction_record_names_the_nodes_evicted_and_reads_bad_entries_as_absent() -> None:
+    raw = json.dumps({"times": [1.0], "total": 3, "nodes": ["n1", 7, "", "x" * 300, "n2"]}).encode()
+    assert evicted_nodes(raw) == ["n1", "n2"]
+    assert eviction_times(raw) == [1.0] and eviction_total(raw) == 3
+    for bad in (None, b"", b"[1]", b'{"nodes": "n1"}', b"\xff"):
+        assert evicted_nodes(bad) == []
 
 
 def test_a_decision_is_one_event_until_it_changes() -> None:
