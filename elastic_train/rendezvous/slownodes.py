@@ -31,6 +31,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from elastic_train.etcd.client import op_put
 from elastic_train.etcd.errors import EtcdError
@@ -134,26 +135,28 @@ def _order_score(node: str, raw: bytes) -> float | None:
         return None
 
 
-def eviction_times(raw: bytes | None) -> list[float]:
-    """The run's eviction times (``evictions``); an unreadable record reads as none (and is rewritten)."""
+def _eviction_record(raw: bytes | None) -> dict[str, Any]:
+    """The run's eviction record (``evictions``) as read from etcd: a JSON object, or an empty one when the
+    key is absent or unreadable (it is then rewritten by the next eviction)."""
     if raw is None:
-        return []
+        return {}
     try:
         d = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError):
-        return []
-    times = d.get("times") if isinstance(d, dict) else None
+        return {}
+    return d if isinstance(d, dict) else {}
+
+
+def eviction_times(raw: bytes | None) -> list[float]:
+    """The run's eviction times (``evictions``); an unreadable record reads as none (and is rewritten)."""
+    times = _eviction_record(raw).get("times")
     return [float(t) for t in times if seconds(t)] if isinstance(times, list) else []
 
 
 def evicted_nodes(raw: bytes | None) -> list[str]:
     """The nodes evicted earlier in the run (``evictions``'s ``nodes``, oldest first): one of them back in
     the job is on trial. Entries that are not node ids read as absent."""
-    try:
-        d = json.loads(raw) if raw is not None else {}
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        return []
-    nodes = d.get("nodes") if isinstance(d, dict) else None
+    nodes = _eviction_record(raw).get("nodes")
     if not isinstance(nodes, list):
         return []
     return [n for n in nodes if isinstance(n, str) and 0 < len(n) <= MAX_NODE_ID]
@@ -161,11 +164,7 @@ def evicted_nodes(raw: bytes | None) -> list[str]:
 
 def eviction_total(raw: bytes | None) -> int:
     """Evictions over the run's life (``evictions``'s ``total``)."""
-    try:
-        d = json.loads(raw) if raw is not None else {}
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        return 0
-    total = d.get("total") if isinstance(d, dict) else None
+    total = _eviction_record(raw).get("total")
     return total if whole(total) else 0
 
 
