@@ -41,6 +41,8 @@ from typing import Any
 
 import psutil
 
+from elastic_train.train.events import read_events
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
@@ -150,14 +152,13 @@ def pace(events: Path, fired_round: int | None) -> dict[str, Any]:
     """The steps after the kill: the three after the first one at the new world (seconds each), and the
     median step of the rest (the steady pace). What a path costs beyond kill → training shows here (the
     first snapshots at the new world size grow their slots)."""
-    if fired_round is None or not events.exists():
+    if fired_round is None:
         return {}
-    times = []
-    for line in events.read_text().splitlines():
-        with contextlib.suppress(ValueError):
-            e = json.loads(line)
-            if e.get("event") == "step" and (e.get("round") or 0) > fired_round:
-                times.append(float(e["time"]))
+    times = [
+        float(e["time"])
+        for e in read_events(str(events))
+        if e.get("event") == "step" and (e.get("round") or 0) > fired_round
+    ]
     steps = [round(b - a, 3) for a, b in itertools.pairwise(times)]
     if len(steps) < 5:
         return {}
