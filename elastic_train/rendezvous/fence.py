@@ -144,18 +144,20 @@ class Fence:
 
     # -- fencing -------------------------------------------------------------------------------------------
 
-    def arm(self) -> None:
-        """A round began and its workers are about to start: reset the baselines."""
+    def arm(self, losses: int | None = None) -> None:
+        """A round began and its workers are about to start: reset the baselines. ``losses``: the lease
+        keeper's loss count the round holds (:attr:`Participant.losses_at_round`), when one was joined; a
+        loss beyond it fences. None: the count now (a standby start, which holds no round yet)."""
         self.channel.clear_beats()
-        self._losses = self.participant.lease.losses
+        self._losses = self.participant.lease.losses if losses is None else losses
         self._progress = _Progress({}, time.monotonic())
         self._fired = None
         self._procs = {}
 
     def joined(self, losses: int) -> None:
-        """This node joined a round in-process (its workers kept, e.g. a standby start admitted) holding the
-        lease whose loss count, read before the join, was ``losses``: a loss before that join is behind it
-        (the round has this node's current lease); one after it still fences."""
+        """This node joined a round in-process (its workers kept, e.g. a standby start admitted) that holds
+        the lease of loss count ``losses`` (:attr:`Participant.losses_at_round`): a loss before the round
+        closed is behind it (the round has this node's current lease); one after it still fences."""
         self._losses = losses
 
     def check(self, *, lease_loss_handled: bool = False) -> str | None:

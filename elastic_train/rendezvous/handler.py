@@ -300,7 +300,7 @@ class Etcd3RendezvousHandler(RendezvousHandler):
                 log.warning("rendezvous_store_unreachable", round=result.round, error=str(exc))
                 continue
             assert self._fence is not None
-            self._fence.arm()
+            self._fence.arm(self.participant.losses_at_round)
             bind_context(round=result.round, node=self.participant.node_id)
             log.info(
                 "rendezvous_complete",

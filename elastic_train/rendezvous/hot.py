@@ -431,7 +431,6 @@ class HotPath:
         assert agent is not None
         with self._lock:
             while True:
-                losses = self.participant.lease.losses
                 result = self.participant.join()
                 joined = time.perf_counter()
                 if self.fallback is not None:  # given up while the join ran (the fence fired): torchrun's
@@ -460,7 +459,7 @@ class HotPath:
                     self._hand_over(result)
                     return
                 self.round = result.round
-                self.fence.joined(losses)
+                self.fence.joined(self.participant.losses_at_round)
                 self._announced_at, self._grace, self._cut_at = None, 0.0, None
                 self.channel.assign(
                     Assignment(

@@ -209,8 +209,11 @@ class Participant:
         )
         self.round: int | None = None
         self.members: list[str] = []
-        #: The lease keeper's loss count when this node's round closed (see :meth:`_put_join`).
+        #: The lease keeper's loss count that this node's round holds (see :attr:`losses_at_round`).
         self._losses_at_round = 0
+        #: (the lease keeper's loss count, etcd revision) when this node's leased keys were last written: a
+        #: round closed at a later revision holds that lease.
+        self._keys_written = (0, 0)
         self._join_value: bytes | None = None
         #: Store revision of this node's last join write (the view shows it once it reached that).
         self._join_revision = 0
@@ -274,13 +277,14 @@ class Participant:
             "host": socket.gethostname(),
             "pid": os.getpid(),
         }
-        self.etcd.put(self.prefix + "nodes/" + self.node_id, json.dumps(node).encode(), lease_id)
+        written = self.etcd.put(self.prefix + "nodes/" + self.node_id, json.dumps(node).encode(), lease_id)
         if self._join_value is not None:
-            self._join_revision = self.etcd.put(
+            written = self._join_revision = self.etcd.put(
                 self.prefix + "join/" + self.node_id, self._join_value, lease_id
             )
         if self.inproc:
             self.etcd.put(self.prefix + "inproc/" + self.node_id, b"1", lease_id)
+        self._keys_written = (self.lease.losses, written)
 
     def leave(self) -> None:
         """Stop keep-alives and revoke the lease: peers see this node gone at once."""
@@ -480,7 +484,7 @@ class Participant:
             )
         if rec is not None and rec.round >= state.target:
             if self.node_id in rec.members:
-                return self._adopt(rec)
+                return self._adopt(rec, rec_rev)
             state.missed(rec.round)
             return None
         if now < state.next_eval:
@@ -618,10 +622,19 @@ class Participant:
             self.prefix + "join/" + self.node_id, self._join_value, self.lease.lease_id
         )
 
-    def _adopt(self, rec: RoundRecord) -> RoundResult:
+    @property
+    def losses_at_round(self) -> int:
+        """The lease keeper's loss count (``lease.losses``) of the lease this node's round was closed with:
+        a loss counted beyond it came after the round closed (the peers may re-form without this node); a
+        lease lost and re-created while the join ran, before the round closed, is behind it."""
+        return self._losses_at_round
+
+    def _adopt(self, rec: RoundRecord, rec_rev: int) -> RoundResult:
         self.round = rec.round
         self.members = list(rec.members)
-        self._losses_at_round = self.lease.losses
+        losses, written = self._keys_written
+        # keys written after the round closed: it was closed with the lease before (lost since)
+        self._losses_at_round = losses if rec_rev > written else losses - 1
         self._waiting_cause = None
         self.failure_report = None  # it went with this round's join; a later join reports afresh
         return RoundResult(

@@ -338,3 +338,29 @@ def test_a_closed_runs_record_expires_so_the_name_can_be_used_again(etcd_server,
     finally:
         for p in ps:
             p.leave()
+
+
+def test_a_lease_lost_and_recreated_while_joining_is_the_one_the_round_holds(etcd_server):
+    """A node whose lease etcd dropped while it waited for its round re-writes its join on the new lease;
+    the round that closes after that holds the new lease, and the loss is behind it (its fence must not
+    stop the workers it starts in that round). A loss after the round closed is not."""
+    ps = make(etcd_server.endpoint, 2, lease_ttl=1.0)
+    first, second = ps
+    try:
+        first.start()
+        with ThreadPoolExecutor(1) as pool:
+            fut = pool.submit(first.join)
+            assert wait_for(lambda: first._join_value is not None)
+            first.etcd.lease_revoke(first.lease.lease_id)  # as by expiry while cut off
+            assert wait_for(lambda: first.lease.losses == 1 and first._keys_written[0] == 1)
+            second.join()
+            result = fut.result(timeout=30)
+        assert result.world_size == 2
+        assert first.losses_at_round == first.lease.losses == 1
+
+        first.etcd.lease_revoke(first.lease.lease_id)  # lost after the round closed: ahead of it
+        assert wait_for(lambda: first.lease.losses == 2)
+        assert first.losses_at_round == 1
+    finally:
+        for p in ps:
+            p.leave()

@@ -106,3 +106,25 @@ def test_a_lease_loss_before_an_in_process_join_no_longer_fences_one_after_it_do
     assert fence.check() is None
     lease.losses = 3  # lost again after that join
     assert fence.check() == "lease_lost"
+
+
+def test_the_round_holds_the_lease_whose_keys_were_written_before_it_closed() -> None:
+    """Which lease loss a joined round puts behind it: the one whose re-written keys (the join among them)
+    the round's record is newer than. Keys re-written after the record (the lease was lost between the
+    round's close and this node seeing it) mean the round was closed with the lost lease."""
+    from types import SimpleNamespace
+
+    from elastic_train.rendezvous.protocol import Participant
+    from elastic_train.rendezvous.records import RoundRecord
+
+    p = Participant.__new__(Participant)
+    p.node_id, p.lease = "a", SimpleNamespace(losses=1)
+    rec = RoundRecord(round=4, members=["a", "b"], nodes={"a": {}, "b": {}})
+    p._keys_written = (1, 100)  # the lease lost once; its keys re-written at revision 100
+    p._adopt(rec, 120)  # the round closed after that: it holds the new lease
+    assert p.losses_at_round == 1
+    p._adopt(rec, 90)  # it closed before: with the lease lost since
+    assert p.losses_at_round == 0
+    p.lease.losses, p._keys_written = 2, (1, 100)  # lost again, keys not yet re-written
+    p._adopt(rec, 120)
+    assert p.losses_at_round == 1 != p.lease.losses

@@ -36,7 +36,8 @@ class FakeParticipant:
         self.result: RoundResult | None = None
         self.closed: BaseException | None = None
         self.lease = SimpleNamespace(losses=0)  # how often this node's lease was found gone
-        self.lost_during_join = False
+        self.lost_during_join: str | None = None  # "before" or "after" the round closed
+        self.losses_at_round = 0
 
     def lost_members(self) -> set[str]:
         return {m for m in self.members if m not in self.live}
@@ -60,7 +61,10 @@ class FakeParticipant:
     def join(self) -> RoundResult:
         self.joined.set()
         assert self.release.wait(10)
-        if self.lost_during_join:
+        if self.lost_during_join == "before":  # the keys re-written on the new lease, then the round closed
+            self.lease.losses += 1
+        self.losses_at_round = self.lease.losses
+        if self.lost_during_join == "after":
             self.lease.losses += 1
         assert self.result is not None
         return self.result
@@ -218,20 +222,21 @@ def test_a_handed_over_round_that_is_no_longer_current_is_joined_anew(tmp_path: 
     hp.close()
 
 
-@pytest.mark.parametrize("lost", ["before", "during"])
+@pytest.mark.parametrize("lost", ["before", "joining", "after"])
 def test_a_round_joined_in_process_tells_the_fence_which_lease_loss_it_put_behind(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lost: str
 ) -> None:
-    """A standby start whose lease was lost and re-created before its admission joined the round with the
-    new lease: the old loss no longer fences it (it did: the admitted node fenced itself at once, and its
-    peers fell back to the restart path). A loss while the join ran is after the baseline and still fences."""
+    """A standby start whose lease was lost and re-created before its admission, or while its join waited
+    for the round to close, joined the round with the new lease: that loss no longer fences it (it did: the
+    admitted node fenced itself at once, and its peers fell back to the restart path). A loss after the
+    round closed is ahead of the baseline and still fences."""
     from elastic_train.rendezvous import hot as hot_module
 
     members = ["a", "b"]
     participant = FakeParticipant(members)
     participant.result = RoundResult(2, 0, 2, members, {})
     participant.lease.losses = 1  # lost and re-created while the standby workers built
-    participant.lost_during_join = lost == "during"
+    participant.lost_during_join = {"joining": "before", "after": "after"}.get(lost)
     hp = hot_path(tmp_path, participant)
     hp._agent = object()  # type: ignore[assignment]
     info = SimpleNamespace(master_addr="127.0.0.1", master_port=1)
@@ -241,6 +246,6 @@ def test_a_round_joined_in_process_tells_the_fence_which_lease_loss_it_put_behin
     participant.release.set()
     hp._reform("1 standby worker(s) ready")
     assert hp.round == 2 and hp.channel.assignment() is not None
-    assert hp.fence.joined_with == [1]  # type: ignore[attr-defined]
-    assert participant.lease.losses == (2 if lost == "during" else 1)
+    assert hp.fence.joined_with == [2 if lost == "joining" else 1]  # type: ignore[attr-defined]
+    assert participant.lease.losses == (1 if lost == "before" else 2)
     hp.close()
