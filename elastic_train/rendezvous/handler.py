@@ -36,14 +36,11 @@ survives from one worker group to the next.
 
 from __future__ import annotations
 
-import contextlib
-import math
 import os
 import shutil
 import socket
 import sys
 import threading
-import time
 from datetime import timedelta
 from typing import Any
 
@@ -56,11 +53,10 @@ from torch.distributed.elastic.rendezvous.api import (
 from elastic_train.envvars import ENV_NODE_DIR
 from elastic_train.errors import ConfigError
 from elastic_train.etcd.client import Etcd
-from elastic_train.etcd.errors import EtcdError
 from elastic_train.log import bind_context, get_logger
 from elastic_train.node import AgentChannel, Assignment, Outcome
 from elastic_train.procs import scratch_dir
-from elastic_train.rendezvous.config import ProtocolSettings, run_prefix
+from elastic_train.rendezvous.config import ProtocolSettings
 from elastic_train.rendezvous.decide import exit_report, torchrun_report
 from elastic_train.rendezvous.errors import JobFailed, RendezvousClosed, RunFinished, RunRefused
 from elastic_train.rendezvous.exchange import RoundStores
@@ -69,12 +65,11 @@ from elastic_train.rendezvous.hot import HotPath
 from elastic_train.rendezvous.identity import JobIdentity, identity_from_environ, torchrun_settings
 from elastic_train.rendezvous.leave import LeaveOnSignal, announce
 from elastic_train.rendezvous.observe import RunObserver
+from elastic_train.rendezvous.probation import Probation
 from elastic_train.rendezvous.protocol import Participant
 from elastic_train.rendezvous.records import RoundResult
-from elastic_train.rendezvous.slownodes import STANDING, EvictOrder, SlowNodes
+from elastic_train.rendezvous.slownodes import EvictOrder, SlowNodes
 from elastic_train.rendezvous.standby import Standby
-from elastic_train.straggler.policy import probation
-from elastic_train.straggler.record import StragglerRecord
 from elastic_train.torchcompat import torchrun_failures, torchrun_nproc_per_node
 
 log = get_logger(__name__)
@@ -364,8 +359,9 @@ class Etcd3RendezvousHandler(RendezvousHandler):
             self._hot.give_up("this node was evicted as a slow node")
 
     def _serve_probation(self) -> None:
-        """After an eviction: wait out the probation, then let the node rejoin on trial as a newcomer (its
-        workers built on standby); or leave the job (status 0, one line) after ``max_trials`` evictions.
+        """After an eviction: the node's probation (:mod:`elastic_train.rendezvous.probation`), then it
+        rejoins on trial as a newcomer (its workers built on standby); or it leaves the job (status 0, one
+        line).
 
         Raises:
             RunFinished: the node leaves, or the run finished meanwhile.
@@ -374,42 +370,9 @@ class Etcd3RendezvousHandler(RendezvousHandler):
         if order is None:
             return
         self._evictions += 1
-        verdict = probation(node=order.node, evictions=self._evictions, cfg=self._settings.straggler)
-        log.warning(verdict.event, **verdict.fields())
         self._retire()
-        if verdict.action == "leave":
-            line = (
-                f"node {order.node} leaves the job: evicted as a slow node {verdict.evictions} times "
-                f"(rendezvous.straggler.max_trials {verdict.max_trials})"
-            )
-            _say(f"elastic-train: {line}")
-            raise RunFinished(line)
-        prefix = run_prefix(self._settings.run_id)
-        lease = 0
-        try:
-            lease = self._etcd.lease_grant(math.ceil(verdict.wait_s) + 30)
-            n, of = verdict.evictions, verdict.max_trials
-            why = f"rejoins on trial in {verdict.wait_s:g} s (eviction {n} of {of})"
-            rec = StragglerRecord(order.node, "probation", order.score, order.step, time.time(), "evict", why)
-            self._etcd.put(prefix + STANDING + order.node, rec.encode(), lease)
-        except EtcdError as exc:  # status shows less; the probation itself needs nothing of etcd
-            log.warning("straggler_probation_unrecorded", node=order.node, error=str(exc))
-        deadline = time.monotonic() + verdict.wait_s
-        while time.monotonic() < deadline:
-            time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
-            try:
-                closed = self._etcd.get(prefix + "closed")
-            except EtcdError:
-                continue
-            if closed is not None:
-                line = f"run {self._settings.run_id} finished while node {order.node} was on probation"
-                _say(f"elastic-train: {line}")
-                raise RunFinished(line)
-        if lease:
-            with contextlib.suppress(EtcdError):
-                self._etcd.lease_revoke(lease)
+        Probation(self._etcd, self._settings, order, self._evictions, self._slow, _say).serve()
         self._eviction = None
-        log.info("straggler_rejoin", node=order.node, evictions=self._evictions, waited_s=verdict.wait_s)
 
     def _retire(self) -> None:
         """Drop this node's participant and what hangs on it (it left the run): the next use makes new ones,

@@ -121,6 +121,7 @@ STRAGGLER_FIELDS: dict[str, type[int] | type[float] | type[str]] = {
     "eviction_window": float,
     "probation_seconds": float,
     "max_trials": int,
+    "probe_patience": float,
 }
 
 

@@ -21,6 +21,11 @@ Every ``report_every`` seconds, a thread of each agent (:class:`SlowNodes`):
    survivors re-form in-process without it: no restart, no failure budget spent), stops its workers, waits
    out its probation and rejoins on trial, or leaves the job after ``max_trials`` evictions.
 
+Under ``policy: evict`` (and a ``probe_patience`` above 0) the thread also measures its node's healthy
+rate once, in a thread of its own, after the node's ``window``-th report of a round
+(:func:`elastic_train.straggler.probe.run_probe`; not while the node is flagged, nor after it was evicted):
+what an evicted node's probes are compared with.
+
 Everything read back (reports, orders, the evictions record) is validated; what does not decode is ignored.
 """
 
@@ -42,6 +47,7 @@ from elastic_train.rendezvous.config import ProtocolSettings, validate_run_id
 from elastic_train.rendezvous.protocol import Participant
 from elastic_train.straggler import DetectorState, StragglerConfig, decide_evictions, observe
 from elastic_train.straggler.policy import Decision, changed
+from elastic_train.straggler.probe import run_probe
 from elastic_train.straggler.record import StragglerRecord, seconds, whole
 
 log = get_logger(__name__)
@@ -200,6 +206,9 @@ class SlowNodes:
         self._obeyed: tuple[str, int] | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        #: The best health-probe rate of this node measured while it trained in the job (None: not yet).
+        self.healthy_rate: float | None = None
+        self._reports: tuple[int | None, int] = (None, 0)  # (round, reports of this node in it)
 
     def start(self) -> None:
         if not self.cfg.enabled or self._thread is not None:
@@ -249,6 +258,35 @@ class SlowNodes:
         busy = max(st.busy_s or 0.0 for st in stats)
         report = BusyReport(rnd, min(st.step for st in stats), busy, time.time())
         p.etcd.put(self._prefix + p.node_id, report.encode(), lease)
+        seen = self._reports[1] + 1 if self._reports[0] == rnd else 1
+        self._reports = (rnd, seen)
+        if seen == max(self.cfg.window, 3) and self.healthy_rate is None and self.probes:
+            with p.view.cond:
+                flagged = p.view.get(STANDING + p.node_id) is not None
+            if flagged or self._obeyed is not None:  # slow now, or evicted before: no healthy rate
+                return
+            threading.Thread(
+                target=self._measure_healthy, args=(p.node_id,), name="slow-nodes-probe", daemon=True
+            ).start()
+
+    @property
+    def probes(self) -> bool:
+        """Whether an evicted node probes its health before it rejoins (policy ``evict``, ``probe_patience``
+        above 0)."""
+        return self.cfg.policy == "evict" and self.cfg.probe_patience > 0
+
+    def _measure_healthy(self, node: str) -> None:
+        """The node's healthy rate, once its workers train steadily in the job (at its ``window``-th report
+        of a round, while it is neither flagged nor was ever evicted). A node slow by then measures a rate
+        its later probes do not fall short of, and is judged on trial as without a probe."""
+        rate = run_probe()
+        if rate is not None:
+            self.healthy(rate)
+        log.info("straggler_probe", node=node, at="healthy", rate=None if rate is None else round(rate, 2))
+
+    def healthy(self, rate: float) -> None:
+        """Count ``rate`` as a rate of this node in health (the best one is kept)."""
+        self.healthy_rate = rate if self.healthy_rate is None else max(self.healthy_rate, rate)
 
     # -- 2. decide ----------------------------------------------------------------------------------------
     def _decide(self, p: Participant, members: list[str]) -> None:

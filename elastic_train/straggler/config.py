@@ -41,6 +41,9 @@ class StragglerConfig:
     the same node."""
     max_trials: int = 3
     """Evictions of one node after which it leaves the job (exit 0, one line) instead of waiting again."""
+    probe_patience: float = 3600.0
+    """Seconds an evicted node whose health probe (:mod:`elastic_train.straggler.probe`) still finds it slow
+    keeps probing before it leaves the job; 0: no probe (it rejoins on trial after each probation)."""
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -68,6 +71,8 @@ class StragglerConfig:
             raise ValueError(f"probation_seconds: {self.probation_seconds:g} must be between 0 and 86400")
         if self.max_trials < 1:
             raise ValueError(f"max_trials: {self.max_trials} must be >= 1")
+        if not 0 <= self.probe_patience <= 30 * 86400:
+            raise ValueError(f"probe_patience: {self.probe_patience:g} must be between 0 and 2592000 seconds")
 
     @property
     def enabled(self) -> bool:

@@ -7,7 +7,8 @@ it is the slowest node's. An eviction is a voluntary leave through the hot path:
 data and the global batch hold, no failure budget is spent.
 
 An evicted node waits out a probation (:func:`probation`: ``probation_seconds``, doubled at each eviction of
-the same node) and rejoins on trial, as a node joining a running job does (its workers built on standby,
+the same node; longer while its health probe finds it slow, :mod:`elastic_train.rendezvous.probation`) and
+rejoins on trial, as a node joining a running job does (its workers built on standby,
 admitted at a step boundary): in the job, its own measured step time is judged again by the same detector,
 and a node still slow is evicted again. After ``max_trials`` evictions it leaves the job. Such a re-eviction
 does not spend the eviction budget: it returns the job to where it was before the trial, and ``max_trials``

@@ -1,13 +1,15 @@
 """Chaos: a node slowed for good is flagged, evicted through the hot path, readmitted on trial, evicted again,
-and leaves; nobody else restarts and no failure is counted.
+and leaves; nobody else restarts and no failure is counted. A node slowed for a span is evicted once, its
+health probe keeps it out while the span lasts, and it is readmitted for good once the probe finds it healthy.
 
 ``slow-node 1@step=S,factor=3``: node 1's workers are held stopped two thirds of the time (SIGSTOP/SIGCONT)
 until the job ends. With ``rendezvous.straggler.policy: evict`` and ``failure_budget: 0`` (one failure would
 end the job), the run must: flag node 1 (and no other node) within its detection window, evict it as a clean
 leave (the survivors re-form in-process: no ``hot_fallback`` on them), let it rejoin after its probation,
 evict it again although ``max_evictions: 1`` (a node back on trial spends no eviction budget), and let it
-leave with one line and status 0 after ``max_trials`` evictions. Every sample is trained exactly once, at
-most one step is redone per eviction, and the run records two leaves, two evictions and no failure.
+leave with one line and status 0 after ``max_trials`` evictions (the health probe is off there:
+``probe_patience: 0``, so that the trial judges). Every sample is trained exactly once, at most one step is
+redone per eviction, and the run records two leaves, two evictions and no failure.
 """
 
 from __future__ import annotations
@@ -29,6 +31,10 @@ pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.long, pytest.mark
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 260
+#: The spanned slowdown's run: 100 steps before it, its seconds, and enough steps after it for the node to
+#: rejoin (3 nodes: 0.08 s of device time a step; 2 nodes: 0.12 s).
+SPAN_STEPS = 450
+SPAN_S = 20.0
 
 
 def events(log: Path) -> list[dict]:  # type: ignore[type-arg]
@@ -39,9 +45,8 @@ def events(log: Path) -> list[dict]:  # type: ignore[type-arg]
     return out
 
 
-def test_a_node_slow_for_good_is_evicted_readmitted_on_trial_and_leaves(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    ov = {
+def overrides(tmp_path: Path, **straggler: float) -> dict:  # type: ignore[type-arg]
+    return {
         "rendezvous.run_id": "slow-nodes",
         "rendezvous.min_nodes": 2,
         "rendezvous.max_nodes": 3,
@@ -56,6 +61,7 @@ def test_a_node_slow_for_good_is_evicted_readmitted_on_trial_and_leaves(tmp_path
             "probation_seconds": 2.0,
             "max_trials": 2,
             "max_evictions": 1,
+            **straggler,
         },
         "train.task": "tests.chaos.chaos_task:build",
         "train.task_args": {"step_delay": 0.03},
@@ -65,13 +71,29 @@ def test_a_node_slow_for_good_is_evicted_readmitted_on_trial_and_leaves(tmp_path
         "checkpoint.url": str(tmp_path / "ckpt"),
         "checkpoint.every_steps": 100,
     }
-    job = LocalJob(
+
+
+def local_job(tmp_path: Path, ov: dict, fault: str) -> LocalJob:  # type: ignore[type-arg]
+    return LocalJob(
         load_job_config(None, ov),
         LocalOptions(
-            config_path=None, overrides=ov, nodes=3, faults=[parse_fault("slow-node", "1@step=15,factor=3")],
+            config_path=None, overrides=ov, nodes=3, faults=[parse_fault("slow-node", fault)],
             workdir=str(tmp_path / "work"), timeout=240.0, out=io.StringIO(),
         ),
     )  # fmt: skip
+
+
+def decisions(job: LocalJob, event: str) -> list[dict]:  # type: ignore[type-arg]
+    """The ``event`` decisions of every node, in the order they were made (the deciding agent, the rank-0
+    node's, may change between two of them)."""
+    out = [e for n in job.nodes for e in events(Path(n.log_path)) if e["event"] == event]
+    out.sort(key=lambda e: datetime.fromisoformat(e["timestamp"].replace("Z", "+00:00")))
+    return out
+
+
+def test_a_node_slow_for_good_is_evicted_readmitted_on_trial_and_leaves(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    job = local_job(tmp_path, overrides(tmp_path, probe_patience=0.0), "1@step=15,factor=3")
     summary = job.run()
     out = job.opts.out.getvalue()  # type: ignore[attr-defined]
     where = f"{out}\nlogs: {tmp_path / 'work'}"
@@ -84,9 +106,7 @@ def test_a_node_slow_for_good_is_evicted_readmitted_on_trial_and_leaves(tmp_path
 
     slow = job.nodes[1]
     slow_id = next(e["node"] for e in events(Path(slow.log_path)) if e["event"] == "straggler_evicted")
-    decided = [e for n in job.nodes for e in events(Path(n.log_path)) if e["event"] == "straggler_evict"]
-    # In the order decided: the deciding agent (the rank-0 node's) may differ between the two evictions.
-    decided.sort(key=lambda e: datetime.fromisoformat(e["timestamp"].replace("Z", "+00:00")))
+    decided = decisions(job, "straggler_evict")
     assert [e["node"] for e in decided] == [slow_id, slow_id], decided  # no other node evicted
     assert all(e["score"] >= 1.5 and e["world"] == 3 for e in decided), decided
     assert [e["trial"] for e in decided] == [False, True], decided  # the second spent no budget
@@ -101,3 +121,49 @@ def test_a_node_slow_for_good_is_evicted_readmitted_on_trial_and_leaves(tmp_path
     assert st is not None and (st.state, st.failures_used, st.leaves) == ("finished", 0, 2), st
     sizes = [p["world_size"] for p in summary.world_size_timeline]
     assert sizes == [3, 2, 3, 2], summary.world_size_timeline
+
+
+def test_a_node_slowed_for_a_span_is_kept_out_by_its_probe_and_readmitted_once_healthy(  # type: ignore[no-untyped-def]
+    tmp_path: Path, monkeypatch
+) -> None:
+    """``slow-node 1@step=100,factor=4,for=20`` on the regression task with device time per sample
+    (benchmarks/straggler_task.py: a stopped process's device time does not advance): the node's healthy
+    rate is measured before the slowdown; it is evicted once, its probe at eviction finds it slow, its probes
+    keep it out (no trial while slow: one eviction, not two), and once the span ended a probe finds it
+    healthy and it rejoins for good."""
+    path = [str(ROOT), str(ROOT / "benchmarks"), os.environ.get("PYTHONPATH")]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, path)))
+    ov = overrides(tmp_path)
+    ov.update({"train.task": "straggler_task:build", "train.task_args": {"per_sample_s": 0.01},
+               "train.steps": SPAN_STEPS})  # fmt: skip
+    job = local_job(tmp_path, ov, f"1@step=100,factor=4,for={SPAN_S:g}")
+    summary = job.run()
+    out = job.opts.out.getvalue()  # type: ignore[attr-defined]
+    where = f"{out}\nlogs: {tmp_path / 'work'}"
+    assert summary.succeeded and summary.completed_steps == SPAN_STEPS, where
+    audit = check_exactly_once(str(tmp_path / "audit"), steps=SPAN_STEPS)
+    assert audit.ok, audit.problems[:5]
+
+    slow = job.nodes[1]
+    slow_events = events(Path(slow.log_path))
+    slow_id = next(e["node"] for e in slow_events if e["event"] == "straggler_evicted")
+    assert [e["node"] for e in decisions(job, "straggler_evict")] == [slow_id], where  # once: no failed trial
+    probes = [e for e in slow_events if e["event"] == "straggler_probe"]
+    healthy = [e for e in probes if e["at"] == "healthy"]
+    judged = [e for e in probes if e["at"] != "healthy"]
+    assert healthy and healthy[0]["rate"], probes  # measured in the job, before the slowdown
+    assert judged[0]["at"] == "eviction" and judged[0]["verdict"] == "slow", probes
+    assert judged[-1]["verdict"] == "healthy" and all(e["verdict"] == "slow" for e in judged[:-1]), probes
+    rejoined = next(e for e in slow_events if e["event"] == "straggler_rejoin")
+    fired = summary.faults[0]
+    assert fired.fired_at is not None
+    # it rejoined after the span ended, not within it
+    assert _ts(rejoined) >= fired.fired_at + SPAN_S - 1.0, (rejoined, fired.fired_at)
+    assert slow.proc.returncode == 0 and "Traceback" not in Path(slow.log_path).read_text(errors="replace")
+    st = job.final_status
+    assert st is not None and (st.state, st.failures_used, st.leaves) == ("finished", 0, 1), st
+    assert [p["world_size"] for p in summary.world_size_timeline] == [3, 2, 3], summary.world_size_timeline
+
+
+def _ts(event: dict) -> float:  # type: ignore[type-arg]
+    return datetime.fromisoformat(event["timestamp"].replace("Z", "+00:00")).timestamp()

@@ -1,0 +1,216 @@
+"""An evicted node's health probe and its probation: what a probe rate means, what the node does with it."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from elastic_train.rendezvous import probation as probation_module
+from elastic_train.rendezvous.config import ProtocolSettings, run_prefix
+from elastic_train.rendezvous.errors import RunFinished
+from elastic_train.rendezvous.probation import Probation
+from elastic_train.rendezvous.slownodes import EvictOrder, SlowNodes
+from elastic_train.straggler import StragglerConfig
+from elastic_train.straggler.probe import probe_verdict, run_probe
+
+PREFIX = run_prefix("probe")
+
+# -- the verdict --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("rate", "healthy", "sees", "verdict"),
+    [
+        (40.0, 100.0, True, "slow"),  # 2.5x slower
+        (100.0 / 1.5, 100.0, True, "slow"),  # at the threshold
+        (70.0, 100.0, True, "healthy"),  # 1.43x: within the threshold
+        (40.0, 100.0, False, "blind"),  # the probe at eviction did not see the slowdown
+        (None, 100.0, True, "blind"),  # no answer: no evidence
+        (40.0, None, True, "blind"),  # no healthy rate to compare with
+    ],
+)
+def test_a_probe_is_slow_at_threshold_times_the_healthy_rate(
+    rate: float | None, healthy: float | None, sees: bool, verdict: str
+) -> None:
+    v = probe_verdict(rate=rate, healthy_rate=healthy, threshold=1.5, sees=sees)
+    assert v.verdict == verdict
+    assert v.fields()["verdict"] == verdict
+
+
+# -- the probe process ------------------------------------------------------------------------------------
+
+
+def _probe_proc(seconds: float) -> subprocess.Popen[str]:
+    cmd = [sys.executable, "-m", "elastic_train.straggler.probe", "--seconds", f"{seconds:g}"]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _rate(proc: subprocess.Popen[str]) -> float:
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    return float(json.loads(out.strip().splitlines()[-1])["rate"])
+
+
+def test_the_probe_runs_in_a_process_of_its_own_and_reports_a_rate() -> None:
+    rate = run_probe(seconds=0.3)
+    assert rate is not None and rate > 0
+
+
+def test_a_probe_held_stopped_three_quarters_of_the_time_measures_a_lower_rate() -> None:
+    """What a throttled node's probe sees: the process runs a quarter of the time (SIGSTOP/SIGCONT, the
+    ``slow-node`` fault's cycle), so its rate is well below a free-running probe's."""
+    free = _rate(_probe_proc(2.0))
+    proc = _probe_proc(2.0)
+    time.sleep(0.2)  # started (importing torch): the cycle holds it from here to its end
+    try:
+        while proc.poll() is None:
+            proc.send_signal(signal.SIGSTOP)
+            time.sleep(0.075)
+            proc.send_signal(signal.SIGCONT)
+            time.sleep(0.025)
+    except ProcessLookupError:
+        pass
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGCONT)
+    held = _rate(proc)
+    assert free / held >= 2.0, (free, held)
+
+
+def test_a_probe_that_does_not_answer_is_no_evidence(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(*a: Any, **kw: Any) -> SimpleNamespace:
+        return SimpleNamespace(stdout="Traceback ...\n", stderr="ImportError: no torch", returncode=1)
+
+    monkeypatch.setattr(subprocess, "run", broken)
+    assert run_probe() is None
+
+    def hung(*a: Any, **kw: Any) -> SimpleNamespace:
+        raise subprocess.TimeoutExpired(a[0], kw["timeout"])
+
+    monkeypatch.setattr(subprocess, "run", hung)
+    assert run_probe(timeout=0.1) is None
+
+
+# -- the probation ------------------------------------------------------------------------------------------
+
+
+class FakeEtcd:
+    """What a probation asks of etcd: a lease, the standing record, whether the run closed."""
+
+    def __init__(self) -> None:
+        self.kv: dict[str, bytes] = {}
+        self.revoked: list[int] = []
+
+    def lease_grant(self, ttl: int) -> int:
+        return 7
+
+    def put(self, key: str, value: bytes, lease: int = 0) -> int:
+        self.kv[key] = value
+        return 1
+
+    def get(self, key: str) -> Any:
+        return SimpleNamespace(value=self.kv[key]) if key in self.kv else None
+
+    def lease_revoke(self, lease: int) -> None:
+        self.revoked.append(lease)
+
+
+def probation(
+    monkeypatch: pytest.MonkeyPatch,
+    rates: list[float | None],
+    *,
+    healthy: float | None = 100.0,
+    evictions: int = 1,
+    **cfg: Any,
+) -> tuple[Probation, list[float | None], list[str], FakeEtcd]:
+    """A probation of node ``n1`` whose probes answer ``rates`` in turn (the probe calls are recorded)."""
+    monkeypatch.setattr(probation_module, "PROBE_EVERY", 0.01)
+    straggler = StragglerConfig(policy="evict", probation_seconds=0.0, **cfg)
+    settings = ProtocolSettings(run_id="probe", min_nodes=2, max_nodes=3, straggler=straggler)
+    slow = SlowNodes(lambda: None, None, settings, lambda order: None, lambda: True)  # type: ignore[arg-type]
+    if healthy is not None:
+        slow.healthy(healthy)
+    asked: list[float | None] = []
+    queue = list(rates)
+
+    def probe() -> float | None:
+        rate = queue.pop(0) if len(queue) > 1 else queue[0]
+        asked.append(rate)
+        return rate
+
+    said: list[str] = []
+    etcd = FakeEtcd()
+    order = EvictOrder(node="n1", round=3, step=80, score=2.1, by="n0")
+    return Probation(etcd, settings, order, evictions, slow, said.append, probe), asked, said, etcd  # type: ignore[arg-type]
+
+
+def test_a_node_the_probe_finds_slow_waits_until_a_probe_finds_it_healthy(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    p, asked, said, etcd = probation(monkeypatch, [40.0, 45.0, 42.0, 90.0])
+    p.serve()
+    assert asked == [40.0, 45.0, 42.0, 90.0]  # at eviction, then until one is within the threshold
+    assert p.slow.healthy_rate == 100.0  # the best one is kept
+    assert said == []
+    record = json.loads(etcd.kv[PREFIX + "straggler/n1"])
+    assert record["state"] == "probation" and "health probe" in record["why"]
+    assert etcd.revoked == [7]  # the standing goes once the node rejoins
+
+
+def test_a_node_the_probe_does_not_find_slow_rejoins_after_its_probation(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The probe does not see what slowed it (a slow link, say): the trial judges, as without a probe."""
+    p, asked, said, etcd = probation(monkeypatch, [95.0, 40.0])
+    assert said == []
+    p.serve()
+    assert asked == [95.0]
+    assert "in 0 s" in json.loads(etcd.kv[PREFIX + "straggler/n1"])["why"]
+
+
+@pytest.mark.parametrize("why", ["no healthy rate", "probe off"])
+def test_without_a_healthy_rate_or_with_probes_off_nothing_is_probed(
+    monkeypatch: pytest.MonkeyPatch, why: str
+) -> None:
+    kw: dict[str, Any] = {"healthy": None} if why == "no healthy rate" else {"probe_patience": 0.0}
+    p, asked, said, _ = probation(monkeypatch, [40.0], **kw)
+    p.serve()
+    assert asked == [] and said == []
+
+
+def test_a_node_still_slow_after_the_probe_patience_leaves_with_one_line(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    p, asked, said, _ = probation(monkeypatch, [40.0], probe_patience=0.1)
+    with pytest.raises(RunFinished, match="still finds it slow after 0.1 s"):
+        p.serve()
+    assert len(asked) >= 2 and len(said) == 1
+    assert said[0].startswith("elastic-train: node n1 leaves the job") and "probe_patience" in said[0]
+
+
+def test_after_max_trials_evictions_the_node_leaves_without_probing(monkeypatch: pytest.MonkeyPatch) -> None:
+    p, asked, said, _ = probation(monkeypatch, [40.0], evictions=3, max_trials=3)
+    with pytest.raises(
+        RunFinished, match=r"evicted as a slow node 3 times \(rendezvous.straggler.max_trials 3\)"
+    ):
+        p.serve()
+    assert asked == [] and len(said) == 1
+
+
+def test_a_run_that_finishes_while_the_node_probes_ends_the_probation(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    p, asked, said, etcd = probation(monkeypatch, [40.0])
+    monkeypatch.setattr(probation_module, "PROBE_EVERY", 5.0)  # the next probe would be 5 s away
+    threading.Timer(0.3, lambda: etcd.put(PREFIX + "closed", b"{}")).start()
+    with pytest.raises(RunFinished, match="finished while node n1 was on probation"):
+        p.serve()
+    assert asked == [40.0, 40.0] and len(said) == 1  # at eviction, one after the probation; then the end
