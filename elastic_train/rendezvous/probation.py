@@ -5,12 +5,13 @@ Served by the handler's ``next_rendezvous`` after torchrun stopped the evicted n
 
 1. :func:`elastic_train.straggler.policy.probation` says how long it waits (``probation_seconds``, doubled
    at each eviction of the node), or that it leaves after ``max_trials`` evictions (status 0, one line).
-2. With a health probe (policy ``evict``, ``probe_patience`` above 0, and a healthy rate measured while the
-   node trained in the job: :mod:`elastic_train.straggler.probe`), it probes at once. A probe at least
-   ``threshold`` times slower than the healthy rate sees what slows the node: the node then rejoins only
-   once a probe, every :data:`PROBE_EVERY` seconds after the probation, finds it within ``threshold`` of
-   its healthy rate, and leaves after ``probe_patience`` seconds of slow probes. A probe that does not find
-   it slow (or gives no answer) leaves the judgement to the trial: it rejoins after its probation.
+2. With a health probe (policy ``evict``, ``probe_patience`` above 0, and healthy rates measured:
+   :mod:`elastic_train.straggler.probe`), it probes at once each device it has a healthy rate of. A rate at
+   least ``threshold`` times below its healthy rate sees what slows the node: the node then rejoins only
+   once a probe, every :data:`PROBE_EVERY` seconds after the probation, finds every device within
+   ``threshold`` of its healthy rate, and leaves after ``probe_patience`` seconds of slow probes. A probe
+   that does not find it slow (or gives no answer) leaves the judgement to the trial: it rejoins after its
+   probation.
 3. ``straggler/<node>`` says how it stands, for ``elastic-train status`` (on a lease of its own: the record
    goes when the agent does).
 
@@ -32,7 +33,7 @@ from elastic_train.rendezvous.config import ProtocolSettings, run_prefix
 from elastic_train.rendezvous.errors import RunFinished
 from elastic_train.rendezvous.slownodes import STANDING, EvictOrder, SlowNodes
 from elastic_train.straggler.policy import probation
-from elastic_train.straggler.probe import ProbeVerdict, probe_verdict, run_probe
+from elastic_train.straggler.probe import ProbeVerdict, probe_verdict, run_probes
 from elastic_train.straggler.record import StragglerRecord
 
 log = get_logger(__name__)
@@ -51,7 +52,7 @@ class Probation:
         evictions: this node's evictions so far, this one included.
         slow: the agent's slow-node thread (the node's healthy rate).
         say: prints the one line of a node that leaves.
-        probe: the health probe (a rate, or None for no answer).
+        probe: the health probe of the devices given (a rate of each, None for no answer).
     """
 
     def __init__(
@@ -62,7 +63,7 @@ class Probation:
         evictions: int,
         slow: SlowNodes,
         say: Callable[[str], None],
-        probe: Callable[[], float | None] = run_probe,
+        probe: Callable[[list[str]], dict[str, float | None]] = run_probes,
     ) -> None:
         self.etcd = etcd
         self.s = settings
@@ -91,7 +92,7 @@ class Probation:
                 f"(rendezvous.straggler.max_trials {verdict.max_trials})"
             )
         gated = False
-        if self.slow.probes and self.slow.healthy_rate is not None:
+        if self.slow.probes and self.slow.healthy_rates:
             gated = self._look("eviction").verdict == "slow"
         n, of = verdict.evictions, verdict.max_trials
         if gated:
@@ -136,15 +137,16 @@ class Probation:
             self._wait(started + PROBE_EVERY)
 
     def _look(self, at: str) -> ProbeVerdict:
-        """One probe, read against the healthy rate (one event); a rate found healthy raises it."""
-        rate = self.probe()
+        """One probe of each device with a healthy rate, read against those (one event); rates found healthy
+        raise them."""
+        rates = self.probe(sorted(self.slow.healthy_rates))
         self._probes += 1
         v = probe_verdict(
-            rate=rate, healthy_rate=self.slow.healthy_rate, threshold=self.cfg.threshold, sees=True
+            rates=rates, healthy_rates=self.slow.healthy_rates, threshold=self.cfg.threshold, sees=True
         )
         log.info("straggler_probe", node=self.order.node, at=at, threshold=self.cfg.threshold, **v.fields())
-        if v.verdict == "healthy" and rate is not None:
-            self.slow.healthy(rate)
+        if v.verdict == "healthy":
+            self.slow.healthy(rates)
         return v
 
     def _record(self, why: str, wait_s: float) -> None:

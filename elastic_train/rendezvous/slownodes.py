@@ -22,9 +22,12 @@ Every ``report_every`` seconds, a thread of each agent (:class:`SlowNodes`):
    out its probation and rejoins on trial, or leaves the job after ``max_trials`` evictions.
 
 Under ``policy: evict`` (and a ``probe_patience`` above 0) the thread also measures its node's healthy
-rate once, in a thread of its own, after the node's ``window``-th report of a round
-(:func:`elastic_train.straggler.probe.run_probe`; not while the node is flagged, nor after it was evicted):
-what an evicted node's probes are compared with.
+rates (:mod:`elastic_train.straggler.probe`, in a thread of its own; the best rate of each device is kept):
+CPU and CUDA at the agent's start, before its workers use them, and the CPU while its workers train in the
+job, at the node's ``window``-th report of a round and at 4, 16, 64, ... times that (not while the node is
+flagged, nor after it was evicted). One probe can be held back by a neighbour's burst of load (the nodes of
+a job starting together, say); the best of several is the node's own pace. What an evicted node's probes
+are compared with.
 
 Everything read back (reports, orders, the evictions record) is validated; what does not decode is ignored.
 """
@@ -47,7 +50,7 @@ from elastic_train.rendezvous.config import ProtocolSettings, validate_run_id
 from elastic_train.rendezvous.protocol import Participant
 from elastic_train.straggler import DetectorState, StragglerConfig, decide_evictions, observe
 from elastic_train.straggler.policy import Decision, changed
-from elastic_train.straggler.probe import run_probe
+from elastic_train.straggler.probe import DEVICES, run_probes
 from elastic_train.straggler.record import StragglerRecord, seconds, whole
 
 log = get_logger(__name__)
@@ -66,6 +69,10 @@ STALE_REPORTS = 3
 KEEP_EVICTIONS = 100
 #: Longest node id the eviction record's ``nodes`` holds (a longer entry is not a node of this run).
 MAX_NODE_ID = 256
+
+
+def _power_of_4(n: int) -> bool:
+    return n >= 1 and n & (n - 1) == 0 and (n.bit_length() - 1) % 2 == 0
 
 
 def busy_prefix(run_id: str) -> str:
@@ -206,15 +213,19 @@ class SlowNodes:
         self._obeyed: tuple[str, int] | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        #: The best health-probe rate of this node measured while it trained in the job (None: not yet).
-        self.healthy_rate: float | None = None
+        #: The best health-probe rate of each device of this node, measured at the agent's start or while it
+        #: trained in the job (a device without one: none measured, or absent).
+        self.healthy_rates: dict[str, float] = {}
         self._reports: tuple[int | None, int] = (None, 0)  # (round, reports of this node in it)
+        self._probing = False
 
     def start(self) -> None:
         if not self.cfg.enabled or self._thread is not None:
             return
         self._thread = threading.Thread(target=self._loop, name="slow-nodes", daemon=True)
         self._thread.start()
+        if self.probes:  # before the workers start: the devices are the node's own
+            self._probe_healthy(None, "start", list(DEVICES))
 
     def close(self) -> None:
         self._stop.set()
@@ -260,14 +271,13 @@ class SlowNodes:
         p.etcd.put(self._prefix + p.node_id, report.encode(), lease)
         seen = self._reports[1] + 1 if self._reports[0] == rnd else 1
         self._reports = (rnd, seen)
-        if seen == max(self.cfg.window, 3) and self.healthy_rate is None and self.probes:
+        first = max(self.cfg.window, 3)
+        if self.probes and seen % first == 0 and _power_of_4(seen // first) and not self._probing:
             with p.view.cond:
                 flagged = p.view.get(STANDING + p.node_id) is not None
             if flagged or self._obeyed is not None:  # slow now, or evicted before: no healthy rate
                 return
-            threading.Thread(
-                target=self._measure_healthy, args=(p.node_id,), name="slow-nodes-probe", daemon=True
-            ).start()
+            self._probe_healthy(p.node_id, "job", ["cpu"])  # the workers use the GPU
 
     @property
     def probes(self) -> bool:
@@ -275,18 +285,38 @@ class SlowNodes:
         above 0)."""
         return self.cfg.policy == "evict" and self.cfg.probe_patience > 0
 
-    def _measure_healthy(self, node: str) -> None:
-        """The node's healthy rate, once its workers train steadily in the job (at its ``window``-th report
-        of a round, while it is neither flagged nor was ever evicted). A node slow by then measures a rate
-        its later probes do not fall short of, and is judged on trial as without a probe."""
-        rate = run_probe()
-        if rate is not None:
-            self.healthy(rate)
-        log.info("straggler_probe", node=node, at="healthy", rate=None if rate is None else round(rate, 2))
+    def _probe_healthy(self, node: str | None, when: str, devices: list[str]) -> None:
+        """Measure healthy rates of this node in a thread of its own (one at a time)."""
+        self._probing = True
+        threading.Thread(
+            target=self._measure_healthy, args=(node, when, devices), name="slow-nodes-probe", daemon=True
+        ).start()
 
-    def healthy(self, rate: float) -> None:
-        """Count ``rate`` as a rate of this node in health (the best one is kept)."""
-        self.healthy_rate = rate if self.healthy_rate is None else max(self.healthy_rate, rate)
+    def _measure_healthy(self, node: str | None, when: str, devices: list[str]) -> None:
+        """One probe of each of ``devices`` in health (see :meth:`_report`); the best rates are kept. A node
+        slow by then measures rates its later probes do not fall short of, and is judged on trial as
+        without a probe."""
+        try:
+            rates = run_probes(devices, stop=self._stop)
+            if self._stop.is_set():
+                return
+            self.healthy(rates)
+            log.info(
+                "straggler_probe",
+                node=node,
+                at="healthy",
+                when=when,
+                rates={d: None if r is None else round(r, 2) for d, r in rates.items()},
+                healthy_rates={d: round(r, 2) for d, r in self.healthy_rates.items()},
+            )
+        finally:
+            self._probing = False
+
+    def healthy(self, rates: dict[str, float | None]) -> None:
+        """Count ``rates`` as rates of this node in health (the best one of each device is kept)."""
+        for device, rate in rates.items():
+            if rate is not None:
+                self.healthy_rates[device] = max(rate, self.healthy_rates.get(device, 0.0))
 
     # -- 2. decide ----------------------------------------------------------------------------------------
     def _decide(self, p: Participant, members: list[str]) -> None:

@@ -2,20 +2,23 @@
 
 A node evicted as slow would otherwise find out whether it is still slow only by rejoining the job on
 trial, where a node still slow costs every other node the detection time again (and two re-formations).
-The probe lets it look first: the agent runs :func:`run_probe` once its workers have trained a while in
-the job (the node's **healthy rate**, the best it measured), again when it is evicted, and during its
-probation. :func:`probe_verdict` reads the rates:
+The probe lets it look first. The work is matrix products, on one CPU thread (``--device cpu``) or on the
+node's CUDA device (``--device cuda``), timed in a child of the agent at a lowered CPU priority (``nice``
+10): as a child of the agent it is held back by what holds the workers back (a throttled device, a CPU
+quota, a noisy neighbour, a stop/continue cycle), and while the node trains it yields the CPU to the
+workers.
 
-- At eviction the probe is at least ``threshold`` times slower than the healthy rate: the probe sees what
-  slows the node (a throttled device, a CPU shared with a noisy neighbour, processes held stopped), and
-  the node rejoins only once a probe is again within ``threshold`` of the healthy rate.
-- Otherwise the probe does not see it (a slow link, a slow disk, or no healthy rate was measured): the node
-  rejoins on trial after each probation as without a probe; the job's detector stays the judge.
+The agent keeps the node's **healthy rates**, the best it measured of each device
+(:class:`~elastic_train.rendezvous.slownodes.SlowNodes`): both devices at its start, before its workers use
+them, and the CPU again while the node trains in the job (never the GPU there: the workers use it). When
+the node is evicted, :func:`probe_verdict` reads its probes against them, device by device:
 
-The work is matrix products on the node's device: CUDA when the probe process sees one (the node's workers
-are stopped while it is on probation, so the device is its own), else one CPU thread. It runs in a child of
-the agent, as the workers do, so what holds the workers back (a cgroup's CPU quota, a stop/continue cycle)
-holds it back too. Run by hand::
+- At eviction a probe at least ``threshold`` times below a healthy rate sees what slows the node, and the
+  node rejoins only once its probes are again within ``threshold`` of every healthy rate.
+- Otherwise the probe does not see it (a slow link, a slow disk, or no healthy rate): the node rejoins on
+  trial after each probation as without a probe; the job's detector stays the judge.
+
+Run by hand (one JSON line: the rate, or ``null`` where the device is absent)::
 
     python -m elastic_train.straggler.probe --seconds 1
 """
@@ -24,9 +27,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -38,72 +44,125 @@ log = get_logger(__name__)
 PROBE_S = 1.0
 #: Seconds the probe process may take, start-up (importing torch) included, before it counts as no answer.
 PROBE_TIMEOUT = 60.0
+#: The devices a probe can time.
+DEVICES = ("cpu", "cuda")
+#: The probe process's niceness: while the node trains, its workers come first.
+NICE = 10
 
 
-def run_probe(seconds: float = PROBE_S, timeout: float = PROBE_TIMEOUT) -> float | None:
-    """This node's rate (matrix products a second) in a child process; None when the probe did not answer
-    (it failed, or took longer than ``timeout``): no evidence either way."""
-    cmd = [sys.executable, "-m", "elastic_train.straggler.probe", "--seconds", f"{seconds:g}"]
+def run_probe(
+    device: str = "cpu",
+    seconds: float = PROBE_S,
+    timeout: float = PROBE_TIMEOUT,
+    stop: threading.Event | None = None,
+) -> float | None:
+    """This node's rate on ``device`` (matrix products a second) in a child process; None when the device
+    is absent or the probe did not answer (it failed, took longer than ``timeout``, or ``stop`` was set
+    meanwhile: the child is then killed): no evidence either way."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "elastic_train.straggler.probe",
+        "--device",
+        device,
+        "--seconds",
+        f"{seconds:g}",
+    ]
     try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
-    except (OSError, subprocess.TimeoutExpired) as exc:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    except OSError as exc:
         log.warning("straggler_probe_failed", error=str(exc))
         return None
-    for line in reversed(out.stdout.splitlines()):
+    deadline = time.monotonic() + timeout
+    while True:
         try:
-            rate = float(json.loads(line)["rate"])
+            out, err = proc.communicate(timeout=0.25)
+            break
+        except subprocess.TimeoutExpired:
+            if (stop is not None and stop.is_set()) or time.monotonic() >= deadline:
+                proc.kill()
+                proc.communicate()
+                if stop is None or not stop.is_set():
+                    log.warning("straggler_probe_failed", error=f"no answer within {timeout:g} s")
+                return None
+    for line in reversed(out.splitlines()):
+        try:
+            answer = json.loads(line)
+            rate = answer["rate"]
+            if rate is None:
+                return None  # the device is absent
+            rate = float(rate)
         except (ValueError, KeyError, TypeError):
             continue
         return rate if rate > 0 else None
-    log.warning("straggler_probe_failed", exit_code=out.returncode, error=out.stderr.strip()[-300:])
+    log.warning("straggler_probe_failed", exit_code=proc.returncode, error=err.strip()[-300:])
     return None
+
+
+def run_probes(devices: list[str], stop: threading.Event | None = None) -> dict[str, float | None]:
+    """One probe of each of ``devices``, one after the other."""
+    return {d: run_probe(d, stop=stop) for d in devices}
 
 
 @dataclass(frozen=True, slots=True)
 class ProbeVerdict:
-    """What a probe rate says about an evicted node."""
+    """What a node's probe rates say about it."""
 
     verdict: Literal["slow", "healthy", "blind"]
     """``slow``: it waits and probes again; ``healthy``: it rejoins on trial now; ``blind``: the probe does
     not see what slows it (or no healthy rate is known): it rejoins after its probation, as without one."""
-    rate: float | None
-    healthy_rate: float | None
+    rates: dict[str, float | None]
+    healthy_rates: dict[str, float]
     ratio: float | None
-    """The healthy rate over this one (how many times slower the node is now)."""
+    """How many times slower than in health the node is now, on its slowest device (of those with both)."""
+    device: str | None
+    """That device."""
 
     def fields(self) -> dict[str, Any]:
         return {
             "verdict": self.verdict,
-            "rate": None if self.rate is None else round(self.rate, 2),
-            "healthy_rate": None if self.healthy_rate is None else round(self.healthy_rate, 2),
+            "rates": {d: None if r is None else round(r, 2) for d, r in self.rates.items()},
+            "healthy_rates": {d: round(r, 2) for d, r in self.healthy_rates.items()},
             "ratio": None if self.ratio is None else round(self.ratio, 3),
+            "device": self.device,
         }
 
 
 def probe_verdict(
-    *, rate: float | None, healthy_rate: float | None, threshold: float, sees: bool
+    *,
+    rates: Mapping[str, float | None],
+    healthy_rates: Mapping[str, float],
+    threshold: float,
+    sees: bool,
 ) -> ProbeVerdict:
-    """Read a probe rate against the node's healthy rate.
+    """Read a node's probe rates against its healthy rates, device by device: slow when one device is at
+    least ``threshold`` times below its healthy rate, healthy when every device measured is within it.
 
     Args:
-        rate: this probe's rate (None: it did not answer).
-        healthy_rate: the best rate this node measured while it trained in the job (None: none measured).
+        rates: this probe's rate per device (None: no answer).
+        healthy_rates: the best rate per device this node measured in health.
         threshold: the detector's ``threshold``: that many times slower is slow.
         sees: whether the probe at eviction found the node slow (it sees the cause); for the probe at
             eviction itself, pass True.
     """
-    if rate is None or healthy_rate is None or not sees:
-        return ProbeVerdict("blind", rate, healthy_rate, None)
-    ratio = healthy_rate / rate
-    return ProbeVerdict("slow" if ratio >= threshold else "healthy", rate, healthy_rate, ratio)
+    ratios = {d: healthy_rates[d] / r for d, r in rates.items() if r is not None and healthy_rates.get(d)}
+    kept, healthy = dict(rates), dict(healthy_rates)
+    if not ratios or not sees:
+        return ProbeVerdict("blind", kept, healthy, None, None)
+    device = max(ratios, key=lambda d: ratios[d])
+    ratio = ratios[device]
+    return ProbeVerdict("slow" if ratio >= threshold else "healthy", kept, healthy, ratio, device)
 
 
-def _work(seconds: float) -> dict[str, Any]:
-    """Matrix products for ``seconds`` after a warm-up; their count a second."""
+def _work(device_name: str, seconds: float) -> dict[str, Any]:
+    """Matrix products on ``device_name`` for ``seconds`` after a warm-up; their count a second (``rate``
+    None when the device is absent)."""
     import torch
 
-    cuda = torch.cuda.is_available()
+    cuda = device_name == "cuda"
     if cuda:
+        if not torch.cuda.is_available():
+            return {"rate": None, "device": "cuda", "error": "no CUDA device"}
         device, n, batch = torch.device("cuda"), 4096, 8
     else:
         torch.set_num_threads(1)
@@ -130,10 +189,12 @@ def _work(seconds: float) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=PROBE_S, help="seconds of timed work")
+    parser.add_argument("--device", choices=DEVICES, default="cpu", help="the device to time")
     args = parser.parse_args(argv)
     if not 0 < args.seconds <= 600:
         parser.error(f"--seconds {args.seconds:g} must be above 0 and at most 600")
-    print(json.dumps(_work(args.seconds)), flush=True)
+    os.nice(NICE)
+    print(json.dumps(_work(args.device, args.seconds)), flush=True)
     return 0
 
 

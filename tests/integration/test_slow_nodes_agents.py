@@ -34,7 +34,12 @@ class Channel:
         return {st.pid: st}
 
 
-def test_the_decider_flags_the_slow_node_orders_its_eviction_and_status_shows_it(etcd_server) -> None:  # type: ignore[no-untyped-def]
+def test_the_decider_flags_the_slow_node_orders_its_eviction_and_status_shows_it(
+    etcd_server, monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
+    from elastic_train.rendezvous import slownodes
+
+    monkeypatch.setattr(slownodes, "run_probes", lambda devices, stop=None: dict.fromkeys(devices, 100.0))
     cfg = StragglerConfig(policy="evict", report_every=0.1, window=3, slow_steps=10, max_evictions=1)
     s = ProtocolSettings(run_id="slow", min_nodes=2, max_nodes=3, lease_ttl=2.0, settle=0.3, straggler=cfg)
     ps = [Participant(connect(etcd_server.endpoint), s, addr="127.0.0.1", node_id=f"n{i}") for i in range(3)]

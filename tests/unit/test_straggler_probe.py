@@ -27,21 +27,24 @@ PREFIX = run_prefix("probe")
 
 
 @pytest.mark.parametrize(
-    ("rate", "healthy", "sees", "verdict"),
+    ("rates", "healthy", "sees", "verdict", "device"),
     [
-        (40.0, 100.0, True, "slow"),  # 2.5x slower
-        (100.0 / 1.5, 100.0, True, "slow"),  # at the threshold
-        (70.0, 100.0, True, "healthy"),  # 1.43x: within the threshold
-        (40.0, 100.0, False, "blind"),  # the probe at eviction did not see the slowdown
-        (None, 100.0, True, "blind"),  # no answer: no evidence
-        (40.0, None, True, "blind"),  # no healthy rate to compare with
+        ({"cpu": 40.0}, {"cpu": 100.0}, True, "slow", "cpu"),  # 2.5x slower
+        ({"cpu": 100.0 / 1.5}, {"cpu": 100.0}, True, "slow", "cpu"),  # at the threshold
+        ({"cpu": 70.0}, {"cpu": 100.0}, True, "healthy", "cpu"),  # 1.43x: within the threshold
+        ({"cpu": 90.0, "cuda": 4.0}, {"cpu": 100.0, "cuda": 10.0}, True, "slow", "cuda"),  # one device slow
+        ({"cpu": 90.0, "cuda": None}, {"cpu": 100.0, "cuda": 10.0}, True, "healthy", "cpu"),  # no answer
+        ({"cpu": 40.0}, {"cpu": 100.0}, False, "blind", None),  # the probe at eviction saw nothing
+        ({"cpu": None}, {"cpu": 100.0}, True, "blind", None),  # no answer: no evidence
+        ({"cpu": 40.0}, {}, True, "blind", None),  # no healthy rate to compare with
+        ({"cuda": 4.0}, {"cpu": 100.0}, True, "blind", None),  # another device than the healthy one
     ],
 )
-def test_a_probe_is_slow_at_threshold_times_the_healthy_rate(
-    rate: float | None, healthy: float | None, sees: bool, verdict: str
+def test_a_probe_is_slow_when_a_device_is_threshold_times_below_its_healthy_rate(
+    rates: dict[str, float | None], healthy: dict[str, float], sees: bool, verdict: str, device: str | None
 ) -> None:
-    v = probe_verdict(rate=rate, healthy_rate=healthy, threshold=1.5, sees=sees)
-    assert v.verdict == verdict
+    v = probe_verdict(rates=rates, healthy_rates=healthy, threshold=1.5, sees=sees)
+    assert (v.verdict, v.device) == (verdict, device)
     assert v.fields()["verdict"] == verdict
 
 
@@ -49,7 +52,15 @@ def test_a_probe_is_slow_at_threshold_times_the_healthy_rate(
 
 
 def _probe_proc(seconds: float) -> subprocess.Popen[str]:
-    cmd = [sys.executable, "-m", "elastic_train.straggler.probe", "--seconds", f"{seconds:g}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "elastic_train.straggler.probe",
+        "--device",
+        "cpu",
+        "--seconds",
+        f"{seconds:g}",
+    ]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -60,8 +71,16 @@ def _rate(proc: subprocess.Popen[str]) -> float:
 
 
 def test_the_probe_runs_in_a_process_of_its_own_and_reports_a_rate() -> None:
-    rate = run_probe(seconds=0.3)
+    rate = run_probe("cpu", seconds=0.3)
     assert rate is not None and rate > 0
+
+
+def test_a_probe_of_an_absent_device_is_no_rate() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    assert run_probe("cuda", seconds=0.1) is None
 
 
 def test_a_probe_held_stopped_three_quarters_of_the_time_measures_a_lower_rate() -> None:
@@ -86,17 +105,76 @@ def test_a_probe_held_stopped_three_quarters_of_the_time_measures_a_lower_rate()
 
 
 def test_a_probe_that_does_not_answer_is_no_evidence(monkeypatch: pytest.MonkeyPatch) -> None:
-    def broken(*a: Any, **kw: Any) -> SimpleNamespace:
-        return SimpleNamespace(stdout="Traceback ...\n", stderr="ImportError: no torch", returncode=1)
+    def command(code: str) -> Any:
+        real = subprocess.Popen
 
-    monkeypatch.setattr(subprocess, "run", broken)
-    assert run_probe() is None
+        def popen(cmd: list[str], **kw: Any) -> subprocess.Popen[str]:
+            return real([sys.executable, "-c", code], **kw)
 
-    def hung(*a: Any, **kw: Any) -> SimpleNamespace:
-        raise subprocess.TimeoutExpired(a[0], kw["timeout"])
+        return popen
 
-    monkeypatch.setattr(subprocess, "run", hung)
-    assert run_probe(timeout=0.1) is None
+    monkeypatch.setattr(subprocess, "Popen", command("import sys; print('Traceback ...'); sys.exit(1)"))
+    assert run_probe() is None  # failed
+    monkeypatch.setattr(subprocess, "Popen", command("import time; time.sleep(30)"))
+    t0 = time.monotonic()
+    assert run_probe(timeout=0.5) is None  # no answer in time: killed
+    stop = threading.Event()
+    threading.Timer(0.3, stop.set).start()
+    assert run_probe(stop=stop) is None  # the agent stops: killed
+    assert time.monotonic() - t0 < 10
+
+
+# -- the healthy rate --------------------------------------------------------------------------------------
+
+
+def test_the_healthy_rate_is_probed_at_window_reports_then_at_4x_counts_never_while_flagged(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A CPU probe at the node's 3rd (``window``), 12th, 48th, ... report of a round; the best rate is kept;
+    a flagged node, or one evicted before, measures none."""
+    import os
+
+    from elastic_train.node import Stats
+    from elastic_train.rendezvous import slownodes
+
+    rates = iter([50.0, 80.0, 60.0, 70.0, 90.0])
+    asked: list[tuple[int, list[str]]] = []
+    seen = [0]
+
+    def probes(devices: list[str], stop: Any = None) -> dict[str, float | None]:
+        asked.append((seen[0], devices))
+        return {d: next(rates) for d in devices}
+
+    monkeypatch.setattr(slownodes, "run_probes", probes)
+    standing: dict[str, bytes] = {}
+    view = SimpleNamespace(cond=threading.Lock(), get=standing.get)
+    p = SimpleNamespace(
+        round=4, node_id="n1", lease=SimpleNamespace(lease_id=9), view=view,
+        etcd=SimpleNamespace(put=lambda *a: 1),
+    )  # fmt: skip
+    channel = SimpleNamespace(
+        stats=lambda: {1: Stats(os.getpid(), 4, 10, time.time(), 0.0, busy_s=0.1, busy_steps=5)}
+    )
+    settings = ProtocolSettings(
+        run_id="probe", min_nodes=2, max_nodes=3, straggler=StragglerConfig(policy="evict", window=3)
+    )
+    slow = SlowNodes(lambda: p, channel, settings, lambda order: None, lambda: True)  # type: ignore[arg-type]
+
+    def report(n: int) -> None:
+        for _ in range(n):
+            seen[0] += 1
+            slow._report(p)  # type: ignore[arg-type]
+            deadline = time.monotonic() + 5
+            while slow._probing and time.monotonic() < deadline:
+                time.sleep(0.01)
+
+    report(48)
+    assert asked == [(3, ["cpu"]), (12, ["cpu"]), (48, ["cpu"])]  # never the GPU while the workers train
+    assert slow.healthy_rates == {"cpu": 80.0}  # 50, 80, 60: the best
+    p.round, seen[0] = 5, 0  # a new round counts again
+    standing[PREFIX + "straggler/n1"] = b"{}"  # flagged: its rate now is not a healthy one
+    report(3)
+    assert len(asked) == 3 and slow.healthy_rates == {"cpu": 80.0}
 
 
 # -- the probation ------------------------------------------------------------------------------------------
@@ -137,14 +215,15 @@ def probation(
     settings = ProtocolSettings(run_id="probe", min_nodes=2, max_nodes=3, straggler=straggler)
     slow = SlowNodes(lambda: None, None, settings, lambda order: None, lambda: True)  # type: ignore[arg-type]
     if healthy is not None:
-        slow.healthy(healthy)
+        slow.healthy({"cpu": healthy})
     asked: list[float | None] = []
     queue = list(rates)
 
-    def probe() -> float | None:
+    def probe(devices: list[str]) -> dict[str, float | None]:
+        assert devices == ["cpu"]  # the devices with a healthy rate
         rate = queue.pop(0) if len(queue) > 1 else queue[0]
         asked.append(rate)
-        return rate
+        return {"cpu": rate}
 
     said: list[str] = []
     etcd = FakeEtcd()
@@ -158,7 +237,7 @@ def test_a_node_the_probe_finds_slow_waits_until_a_probe_finds_it_healthy(
     p, asked, said, etcd = probation(monkeypatch, [40.0, 45.0, 42.0, 90.0])
     p.serve()
     assert asked == [40.0, 45.0, 42.0, 90.0]  # at eviction, then until one is within the threshold
-    assert p.slow.healthy_rate == 100.0  # the best one is kept
+    assert p.slow.healthy_rates == {"cpu": 100.0}  # the best one is kept
     assert said == []
     record = json.loads(etcd.kv[PREFIX + "straggler/n1"])
     assert record["state"] == "probation" and "health probe" in record["why"]
