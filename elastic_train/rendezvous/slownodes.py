@@ -24,10 +24,11 @@ Every ``report_every`` seconds, a thread of each agent (:class:`SlowNodes`):
 Under ``policy: evict`` (and a ``probe_patience`` above 0) the thread also measures its node's healthy
 rates (:mod:`elastic_train.straggler.probe`, in a thread of its own; the best rate of each device is kept):
 CPU and CUDA at the agent's start, before its workers use them, and the CPU while its workers train in the
-job, at the node's ``window``-th report of a round and at 4, 16, 64, ... times that (not while the node is
-flagged, nor after it was evicted). One probe can be held back by a neighbour's burst of load (the nodes of
-a job starting together, say); the best of several is the node's own pace. What an evicted node's probes
-are compared with.
+job, after the node's ``window``-th report of a round and after 2, 4, 8, ... times that, each after a
+random delay of up to ``window`` reports (not while the node is flagged, nor after it was evicted). One
+probe can be held back by a neighbour's burst of load (the nodes of a job starting together and probing in
+step, say); the best of several, at times apart from the others', is the node's own pace. What an evicted
+node's probes are compared with.
 
 Everything read back (reports, orders, the evictions record) is validated; what does not decode is ignored.
 """
@@ -35,6 +36,7 @@ Everything read back (reports, orders, the evictions record) is validated; what 
 from __future__ import annotations
 
 import json
+import random
 import threading
 import time
 from collections.abc import Callable
@@ -69,10 +71,6 @@ STALE_REPORTS = 3
 KEEP_EVICTIONS = 100
 #: Longest node id the eviction record's ``nodes`` holds (a longer entry is not a node of this run).
 MAX_NODE_ID = 256
-
-
-def _power_of_4(n: int) -> bool:
-    return n >= 1 and n & (n - 1) == 0 and (n.bit_length() - 1) % 2 == 0
 
 
 def busy_prefix(run_id: str) -> str:
@@ -272,7 +270,7 @@ class SlowNodes:
         seen = self._reports[1] + 1 if self._reports[0] == rnd else 1
         self._reports = (rnd, seen)
         first = max(self.cfg.window, 3)
-        if self.probes and seen % first == 0 and _power_of_4(seen // first) and not self._probing:
+        if self.probes and seen % first == 0 and (seen // first).bit_count() == 1 and not self._probing:
             with p.view.cond:
                 flagged = p.view.get(STANDING + p.node_id) is not None
             if flagged or self._obeyed is not None:  # slow now, or evicted before: no healthy rate
@@ -297,6 +295,9 @@ class SlowNodes:
         slow by then measures rates its later probes do not fall short of, and is judged on trial as
         without a probe."""
         try:
+            # apart from the other nodes' probes, which their reports would otherwise start in step
+            if when == "job" and self._stop.wait(random.uniform(0, self.cfg.window * self.cfg.report_every)):
+                return
             rates = run_probes(devices, stop=self._stop)
             if self._stop.is_set():
                 return

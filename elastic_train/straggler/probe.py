@@ -2,11 +2,11 @@
 
 A node evicted as slow would otherwise find out whether it is still slow only by rejoining the job on
 trial, where a node still slow costs every other node the detection time again (and two re-formations).
-The probe lets it look first. The work is matrix products, on one CPU thread (``--device cpu``) or on the
-node's CUDA device (``--device cuda``), timed in a child of the agent at a lowered CPU priority (``nice``
-10): as a child of the agent it is held back by what holds the workers back (a throttled device, a CPU
-quota, a noisy neighbour, a stop/continue cycle), and while the node trains it yields the CPU to the
-workers.
+The probe lets it look first. The work is SHA-256 hashing on one CPU thread (``--device cpu``) or matrix
+products on the node's CUDA device (``--device cuda``), timed in a child of the agent at a lowered CPU
+priority (``nice`` 10): as a child of the agent it is held back by what holds the workers back (a
+throttled device, a CPU quota, a noisy neighbour, a stop/continue cycle), and while the node trains it
+yields the CPU to the workers.
 
 The agent keeps the node's **healthy rates**, the best it measured of each device
 (:class:`~elastic_train.rendezvous.slownodes.SlowNodes`): both devices at its start, before its workers use
@@ -26,6 +26,7 @@ Run by hand (one JSON line: the rate, or ``null`` where the device is absent)::
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import subprocess
@@ -56,7 +57,7 @@ def run_probe(
     timeout: float = PROBE_TIMEOUT,
     stop: threading.Event | None = None,
 ) -> float | None:
-    """This node's rate on ``device`` (matrix products a second) in a child process; None when the device
+    """This node's rate on ``device`` (units of work a second) in a child process; None when the device
     is absent or the probe did not answer (it failed, took longer than ``timeout``, or ``stop`` was set
     meanwhile: the child is then killed): no evidence either way."""
     cmd = [
@@ -155,35 +156,40 @@ def probe_verdict(
 
 
 def _work(device_name: str, seconds: float) -> dict[str, Any]:
-    """Matrix products on ``device_name`` for ``seconds`` after a warm-up; their count a second (``rate``
-    None when the device is absent)."""
-    import torch
+    """Timed work on ``device_name`` for ``seconds`` after a warm-up; its count a second (``rate`` None when
+    the device is absent). The CPU's is SHA-256 of 64 KiB blocks on one thread (no torch to import: the
+    probe starts in a fraction of a second); the GPU's, 4096 x 4096 matrix products."""
+    if device_name == "cpu":
+        block = bytes(range(256)) * 256
 
-    cuda = device_name == "cuda"
-    if cuda:
+        def burst() -> int:
+            for _ in range(8):
+                hashlib.sha256(block).digest()
+            return 8
+
+        size = len(block)
+    else:
+        import torch
+
         if not torch.cuda.is_available():
             return {"rate": None, "device": "cuda", "error": "no CUDA device"}
-        device, n, batch = torch.device("cuda"), 4096, 8
-    else:
-        torch.set_num_threads(1)
-        device, n, batch = torch.device("cpu"), 128, 4
-    a = torch.randn(n, n, device=device)
-    b = torch.randn(n, n, device=device)
+        size = 4096
+        a = torch.randn(size, size, device="cuda")
+        b = torch.randn(size, size, device="cuda")
 
-    def burst() -> None:
-        for _ in range(batch):
-            torch.mm(a, b)
-        if cuda:
+        def burst() -> int:
+            for _ in range(8):
+                torch.mm(a, b)
             torch.cuda.synchronize()
+            return 8
 
     warm = time.perf_counter() + min(0.2, seconds / 4)
     while time.perf_counter() < warm:
         burst()
     done, t0 = 0, time.perf_counter()
     while (elapsed := time.perf_counter() - t0) < seconds:
-        burst()
-        done += batch
-    return {"rate": done / elapsed, "device": str(device), "size": n, "seconds": round(elapsed, 3)}
+        done += burst()
+    return {"rate": done / elapsed, "device": device_name, "size": size, "seconds": round(elapsed, 3)}
 
 
 def main(argv: list[str] | None = None) -> int:

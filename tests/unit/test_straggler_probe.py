@@ -127,11 +127,11 @@ def test_a_probe_that_does_not_answer_is_no_evidence(monkeypatch: pytest.MonkeyP
 # -- the healthy rate --------------------------------------------------------------------------------------
 
 
-def test_the_healthy_rate_is_probed_at_window_reports_then_at_4x_counts_never_while_flagged(
+def test_the_healthy_rate_is_probed_at_window_reports_then_at_doubling_counts_never_while_flagged(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A CPU probe at the node's 3rd (``window``), 12th, 48th, ... report of a round; the best rate is kept;
-    a flagged node, or one evicted before, measures none."""
+    """A CPU probe after the node's 3rd (``window``), 6th, 12th, ... report of a round; the best rate is
+    kept; a flagged node, or one evicted before, measures none."""
     import os
 
     from elastic_train.node import Stats
@@ -146,6 +146,8 @@ def test_the_healthy_rate_is_probed_at_window_reports_then_at_4x_counts_never_wh
         return {d: next(rates) for d in devices}
 
     monkeypatch.setattr(slownodes, "run_probes", probes)
+    delays: list[float] = []
+    monkeypatch.setattr(slownodes.random, "uniform", lambda a, b: delays.append(b) or 0.0)
     standing: dict[str, bytes] = {}
     view = SimpleNamespace(cond=threading.Lock(), get=standing.get)
     p = SimpleNamespace(
@@ -169,12 +171,13 @@ def test_the_healthy_rate_is_probed_at_window_reports_then_at_4x_counts_never_wh
                 time.sleep(0.01)
 
     report(48)
-    assert asked == [(3, ["cpu"]), (12, ["cpu"]), (48, ["cpu"])]  # never the GPU while the workers train
-    assert slow.healthy_rates == {"cpu": 80.0}  # 50, 80, 60: the best
+    assert asked == [(n, ["cpu"]) for n in (3, 6, 12, 24, 48)]  # never the GPU while the workers train
+    assert slow.healthy_rates == {"cpu": 90.0}  # the best
+    assert delays == [3 * 2.0] * 5  # each after a random delay of up to window reports
     p.round, seen[0] = 5, 0  # a new round counts again
     standing[PREFIX + "straggler/n1"] = b"{}"  # flagged: its rate now is not a healthy one
     report(3)
-    assert len(asked) == 3 and slow.healthy_rates == {"cpu": 80.0}
+    assert len(asked) == 5 and slow.healthy_rates == {"cpu": 90.0}
 
 
 # -- the probation ------------------------------------------------------------------------------------------
