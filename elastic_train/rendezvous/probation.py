@@ -9,7 +9,8 @@ Served by the handler's ``next_rendezvous`` after torchrun stopped the evicted n
    :mod:`elastic_train.straggler.probe`), it probes at once each device it has a healthy rate of. A rate at
    least ``threshold`` times below its healthy rate sees what slows the node: the node then rejoins only
    once a probe, every :data:`PROBE_EVERY` seconds after the probation, finds every device within
-   ``threshold`` of its healthy rate, and leaves after ``probe_patience`` seconds of slow probes. A probe
+   ``clear_below`` of its healthy rate (the detector's hysteresis), and leaves after ``probe_patience``
+   seconds of slow probes. A probe
    that does not find it slow (or gives no answer) leaves the judgement to the trial: it rejoins after its
    probation.
 3. ``straggler/<node>`` says how it stands, for ``elastic-train status`` (on a lease of its own: the record
@@ -97,7 +98,7 @@ class Probation:
         n, of = verdict.evictions, verdict.max_trials
         if gated:
             why = (
-                f"rejoins on trial once a health probe finds it within {self.cfg.threshold:g}x of its "
+                f"rejoins on trial once a health probe finds it within {self.cfg.clear_below:g}x of its "
                 f"healthy rate, at the earliest in {verdict.wait_s:g} s (eviction {n} of {of})"
             )
         else:
@@ -141,10 +142,9 @@ class Probation:
         raise them."""
         rates = self.probe(sorted(self.slow.healthy_rates))
         self._probes += 1
-        v = probe_verdict(
-            rates=rates, healthy_rates=self.slow.healthy_rates, threshold=self.cfg.threshold, sees=True
-        )
-        log.info("straggler_probe", node=self.order.node, at=at, threshold=self.cfg.threshold, **v.fields())
+        slow_at = self.cfg.threshold if at == "eviction" else self.cfg.clear_below
+        v = probe_verdict(rates=rates, healthy_rates=self.slow.healthy_rates, slow_at=slow_at, sees=True)
+        log.info("straggler_probe", node=self.order.node, at=at, slow_at=slow_at, **v.fields())
         if v.verdict == "healthy":
             self.slow.healthy(rates)
         return v

@@ -14,7 +14,8 @@ them, and the CPU again while the node trains in the job (never the GPU there: t
 the node is evicted, :func:`probe_verdict` reads its probes against them, device by device:
 
 - At eviction a probe at least ``threshold`` times below a healthy rate sees what slows the node, and the
-  node rejoins only once its probes are again within ``threshold`` of every healthy rate.
+  node rejoins only once its probes are again within ``clear_below`` of every healthy rate (the detector's
+  hysteresis: a probe between the two, as noisy as a node's probes are, keeps it out).
 - Otherwise the probe does not see it (a slow link, a slow disk, or no healthy rate): the node rejoins on
   trial after each probation as without a probe; the job's detector stays the judge.
 
@@ -133,16 +134,17 @@ def probe_verdict(
     *,
     rates: Mapping[str, float | None],
     healthy_rates: Mapping[str, float],
-    threshold: float,
+    slow_at: float,
     sees: bool,
 ) -> ProbeVerdict:
     """Read a node's probe rates against its healthy rates, device by device: slow when one device is at
-    least ``threshold`` times below its healthy rate, healthy when every device measured is within it.
+    least ``slow_at`` times below its healthy rate, healthy when every device measured is within it.
 
     Args:
         rates: this probe's rate per device (None: no answer).
         healthy_rates: the best rate per device this node measured in health.
-        threshold: the detector's ``threshold``: that many times slower is slow.
+        slow_at: that many times slower is slow: the detector's ``threshold`` at eviction, its
+            ``clear_below`` on probation.
         sees: whether the probe at eviction found the node slow (it sees the cause); for the probe at
             eviction itself, pass True.
     """
@@ -152,7 +154,7 @@ def probe_verdict(
         return ProbeVerdict("blind", kept, healthy, None, None)
     device = max(ratios, key=lambda d: ratios[d])
     ratio = ratios[device]
-    return ProbeVerdict("slow" if ratio >= threshold else "healthy", kept, healthy, ratio, device)
+    return ProbeVerdict("slow" if ratio >= slow_at else "healthy", kept, healthy, ratio, device)
 
 
 def _work(device_name: str, seconds: float) -> dict[str, Any]:

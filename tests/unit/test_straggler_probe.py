@@ -43,7 +43,7 @@ PREFIX = run_prefix("probe")
 def test_a_probe_is_slow_when_a_device_is_threshold_times_below_its_healthy_rate(
     rates: dict[str, float | None], healthy: dict[str, float], sees: bool, verdict: str, device: str | None
 ) -> None:
-    v = probe_verdict(rates=rates, healthy_rates=healthy, threshold=1.5, sees=sees)
+    v = probe_verdict(rates=rates, healthy_rates=healthy, slow_at=1.5, sees=sees)
     assert (v.verdict, v.device) == (verdict, device)
     assert v.fields()["verdict"] == verdict
 
@@ -237,9 +237,11 @@ def probation(
 def test_a_node_the_probe_finds_slow_waits_until_a_probe_finds_it_healthy(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    p, asked, said, etcd = probation(monkeypatch, [40.0, 45.0, 42.0, 90.0])
+    """Slow at eviction (2.5x below its healthy rate, ``threshold`` 1.5); kept out until a probe is within
+    ``clear_below`` (1.2): 1.43x is not, 1.11x is."""
+    p, asked, said, etcd = probation(monkeypatch, [40.0, 45.0, 70.0, 90.0])
     p.serve()
-    assert asked == [40.0, 45.0, 42.0, 90.0]  # at eviction, then until one is within the threshold
+    assert asked == [40.0, 45.0, 70.0, 90.0]
     assert p.slow.healthy_rates == {"cpu": 100.0}  # the best one is kept
     assert said == []
     record = json.loads(etcd.kv[PREFIX + "straggler/n1"])
