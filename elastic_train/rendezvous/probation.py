@@ -10,9 +10,8 @@ Served by the handler's ``next_rendezvous`` after torchrun stopped the evicted n
    least ``threshold`` times below its healthy rate sees what slows the node: the node then rejoins only
    once a probe, every :data:`PROBE_EVERY` seconds after the probation, finds every device within
    ``clear_below`` of its healthy rate (the detector's hysteresis), and leaves after ``probe_patience``
-   seconds of slow probes. A probe
-   that does not find it slow (or gives no answer) leaves the judgement to the trial: it rejoins after its
-   probation.
+   seconds of slow probes. A probe that does not find it slow (or gives no answer) leaves the judgement to
+   the trial: it rejoins after its probation.
 3. ``straggler/<node>`` says how it stands, for ``elastic-train status`` (on a lease of its own: the record
    goes when the agent does).
 
@@ -143,7 +142,7 @@ class Probation:
         rates = self.probe(sorted(self.slow.healthy_rates))
         self._probes += 1
         slow_at = self.cfg.threshold if at == "eviction" else self.cfg.clear_below
-        v = probe_verdict(rates=rates, healthy_rates=self.slow.healthy_rates, slow_at=slow_at, sees=True)
+        v = probe_verdict(rates=rates, healthy_rates=self.slow.healthy_rates, slow_at=slow_at)
         log.info("straggler_probe", node=self.order.node, at=at, slow_at=slow_at, **v.fields())
         if v.verdict == "healthy":
             self.slow.healthy(rates)

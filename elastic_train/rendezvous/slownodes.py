@@ -52,7 +52,7 @@ from elastic_train.rendezvous.config import ProtocolSettings, validate_run_id
 from elastic_train.rendezvous.protocol import Participant
 from elastic_train.straggler import DetectorState, StragglerConfig, decide_evictions, observe
 from elastic_train.straggler.policy import Decision, changed
-from elastic_train.straggler.probe import DEVICES, run_probes
+from elastic_train.straggler.probe import DEVICES, rounded, run_probes
 from elastic_train.straggler.record import StragglerRecord, seconds, whole
 
 log = get_logger(__name__)
@@ -307,8 +307,8 @@ class SlowNodes:
                 node=node,
                 at="healthy",
                 when=when,
-                rates={d: None if r is None else round(r, 2) for d, r in rates.items()},
-                healthy_rates={d: round(r, 2) for d, r in self.healthy_rates.items()},
+                rates=rounded(rates),
+                healthy_rates=rounded(self.healthy_rates),
             )
         finally:
             self._probing = False

@@ -106,6 +106,11 @@ def run_probes(devices: list[str], stop: threading.Event | None = None) -> dict[
     return {d: run_probe(d, stop=stop) for d in devices}
 
 
+def rounded(rates: Mapping[str, float | None]) -> dict[str, float | None]:
+    """``rates`` as events show them."""
+    return {d: None if r is None else round(r, 2) for d, r in rates.items()}
+
+
 @dataclass(frozen=True, slots=True)
 class ProbeVerdict:
     """What a node's probe rates say about it."""
@@ -123,8 +128,8 @@ class ProbeVerdict:
     def fields(self) -> dict[str, Any]:
         return {
             "verdict": self.verdict,
-            "rates": {d: None if r is None else round(r, 2) for d, r in self.rates.items()},
-            "healthy_rates": {d: round(r, 2) for d, r in self.healthy_rates.items()},
+            "rates": rounded(self.rates),
+            "healthy_rates": rounded(self.healthy_rates),
             "ratio": None if self.ratio is None else round(self.ratio, 3),
             "device": self.device,
         }
@@ -135,7 +140,6 @@ def probe_verdict(
     rates: Mapping[str, float | None],
     healthy_rates: Mapping[str, float],
     slow_at: float,
-    sees: bool,
 ) -> ProbeVerdict:
     """Read a node's probe rates against its healthy rates, device by device: slow when one device is at
     least ``slow_at`` times below its healthy rate, healthy when every device measured is within it.
@@ -145,12 +149,10 @@ def probe_verdict(
         healthy_rates: the best rate per device this node measured in health.
         slow_at: that many times slower is slow: the detector's ``threshold`` at eviction, its
             ``clear_below`` on probation.
-        sees: whether the probe at eviction found the node slow (it sees the cause); for the probe at
-            eviction itself, pass True.
     """
     ratios = {d: healthy_rates[d] / r for d, r in rates.items() if r is not None and healthy_rates.get(d)}
     kept, healthy = dict(rates), dict(healthy_rates)
-    if not ratios or not sees:
+    if not ratios:
         return ProbeVerdict("blind", kept, healthy, None, None)
     device = max(ratios, key=lambda d: ratios[d])
     ratio = ratios[device]

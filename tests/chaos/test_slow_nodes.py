@@ -19,6 +19,7 @@ import json
 import os
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -83,6 +84,18 @@ def local_job(tmp_path: Path, ov: dict, fault: str) -> LocalJob:  # type: ignore
     )  # fmt: skip
 
 
+def run_exactly_once(tmp_path: Path, job: LocalJob, steps: int) -> tuple[Any, str]:
+    """Run ``job``: it must finish all ``steps`` with every sample trained exactly once. Returns its summary
+    and what to show when an assertion fails (its output and where its logs are)."""
+    summary = job.run()
+    out = job.opts.out.getvalue()  # type: ignore[attr-defined]
+    where = f"{out}\nlogs: {tmp_path / 'work'}"
+    assert summary.succeeded and summary.completed_steps == steps, where
+    audit = check_exactly_once(str(tmp_path / "audit"), steps=steps)
+    assert audit.ok, audit.problems[:5]
+    return summary, where
+
+
 def decisions(job: LocalJob, event: str) -> list[dict]:  # type: ignore[type-arg]
     """The ``event`` decisions of every node, in the order they were made (the deciding agent, the rank-0
     node's, may change between two of them)."""
@@ -94,12 +107,7 @@ def decisions(job: LocalJob, event: str) -> list[dict]:  # type: ignore[type-arg
 def test_a_node_slow_for_good_is_evicted_readmitted_on_trial_and_leaves(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     job = local_job(tmp_path, overrides(tmp_path, probe_patience=0.0), "1@step=15,factor=3")
-    summary = job.run()
-    out = job.opts.out.getvalue()  # type: ignore[attr-defined]
-    where = f"{out}\nlogs: {tmp_path / 'work'}"
-    assert summary.succeeded and summary.completed_steps == STEPS, where
-    audit = check_exactly_once(str(tmp_path / "audit"), steps=STEPS)
-    assert audit.ok, audit.problems[:5]
+    summary, where = run_exactly_once(tmp_path, job, STEPS)
     fault = summary.faults[0]
     assert fault.detected_at is not None and fault.extra["flagged_score"] >= 1.5, where
     assert fault.steps_redone is not None and fault.steps_redone <= 1, where
@@ -137,12 +145,7 @@ def test_a_node_slowed_for_a_span_is_kept_out_by_its_probe_and_readmitted_once_h
     ov.update({"train.task": "straggler_task:build", "train.task_args": {"per_sample_s": 0.01},
                "train.steps": SPAN_STEPS})  # fmt: skip
     job = local_job(tmp_path, ov, f"1@step=100,factor=4,for={SPAN_S:g}")
-    summary = job.run()
-    out = job.opts.out.getvalue()  # type: ignore[attr-defined]
-    where = f"{out}\nlogs: {tmp_path / 'work'}"
-    assert summary.succeeded and summary.completed_steps == SPAN_STEPS, where
-    audit = check_exactly_once(str(tmp_path / "audit"), steps=SPAN_STEPS)
-    assert audit.ok, audit.problems[:5]
+    summary, where = run_exactly_once(tmp_path, job, SPAN_STEPS)
 
     slow = job.nodes[1]
     slow_events = events(Path(slow.log_path))

@@ -27,23 +27,22 @@ PREFIX = run_prefix("probe")
 
 
 @pytest.mark.parametrize(
-    ("rates", "healthy", "sees", "verdict", "device"),
+    ("rates", "healthy", "verdict", "device"),
     [
-        ({"cpu": 40.0}, {"cpu": 100.0}, True, "slow", "cpu"),  # 2.5x slower
-        ({"cpu": 100.0 / 1.5}, {"cpu": 100.0}, True, "slow", "cpu"),  # at the threshold
-        ({"cpu": 70.0}, {"cpu": 100.0}, True, "healthy", "cpu"),  # 1.43x: within the threshold
-        ({"cpu": 90.0, "cuda": 4.0}, {"cpu": 100.0, "cuda": 10.0}, True, "slow", "cuda"),  # one device slow
-        ({"cpu": 90.0, "cuda": None}, {"cpu": 100.0, "cuda": 10.0}, True, "healthy", "cpu"),  # no answer
-        ({"cpu": 40.0}, {"cpu": 100.0}, False, "blind", None),  # the probe at eviction saw nothing
-        ({"cpu": None}, {"cpu": 100.0}, True, "blind", None),  # no answer: no evidence
-        ({"cpu": 40.0}, {}, True, "blind", None),  # no healthy rate to compare with
-        ({"cuda": 4.0}, {"cpu": 100.0}, True, "blind", None),  # another device than the healthy one
+        ({"cpu": 40.0}, {"cpu": 100.0}, "slow", "cpu"),  # 2.5x slower
+        ({"cpu": 100.0 / 1.5}, {"cpu": 100.0}, "slow", "cpu"),  # at the threshold
+        ({"cpu": 70.0}, {"cpu": 100.0}, "healthy", "cpu"),  # 1.43x: within the threshold
+        ({"cpu": 90.0, "cuda": 4.0}, {"cpu": 100.0, "cuda": 10.0}, "slow", "cuda"),  # one device slow
+        ({"cpu": 90.0, "cuda": None}, {"cpu": 100.0, "cuda": 10.0}, "healthy", "cpu"),  # no answer
+        ({"cpu": None}, {"cpu": 100.0}, "blind", None),  # no answer: no evidence
+        ({"cpu": 40.0}, {}, "blind", None),  # no healthy rate to compare with
+        ({"cuda": 4.0}, {"cpu": 100.0}, "blind", None),  # another device than the healthy one
     ],
 )
 def test_a_probe_is_slow_when_a_device_is_threshold_times_below_its_healthy_rate(
-    rates: dict[str, float | None], healthy: dict[str, float], sees: bool, verdict: str, device: str | None
+    rates: dict[str, float | None], healthy: dict[str, float], verdict: str, device: str | None
 ) -> None:
-    v = probe_verdict(rates=rates, healthy_rates=healthy, slow_at=1.5, sees=sees)
+    v = probe_verdict(rates=rates, healthy_rates=healthy, slow_at=1.5)
     assert (v.verdict, v.device) == (verdict, device)
     assert v.fields()["verdict"] == verdict
 
