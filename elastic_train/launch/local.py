@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import shlex
 import signal
@@ -61,9 +60,10 @@ PARTITION_AFTER_RESUME = 2.0
 #: ... or after this many seconds at most (default of ``LocalOptions.partition_s``).
 PARTITION_SECONDS = 12.0
 #: Period of a ``slow-node`` fault's stop/continue cycle: the workers run ``period / factor`` of each, and
-#: a step longer than it is slowed by about the factor. Workers are looked up again once a second.
+#: a step longer than it is slowed by about the factor. The processes under the agent are looked up again
+#: at every period (half a millisecond a walk): one started in between (a restarted worker, the agent's
+#: one-second health probe) is slowed from its first period, as on a node whose hardware is slow.
 SLOW_PERIOD = 0.1
-SLOW_RESCAN = 1.0
 
 
 @dataclass(kw_only=True, slots=True)
@@ -339,18 +339,16 @@ class LocalJob:
         def cycle() -> None:
             pids: set[int] = set()
             workers: list[psutil.Process] = []
-            scanned, held = -math.inf, 0.0
+            held = 0.0
             try:
                 while not self._ending.is_set() and (span is None or time.monotonic() - t0 < span):
                     if node.killed or node.stopped or node.proc.poll() is not None:
                         self._ending.wait(SLOW_PERIOD)  # a hung or gone node: nothing to slow
                         continue
-                    if time.monotonic() - scanned >= SLOW_RESCAN:
-                        scanned = time.monotonic()
-                        # every process under the agent: the stand-ins torchrun started pass signals on
-                        # to the workers the fork server forked, but a SIGSTOP cannot be passed on
-                        workers = tree(node.proc.pid)[1:]
-                        pids |= {p.pid for p in workers}
+                    # every process under the agent: the stand-ins torchrun started pass signals on to the
+                    # workers the fork server forked, but a SIGSTOP cannot be passed on
+                    workers = tree(node.proc.pid)[1:]
+                    pids |= {p.pid for p in workers}
                     stopped = time.monotonic()
                     _signal_all(workers, signal.SIGSTOP)
                     self._ending.wait(SLOW_PERIOD - run_s)

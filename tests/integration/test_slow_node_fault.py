@@ -60,3 +60,25 @@ def test_a_slowed_nodes_worker_is_held_for_its_share_and_runs_freely_after_the_s
             thread.join(timeout=5)
     assert stopped_share(worker, 0.3) == 0.0  # continued when the job ended
     assert for_good.extra["for_s"] is None and for_good.extra["factor"] == 4.0
+
+
+def test_a_process_the_agent_starts_while_slowed_is_held_from_its_first_period(tmp_path, reaper) -> None:  # type: ignore[no-untyped-def]
+    """A process started under a slowed node's agent (the agent's one-second health probe, a restarted
+    worker) is as slow as the node from its first period: a node's slow hardware slows whatever runs on it,
+    and a probe that ran free for part of its second would read the node healthier than it is."""
+    late = "import time\ntime.sleep(1.0)\n" + NODE  # its process starts a second after the slowdown
+    agent = reaper.popen([sys.executable, "-c", late])
+    job = LocalJob(JobConfig(), LocalOptions(config_path=None, overrides={}, nodes=1, workdir=str(tmp_path)))
+    node = Node(index=0, proc=agent, log_path=str(tmp_path / "node-0.log"))
+    job._slow_node(FaultRecord(fault=parse_fault("slow-node", "0@step=1,factor=4")), node)
+    try:
+        deadline = time.monotonic() + 20
+        while not (children := psutil.Process(agent.pid).children()):
+            assert time.monotonic() < deadline, "the stand-in node did not start its process"
+            time.sleep(0.002)
+        share = stopped_share(children[0], 0.5)  # its first half second
+        assert 0.5 < share < 0.95, f"held {share:.0%} of its first half second, factor 4 holds it 75%"
+    finally:
+        job._ending.set()
+        for thread in job._slowing:
+            thread.join(timeout=5)
