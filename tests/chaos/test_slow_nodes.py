@@ -33,8 +33,9 @@ pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.long, pytest.mark
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 260
 #: The spanned slowdown's run: 100 steps before it, its seconds, and enough steps after it for the node to
-#: rejoin (3 nodes: 0.08 s of device time a step; 2 nodes: 0.12 s).
-SPAN_STEPS = 450
+#: rejoin (3 nodes: 0.08 s of device time a step; 2 nodes: 0.12 s), also when the machine's other load keeps
+#: its probe's rate below its healthy one for a while after the span.
+SPAN_STEPS = 550
 SPAN_S = 20.0
 
 
@@ -104,6 +105,20 @@ def decisions(job: LocalJob, event: str) -> list[dict]:  # type: ignore[type-arg
     return out
 
 
+def straggler_decisions(job: LocalJob) -> list[str]:
+    """Every node's flags, decisions and probe verdicts, one line each in time order (what an assertion
+    shows when the run went another way)."""
+    keys = ("node", "step", "score", "why", "trial", "at", "verdict", "ratio")
+    out = []
+    for n in job.nodes:
+        for e in events(Path(n.log_path)):
+            if e["event"] == "straggler_probe" and e.get("at") == "healthy":
+                continue
+            fields = " ".join(f"{k}={e[k]}" for k in keys if e.get(k) is not None)
+            out.append(f"{e['timestamp']} node-{n.index} {e['event']} {fields}")
+    return sorted(set(out))
+
+
 def test_a_node_slow_for_good_is_evicted_readmitted_on_trial_and_leaves(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     job = local_job(tmp_path, overrides(tmp_path, probe_patience=0.0), "1@step=15,factor=3")
@@ -134,30 +149,39 @@ def test_a_node_slow_for_good_is_evicted_readmitted_on_trial_and_leaves(tmp_path
 def test_a_node_slowed_for_a_span_is_kept_out_by_its_probe_and_readmitted_once_healthy(  # type: ignore[no-untyped-def]
     tmp_path: Path, monkeypatch
 ) -> None:
-    """``slow-node 1@step=100,factor=4,for=20`` on the regression task with device time per sample
+    """``slow-node 1@step=100,factor=8,for=20`` on the regression task with device time per sample
     (benchmarks/straggler_task.py: a stopped process's device time does not advance): the node's healthy
     rate is measured before the slowdown; it is evicted once, its probe at eviction finds it slow, its probes
     keep it out (no trial while slow: one eviction, not two), and once the span ended a probe finds it
     healthy and it rejoins for good."""
     path = [str(ROOT), str(ROOT / "benchmarks"), os.environ.get("PYTHONPATH")]
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, path)))
-    ov = overrides(tmp_path)
+    # The tests beside this one load the 2 cores unevenly: the node's probe (at nice 10) then reads at a
+    # fraction of its quiet rate, and a healthy node's step time jumps for a moment. Slowed 8x, the node
+    # scores near 8 and its probe at eviction reads it 3x slow or worse; a bar of 2 keeps a node starved
+    # for a moment from being flagged in its place.
+    ov = overrides(tmp_path, threshold=2.0)
     ov.update({"train.task": "straggler_task:build", "train.task_args": {"per_sample_s": 0.01},
                "train.steps": SPAN_STEPS})  # fmt: skip
-    job = local_job(tmp_path, ov, f"1@step=100,factor=4,for={SPAN_S:g}")
+    job = local_job(tmp_path, ov, f"1@step=100,factor=8,for={SPAN_S:g}")
     summary, where = run_exactly_once(tmp_path, job, SPAN_STEPS)
 
     slow = job.nodes[1]
     slow_events = events(Path(slow.log_path))
-    slow_id = next(e["node"] for e in slow_events if e["event"] == "straggler_evicted")
-    assert [e["node"] for e in decisions(job, "straggler_evict")] == [slow_id], where  # once: no failed trial
+    said = straggler_decisions(job)
+    evicted = [e["node"] for e in slow_events if e["event"] == "straggler_evicted"]
+    assert evicted, (said, where)
+    slow_id = evicted[0]
+    assert [e["node"] for e in decisions(job, "straggler_evict")] == [slow_id], (said, where)  # once
     probes = [e for e in slow_events if e["event"] == "straggler_probe"]
     healthy = [e for e in probes if e["at"] == "healthy"]
     judged = [e for e in probes if e["at"] != "healthy"]
     assert any(e["rates"].get("cpu") for e in healthy), probes  # measured before the slowdown
-    assert judged[0]["at"] == "eviction" and judged[0]["verdict"] == "slow", probes
-    assert judged[-1]["verdict"] == "healthy" and all(e["verdict"] == "slow" for e in judged[:-1]), probes
-    rejoined = next(e for e in slow_events if e["event"] == "straggler_rejoin")
+    assert judged and judged[0]["at"] == "eviction" and judged[0]["verdict"] == "slow", said
+    assert judged[-1]["verdict"] == "healthy" and all(e["verdict"] == "slow" for e in judged[:-1]), said
+    rejoins = [e for e in slow_events if e["event"] == "straggler_rejoin"]
+    assert len(rejoins) == 1, (said, where)
+    rejoined = rejoins[0]
     fired = summary.faults[0]
     assert fired.fired_at is not None
     # it rejoined after the span ended, not within it

@@ -150,7 +150,9 @@ def wait_for(pred: Any, timeout: float, what: str) -> None:
 def training(etcd: Etcd, run_id: str, ckpt: Path, at_least_step: int = 0) -> bool:
     if read_status(etcd, run_id).state != "running":
         return False
-    steps = sorted((ckpt / run_id).glob("step-*"))
+    # committed ones only: a step directory without its manifest (written last) is a save under way, and
+    # one the node is killed in is not a checkpoint
+    steps = [p.parent for p in (ckpt / run_id).glob("step-*/manifest.json")]
     return at_least_step == 0 or any((parse_step_dir(p.name) or 0) >= at_least_step for p in steps)
 
 
