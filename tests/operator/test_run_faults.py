@@ -17,7 +17,8 @@ from typing import Any
 
 import pytest
 
-from elastic_train.checkpoint.policy import parse_step_dir
+from elastic_train.checkpoint import durable
+from elastic_train.checkpoint.storage import open_storage
 from elastic_train.etcd.client import Etcd
 from elastic_train.procs import signal_tree
 from elastic_train.rendezvous.status import read_status
@@ -150,10 +151,13 @@ def wait_for(pred: Any, timeout: float, what: str) -> None:
 def training(etcd: Etcd, run_id: str, ckpt: Path, at_least_step: int = 0) -> bool:
     if read_status(etcd, run_id).state != "running":
         return False
+    if at_least_step == 0:
+        return True
     # committed ones only: a step directory without its manifest (written last) is a save under way, and
     # one the node is killed in is not a checkpoint
-    steps = [p.parent for p in (ckpt / run_id).glob("step-*/manifest.json")]
-    return at_least_step == 0 or any((parse_step_dir(p.name) or 0) >= at_least_step for p in steps)
+    storage = open_storage(str(ckpt))
+    newest = durable.newest_valid(storage, storage.join(storage.root, run_id))
+    return newest is not None and newest.step >= at_least_step
 
 
 def verify(ckpt: Path, run_id: str) -> str:
