@@ -1,6 +1,8 @@
 """structlog set-up, done once per process at the entry point.
 
 JSON lines when stderr is not a terminal (machines read them), a readable console renderer when it is.
+Each line is one ``write``: an agent and its workers share a node's stderr (a pod's log, a file), and a line
+written as its text and then its newline can be cut in two by another process's line in between.
 Context such as ``run_id``, ``node``, ``rank``, ``world_size`` and ``round`` is bound with
 :func:`bind_context` and appears in every later event of the process.
 """
@@ -70,7 +72,7 @@ def configure_logging(config: LoggingConfig | None = None, *, stream: Any = None
     structlog.configure(
         processors=[*processors, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(level),
-        logger_factory=structlog.PrintLoggerFactory(file=stream),
+        logger_factory=structlog.WriteLoggerFactory(file=stream),  # one write a line
         cache_logger_on_first_use=False,
     )
     logging.basicConfig(level=max(level, logging.WARNING), stream=stream, force=True)

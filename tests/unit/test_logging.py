@@ -62,3 +62,27 @@ def test_level_filters_and_env_override(monkeypatch: pytest.MonkeyPatch) -> None
 def test_bad_logging_config() -> None:
     with pytest.raises(ValueError, match="level: 'loud'"):
         LoggingConfig(level="loud")
+
+
+class _Writes(io.StringIO):
+    """A stream that records each ``write`` call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def write(self, s: str) -> int:
+        self.calls.append(s)
+        return super().write(s)
+
+
+def test_each_line_is_one_write(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An agent and its workers share a node's stderr: a line written as its text and then its newline
+    (two system calls) can have another process's line land in between, and both are lost to a parser."""
+    monkeypatch.delenv("ELASTIC_TRAIN_LOG_FORMAT", raising=False)
+    out = _Writes()
+    configure_logging(LoggingConfig(format="json"), stream=out)
+    get_logger("t").info("straggler_probe", rates={"cpu": 25436.29})
+    get_logger("t").warning("straggler_flagged", node="n1", score=2.1)
+    assert len(out.calls) == 2 and all(c.endswith("\n") and c.count("\n") == 1 for c in out.calls), out.calls
+    assert [json.loads(c)["event"] for c in out.calls] == ["straggler_probe", "straggler_flagged"]
