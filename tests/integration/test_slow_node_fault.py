@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -32,32 +36,44 @@ def stopped_share(proc: psutil.Process, seconds: float) -> float:
     return stopped / samples
 
 
-def test_a_slowed_nodes_worker_is_held_for_its_share_and_runs_freely_after_the_span(tmp_path, reaper) -> None:  # type: ignore[no-untyped-def]
-    agent = reaper.popen([sys.executable, "-c", NODE])
-    deadline = time.monotonic() + 20
-    while len(psutil.Process(agent.pid).children()) < 1:
-        assert time.monotonic() < deadline, "the stand-in node did not start its worker"
-        time.sleep(0.05)
-    worker = psutil.Process(agent.pid).children()[0]
+@contextmanager
+def slowable(tmp_path: Path, reaper: Any, script: str) -> Iterator[tuple[LocalJob, Node]]:
+    """A one-node ``LocalJob`` whose node is ``script`` run as its agent; when the block ends, the job ends
+    as ``cleanup()`` ends it (every slowdown stopped, its processes continued), also when it fails."""
+    agent = reaper.popen([sys.executable, "-c", script])
     job = LocalJob(JobConfig(), LocalOptions(config_path=None, overrides={}, nodes=1, workdir=str(tmp_path)))
-    node = Node(index=0, proc=agent, log_path=str(tmp_path / "node-0.log"))
-    for_good = FaultRecord(fault=parse_fault("slow-node", "0@step=1,factor=4"))
-    spanned = FaultRecord(fault=parse_fault("slow-node", "0@step=1,factor=4,for=1.5"))
-    job._slow_node(spanned, node)
     try:
+        yield job, Node(index=0, proc=agent, log_path=str(tmp_path / "node-0.log"))
+    finally:
+        job._ending.set()
+        for thread in job._slowing:
+            thread.join(timeout=5)
+
+
+def children(pid: int) -> list[psutil.Process]:
+    """The processes ``pid`` started, once it started one (within 20 s)."""
+    deadline = time.monotonic() + 20
+    while not (found := psutil.Process(pid).children()):
+        assert time.monotonic() < deadline, "the stand-in node did not start its process"
+        time.sleep(0.002)
+    return found
+
+
+def test_a_slowed_nodes_worker_is_held_for_its_share_and_runs_freely_after_the_span(tmp_path, reaper) -> None:  # type: ignore[no-untyped-def]
+    with slowable(tmp_path, reaper, NODE) as (job, node):
+        worker = children(node.proc.pid)[0]
+        for_good = FaultRecord(fault=parse_fault("slow-node", "0@step=1,factor=4"))
+        spanned = FaultRecord(fault=parse_fault("slow-node", "0@step=1,factor=4,for=1.5"))
+        job._slow_node(spanned, node)
         share = stopped_share(worker, 1.0)
         assert 0.5 < share < 0.95, f"held {share:.0%} of the time, factor 4 holds it 75%"
-        assert psutil.Process(agent.pid).status() != psutil.STATUS_STOPPED  # the agent is left alone
+        assert psutil.Process(node.proc.pid).status() != psutil.STATUS_STOPPED  # the agent is left alone
         job._slowing[0].join(timeout=5)
         assert stopped_share(worker, 0.5) == 0.0  # the span is over
         assert spanned.extra["pids"] == [worker.pid] and spanned.extra["ended_s"] >= 1.5
         assert 0.5 * 1.5 < spanned.extra["stopped_s"] < 1.5  # type: ignore[operator]
         job._slow_node(for_good, node)
         time.sleep(5 * SLOW_PERIOD)
-    finally:
-        job._ending.set()  # the job ends (cleanup() does this first)
-        for thread in job._slowing:
-            thread.join(timeout=5)
     assert stopped_share(worker, 0.3) == 0.0  # continued when the job ended
     assert for_good.extra["for_s"] is None and for_good.extra["factor"] == 4.0
 
@@ -67,18 +83,7 @@ def test_a_process_the_agent_starts_while_slowed_is_held_from_its_first_period(t
     worker) is as slow as the node from its first period: a node's slow hardware slows whatever runs on it,
     and a probe that ran free for part of its second would read the node healthier than it is."""
     late = "import time\ntime.sleep(1.0)\n" + NODE  # its process starts a second after the slowdown
-    agent = reaper.popen([sys.executable, "-c", late])
-    job = LocalJob(JobConfig(), LocalOptions(config_path=None, overrides={}, nodes=1, workdir=str(tmp_path)))
-    node = Node(index=0, proc=agent, log_path=str(tmp_path / "node-0.log"))
-    job._slow_node(FaultRecord(fault=parse_fault("slow-node", "0@step=1,factor=4")), node)
-    try:
-        deadline = time.monotonic() + 20
-        while not (children := psutil.Process(agent.pid).children()):
-            assert time.monotonic() < deadline, "the stand-in node did not start its process"
-            time.sleep(0.002)
-        share = stopped_share(children[0], 0.5)  # its first half second
+    with slowable(tmp_path, reaper, late) as (job, node):
+        job._slow_node(FaultRecord(fault=parse_fault("slow-node", "0@step=1,factor=4")), node)
+        share = stopped_share(children(node.proc.pid)[0], 0.5)  # its first half second
         assert 0.5 < share < 0.95, f"held {share:.0%} of its first half second, factor 4 holds it 75%"
-    finally:
-        job._ending.set()
-        for thread in job._slowing:
-            thread.join(timeout=5)
