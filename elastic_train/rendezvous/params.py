@@ -117,6 +117,7 @@ STRAGGLER_FIELDS: dict[str, type[int] | type[float] | type[str]] = {
     "window": int,
     "slow_steps": int,
     "slow_seconds": float,
+    "warmup_reports": int,
     "max_evictions": int,
     "eviction_window": float,
     "probation_seconds": float,

@@ -31,6 +31,9 @@ class StragglerConfig:
     """Steps a node's score must stay at or above ``threshold`` before it is flagged."""
     slow_seconds: float = 0.0
     """Seconds it must stay there as well (0: the steps alone)."""
+    warmup_reports: int = 2
+    """A node's first reports (at the job's start, after it rejoins) that are not scored: its first steps pay
+    start-up costs (lazy initialisation, compilation, connections) that are not its pace."""
     max_evictions: int = 1
     """Most evictions per ``eviction_window`` (an eviction storm is a job that shrinks itself to nothing); a
     node back on trial after a probation that is evicted again is not counted (``max_trials`` bounds it)."""
@@ -61,6 +64,8 @@ class StragglerConfig:
             raise ValueError(f"window: {self.window} must be >= 1 report")
         if self.slow_steps < 1:
             raise ValueError(f"slow_steps: {self.slow_steps} must be >= 1")
+        if not 0 <= self.warmup_reports <= 1000:
+            raise ValueError(f"warmup_reports: {self.warmup_reports} must be between 0 and 1000")
         if self.slow_seconds < 0:
             raise ValueError(f"slow_seconds: {self.slow_seconds:g} must be >= 0")
         if self.max_evictions < 0:

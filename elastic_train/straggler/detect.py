@@ -7,10 +7,15 @@ synchronous training that is the same on every node: nobody stands out, and nobo
 
 A node's ratio at a step is its busy time over the median of the *other* nodes' (so a slow node of two is
 twice the other, not 1.33 times their mean); its score is the median of its last ``window`` ratios (one slow
-step is noise). A node whose score stays at or above ``threshold`` for ``slow_steps`` steps (and
-``slow_seconds``) is flagged; a flagged node is cleared once its score falls below ``clear_below``. Every
-flag and clear is one :class:`Flag` with the numbers behind it. When every node slows down alike (a slow
-storage, a throttled network) the median moves with them and the ratios stay near 1.
+step is noise). A node whose score, over a full window, stays at or above ``threshold`` for ``slow_steps``
+steps (and ``slow_seconds``) is flagged; a flagged node is cleared once its score falls below
+``clear_below``. Every flag and clear is one :class:`Flag` with the numbers behind it. When every node slows
+down alike (a slow storage, a throttled network) the median moves with them and the ratios stay near 1.
+
+A node's first ``warmup_reports`` reports (at the job's start, after it rejoins, or with a new decider) are
+neither scored nor part of the others' median: its first steps pay for lazy initialisation, compilation,
+connections and its neighbours' start-up, which are not its pace. Nor does a score of fewer than ``window``
+ratios count towards a flag: the median of one or two reports is the noise the window is there to drop.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from __future__ import annotations
 import math
 from bisect import bisect_left
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from statistics import median
 from typing import Any, Literal
 
@@ -71,6 +76,8 @@ class Track:
     slow_since: tuple[int, float] | None = None
     """Step and time its score reached the threshold in the current streak (kept while flagged)."""
     flagged: bool = False
+    seen: int = 0
+    """Its reports observed so far (the first ``warmup_reports`` are not scored)."""
 
     @property
     def score(self) -> float | None:
@@ -133,19 +140,25 @@ def observe(
     values = {
         n: float(b) for n, b in busy.items() if isinstance(b, int | float) and math.isfinite(b) and b >= 0
     }
-    ordered = sorted(values.values())
     tracks: dict[str, Track] = {}
+    for node in values:
+        track = state.tracks.get(node, Track())
+        if track.seen < cfg.warmup_reports:  # still warming up: neither scored nor compared with
+            tracks[node] = replace(track, seen=track.seen + 1)
+    values = {n: b for n, b in values.items() if n not in tracks}
+    ordered = sorted(values.values())
     flags: list[Flag] = []
     for node, b in values.items():
         track = state.tracks.get(node, Track())
         others = median_without(ordered, b) if len(ordered) >= 2 else 0.0
+        seen = track.seen + 1
         if others <= 0:  # no one to compare with (a job of one node, or others that report no work)
-            tracks[node] = track
+            tracks[node] = replace(track, seen=seen)
             continue
         ratios = (*track.ratios, b / others)[-cfg.window :]
         score = median(ratios)
         since = track.slow_since
-        if score >= cfg.threshold:
+        if score >= cfg.threshold and len(ratios) >= cfg.window:
             since = since or (step, now)
         elif not (track.flagged and score >= cfg.clear_below):
             since = None
@@ -159,6 +172,6 @@ def observe(
             flagged, event, bar = False, "straggler_cleared", cfg.clear_below
         if event is not None:
             flags.append(Flag(event, node, step, score, bar, b, others, slow_steps, slow_s, len(values)))
-        tracks[node] = Track(ratios, since, flagged)
+        tracks[node] = Track(ratios, since, flagged, seen)
     flags.sort(key=lambda f: (-f.score, f.node))
     return DetectorState(tracks), flags

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -84,7 +85,9 @@ def test_hysteresis_keeps_a_flag_between_the_bars_and_clears_it_below() -> None:
 
 
 def test_slow_seconds_holds_a_flag_until_the_node_was_slow_that_long() -> None:
-    cfg = StragglerConfig(threshold=1.5, clear_below=1.2, window=1, slow_steps=1, slow_seconds=5.0)
+    cfg = StragglerConfig(
+        threshold=1.5, clear_below=1.2, window=1, slow_steps=1, slow_seconds=5.0, warmup_reports=0
+    )
     steps = [healthy(3) | {"n1": 2.0} for _ in range(10)]
     _, flags = run(steps, cfg, dt=1.0)
     assert [(f.node, f.step, f.slow_s) for f in flags] == [("n1", 6, 5.0)]
@@ -117,3 +120,41 @@ def test_the_worst_of_two_slow_nodes_comes_first() -> None:
     steps = [healthy(5) | {"n1": 2.0, "n3": 3.0} for _ in range(10)]
     state, flags = run(steps)
     assert [f.node for f in flags] == ["n3", "n1"] and state.flagged == ["n3", "n1"]
+
+
+def test_a_node_slow_only_in_its_first_reports_is_not_flagged() -> None:
+    # start-up: n1's first two reports are 4x the others' (its lazy initialisation, a neighbour's start probe)
+    cfg = StragglerConfig(threshold=1.5, clear_below=1.2, window=3, slow_steps=1)
+    steps = [healthy(3) | {"n1": 4.0} for _ in range(2)] + [healthy(3) for _ in range(20)]
+    state, flags = run(steps, cfg)
+    assert flags == [] and state.score("n1") == 1.0
+    # without the warm-up the same reports flag it at its first full window
+    _, flags = run([*steps[:2], healthy(3) | {"n1": 4.0}, *steps[2:]], replace(cfg, warmup_reports=0))
+    assert [(f.event, f.node, f.step) for f in flags][:1] == [("straggler_flagged", "n1", 3)]
+
+
+def test_a_node_warming_up_is_neither_scored_nor_part_of_the_others_median() -> None:
+    cfg = StragglerConfig(threshold=1.5, clear_below=1.2, window=1, slow_steps=1, warmup_reports=2)
+    state, _ = run([healthy(2) for _ in range(5)], cfg)
+    # a third node joins with slow first steps: n0 and n1 keep comparing with each other alone
+    state, flags = observe(state, 6, healthy(2) | {"n2": 10.0}, 6.0, cfg)
+    assert flags == [] and state.score("n2") is None and state.tracks["n2"].seen == 1
+    assert state.score("n0") == 1.0 and state.score("n1") == 1.0
+    state, flags = observe(state, 7, healthy(2) | {"n2": 10.0}, 7.0, cfg)
+    assert flags == [] and state.score("n2") is None
+    # its third report is scored
+    state, flags = observe(state, 8, healthy(2) | {"n2": 10.0}, 8.0, cfg)
+    assert [(f.node, f.score) for f in flags] == [("n2", 10.0)]
+
+
+def test_a_score_of_fewer_reports_than_the_window_does_not_count_towards_a_flag() -> None:
+    cfg = StragglerConfig(threshold=1.5, clear_below=1.2, window=4, slow_steps=1, warmup_reports=0)
+    state, flags = run([healthy(3) | {"n1": 3.0} for _ in range(3)], cfg)
+    assert flags == [] and state.score("n1") == 3.0 and state.tracks["n1"].slow_since is None
+    state, flags = observe(state, 4, healthy(3) | {"n1": 3.0}, 4.0, cfg)
+    assert [(f.node, f.step) for f in flags] == [("n1", 4)]
+
+
+def test_warmup_reports_out_of_range_is_refused() -> None:
+    with pytest.raises(ValueError, match="warmup_reports"):
+        StragglerConfig(warmup_reports=-1)
