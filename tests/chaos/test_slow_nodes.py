@@ -156,12 +156,12 @@ def test_a_node_slowed_for_a_span_is_kept_out_by_its_probe_and_readmitted_once_h
     healthy and it rejoins for good."""
     path = [str(ROOT), str(ROOT / "benchmarks"), os.environ.get("PYTHONPATH")]
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, path)))
-    # The tests beside this one load the 2 cores unevenly: the node's probe (at nice 10) then reads at a
-    # fraction of its quiet rate, and a healthy node's step time jumps for a moment. Slowed 8x, the node
-    # scores near 8 and its probe at eviction reads it 3x slow or worse; a bar of 3 keeps a node starved
-    # for a moment (scores up to 2.2 seen while all three nodes start and probe at once) from being
-    # flagged in its place and spending the eviction budget.
-    ov = overrides(tmp_path, threshold=3.0)
+    # The tests beside this one load the 2 cores unevenly: the node's probes (at nice 10) then read at a
+    # fraction of its quiet rate, its healthy rate with them. Slowed 8x, the node scores near 8, but its
+    # probe at eviction may read it only 2.5x below a healthy rate measured under such load (2.46x seen):
+    # a bar of 2. A healthy node's start-up reports (scores up to 2.2 seen while all three nodes start and
+    # probe at once) are the detector's warm-up and flag nobody.
+    ov = overrides(tmp_path, threshold=2.0)
     ov.update({"train.task": "straggler_task:build", "train.task_args": {"per_sample_s": 0.01},
                "train.steps": SPAN_STEPS})  # fmt: skip
     job = local_job(tmp_path, ov, f"1@step=100,factor=8,for={SPAN_S:g}")
