@@ -12,10 +12,11 @@ steps (and ``slow_seconds``) is flagged; a flagged node is cleared once its scor
 ``clear_below``. Every flag and clear is one :class:`Flag` with the numbers behind it. When every node slows
 down alike (a slow storage, a throttled network) the median moves with them and the ratios stay near 1.
 
-A node's first ``warmup_reports`` reports (at the job's start, after it rejoins, or with a new decider) are
-neither scored nor part of the others' median: its first steps pay for lazy initialisation, compilation,
-connections and its neighbours' start-up, which are not its pace. Nor does a score of fewer than ``window``
-ratios count towards a flag: the median of one or two reports is the noise the window is there to drop.
+A node's first ``warmup_reports`` reports (at the job's start, after it rejoins, with a new decider, or
+after a step it was missing from, which forgets it) are neither scored nor part of the others' median: its
+first steps pay for lazy initialisation, compilation, connections and its neighbours' start-up, which are
+not its pace. Nor does a score of fewer than ``window`` ratios count towards a flag: the median of one or two
+reports is the noise the window is there to drop.
 """
 
 from __future__ import annotations
