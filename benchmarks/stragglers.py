@@ -5,15 +5,19 @@ Both run ``elastic-train local`` jobs of 3 nodes (one worker each) on loopback t
 only while the process runs, no CPU used, so that the 2-core machine's contention does not favour a smaller
 world).
 
-- ``goodput``: two jobs paired in one run, identical but for ``rendezvous.straggler.policy``. Node 1 is slowed
-  ``--factor`` times (``slow-node``: SIGSTOP/SIGCONT duty cycling) from step ``--slow-step`` for
-  ``--slow-for`` seconds, then runs at full speed again. Reported per policy: samples and steps per second
-  over the run (first to last step), during the slowdown, the eviction's and the readmission's times from
-  the fault; and the ratio evict / report (target >= 1.3). Also printed: the median step at each world size
-  during the slowdown, and from them the pace with node 1 evicted against the pace with it slowed (what an
-  eviction gains while it holds), and how long node 1 was out during its slowdown. With a constant global
-  batch the best an eviction can do for one node slowed 2x in 3 is 2 / 1.5 = 1.33x while it is slow (the two
-  others take its samples).
+- ``goodput``: three jobs paired in one run, identical but for what they do about a slow node:
+  ``rendezvous.straggler.policy: report`` (nothing: the baseline), ``evict``, and ``speed`` (policy
+  ``report`` with ``train.shares: speed``: the slow node stays and trains a share proportional to its
+  speed). Node 1 is slowed ``--factor`` times (``slow-node``: SIGSTOP/SIGCONT duty cycling) from step
+  ``--slow-step`` for ``--slow-for`` seconds, then runs at full speed again. Reported per policy: samples
+  and steps per second over the run (first to last step), during the slowdown, the eviction's and the
+  readmission's times from the fault, the share changes; and the ratios evict / report and speed / report
+  (target >= 1.3). Also printed: the median step at each world size during the slowdown, and from them the
+  pace with node 1 evicted against the pace with it slowed (what an eviction gains while it holds), and
+  how long node 1 was out during its slowdown. With a constant global batch the best an eviction can do
+  for one node slowed 2x in 3 is 2 / 1.5 = 1.33x while it is slow (the two others take its samples);
+  speed-weighted shares can reach 2 / 1.2 = 1.67x (the slow node keeps a fifth). ``--policies`` runs a
+  subset.
 - ``false-positives``: a healthy job with ``policy: evict`` for ``--minutes`` minutes while ``--load``
   busy-loop processes started by the benchmark (killed by PID at the end) compete for the cores; every
   ``straggler_flagged`` and ``straggler_evict`` event of every node is counted (target 0).
@@ -64,11 +68,12 @@ def job(
     steps: int,
     faults: list[str],
     per_sample_s: float,
+    shares: str = "even",
 ) -> dict[str, Any]:
     """One ``elastic-train local`` job; its summary, events and the nodes' straggler events."""
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))
     ov: dict[str, Any] = {
-        "rendezvous.run_id": f"stragglers-{policy}",
+        "rendezvous.run_id": f"stragglers-{policy}-{shares}",
         "rendezvous.min_nodes": 2,
         "rendezvous.max_nodes": 3,
         "rendezvous.straggler": {**STRAGGLER, "policy": policy},
@@ -76,6 +81,7 @@ def job(
         "train.task_args": {"per_sample_s": per_sample_s},
         "train.steps": steps,
         "train.global_batch": GLOBAL_BATCH,
+        "train.shares": shares,
         "train.audit_dir": str(work / "audit"),
         "checkpoint.url": str(work / "ckpt"),
         "checkpoint.every_steps": max(100, steps // 5),
@@ -93,7 +99,8 @@ def job(
         tail = local.opts.out.getvalue()[-2000:]  # type: ignore[attr-defined]
         raise RuntimeError(f"the {policy} job did not finish: {tail}")
     audit = check_exactly_once(str(work / "audit"), steps=steps)
-    steps_ev = [e for e in read_events(local.events_path) if e.get("event") == "step"]
+    events = read_events(local.events_path)
+    steps_ev = [e for e in events if e.get("event") == "step"]
     decisions = []
     for n in local.nodes:
         for line in Path(n.log_path).read_text(errors="replace").splitlines():
@@ -103,6 +110,7 @@ def job(
         "summary": summary,
         "steps": steps_ev,
         "decisions": decisions,
+        "shares": [e for e in events if e.get("event") == "shares"],
         "exactly_once": audit.ok,
         "timeline": summary.world_size_timeline,
     }
@@ -134,8 +142,11 @@ def paces(steps: list[dict[str, Any]], start: float, end: float) -> dict[int, tu
 def goodput(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     fault = f"slow-node 1@step={args.slow_step},factor={args.factor:g},for={args.slow_for:g}"
     out: dict[str, Any] = {"fault": fault, "steps": args.steps, "straggler": STRAGGLER}
-    for policy in ("report", "evict"):
-        r = job(tmp / policy, policy, args.steps, [fault], args.per_sample_s)
+    for policy in args.policies.split(","):
+        if policy == "speed":
+            r = job(tmp / policy, "report", args.steps, [fault], args.per_sample_s, shares="speed")
+        else:
+            r = job(tmp / policy, policy, args.steps, [fault], args.per_sample_s)
         f = r["summary"].faults[0]
         fired = f.fired_at or 0.0
         evicted = [d for d in r["decisions"] if d["event"] == "straggler_evicted"]
@@ -154,28 +165,36 @@ def goodput(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             "evictions": len(evicted),
             "evicted_after_s": round(_ts(evicted[0]) - fired, 2) if evicted else None,
             "readmitted_at_step": back["step"] if back else None,
+            "share_changes": [
+                {"step": e["step"], "after_s": round(float(e["time"]) - fired, 2), "new": e["new"]}
+                for e in r["shares"]
+            ],
             "world_sizes": " -> ".join(f"{p['world_size']}@{p['step']}" for p in sizes),
             "exactly_once": r["exactly_once"],
             "load": round(os.getloadavg()[0], 1),
         }
         out[policy] = row
         print(json.dumps(row), flush=True)
-    rep, ev = out["report"], out["evict"]
-    out["ratio"] = round(ev["samples_per_s"] / rep["samples_per_s"], 3) if rep["samples_per_s"] else None
-    out["ratio_slow_span"] = (
-        round(ev["slow_span"]["samples_per_s"] / rep["slow_span"]["samples_per_s"], 3)
-        if rep["slow_span"]["samples_per_s"]
-        else None
-    )
-    verdict = "met" if out["ratio"] and out["ratio"] >= 1.3 else "MISSED"
-    print(
-        f"goodput evict / report over the run: {out['ratio']}x (target >= 1.3: {verdict}); "
-        f"during the slowdown: {out['ratio_slow_span']}x"
-    )
+    rep = out.get("report")
+    if rep is None or not rep["samples_per_s"] or not rep["slow_span"]["samples_per_s"]:
+        return out
+    for name in ("evict", "speed"):
+        if name not in out:
+            continue
+        other = out[name]
+        whole = round(other["samples_per_s"] / rep["samples_per_s"], 3)
+        span = round(other["slow_span"]["samples_per_s"] / rep["slow_span"]["samples_per_s"], 3)
+        out["ratio" if name == "evict" else "ratio_speed"] = whole
+        out["ratio_slow_span" if name == "evict" else "ratio_speed_slow_span"] = span
+        verdict = "met" if whole >= 1.3 else "MISSED"
+        print(
+            f"goodput {name} / report over the run: {whole}x (target >= 1.3: {verdict}); "
+            f"during the slowdown: {span}x"
+        )
     # What an eviction does while it holds, apart from detection and trials: the pace without the slowed
     # node against the pace with it (the bound with a constant global batch: 2 / 1.5 at factor 2).
     slowed = rep["slow_span_paces"].get("world 3")
-    without = ev["slow_span_paces"].get("world 2")
+    without = out["evict"]["slow_span_paces"].get("world 2") if "evict" in out else None
     if slowed and without:
         out["pace_ratio"] = round(slowed["median_step_s"] / without["median_step_s"], 3)
         print(
@@ -237,6 +256,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--factor", type=float, default=2.0, help="goodput: how many times slower")
     p.add_argument("--minutes", type=float, default=10.0, help="false-positives: length of the healthy job")
     p.add_argument("--load", type=int, default=2, help="false-positives: busy-loop processes beside the job")
+    p.add_argument(
+        "--policies", default="report,evict,speed", help="goodput: the jobs to run (report first for ratios)"
+    )
     p.add_argument("--per-sample-s", type=float, default=0.008, help="simulated device seconds per sample")
     p.add_argument("--json", metavar="FILE", help="write the results here")
     p.add_argument("--keep", metavar="DIR", help="keep the jobs' directories (logs, events) here")

@@ -29,6 +29,8 @@ class StepClock:
         self._last: float | None = None
         self._launched = 0.0
         self._completed = 0.0
+        self.last_busy: float | None = None
+        """What :meth:`lap` returned last."""
         self.timed = False
         """True once a hook reported an all-reduce (the busy time is then wall time less the wait)."""
 
@@ -47,9 +49,8 @@ class StepClock:
         last, self._last = self._last, now
         wait = max(0.0, self._completed - self._launched) if self._launched else 0.0
         self._launched = self._completed = 0.0
-        if last is None:
-            return None
-        return max(0.0, now - last - wait)
+        self.last_busy = None if last is None else max(0.0, now - last - wait)
+        return self.last_busy
 
 
 def time_collectives(ddp: torch.nn.parallel.DistributedDataParallel, clock: StepClock) -> None:

@@ -30,6 +30,8 @@ class TrainConfig:
     """Process-group backend: auto (nccl with CUDA, else gloo), gloo or nccl."""
     fsdp: bool = False
     """Shard the model with FSDP2 (fully_shard per block) instead of replicating it with DDP."""
+    shares: str = "even"
+    """Split of each step over the ranks: even, or speed (a slow rank trains fewer, docs/stragglers.md)."""
 
     def __post_init__(self) -> None:
         if not self.task:
@@ -44,3 +46,10 @@ class TrainConfig:
             raise ValueError(f"log_every: {self.log_every} must be >= 1")
         if self.backend not in ("auto", "gloo", "nccl"):
             raise ValueError(f"backend: {self.backend!r} is not one of auto, gloo, nccl")
+        if self.shares not in ("even", "speed"):
+            raise ValueError(f"shares: {self.shares!r} is not one of even, speed")
+        if self.shares == "speed" and self.fsdp:
+            raise ValueError(
+                "shares: 'speed' needs DDP, and train.fsdp is on: the ranks' busy times ride in DDP's "
+                "gradient all-reduce"
+            )

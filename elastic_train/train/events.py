@@ -3,7 +3,8 @@
 If the environment variable :data:`ENV_EVENTS` names a file, rank 0 appends
 ``{"event", "time", "round", "world_size", "step", ...}`` lines to it: ``started``, ``resumed`` (with
 ``source`` and ``from_step``), ``step`` (``loss``, ``samples_per_s``, ``epoch``), ``checkpoint`` (``seconds``,
-``bytes``) and ``done``, through :class:`~elastic_train.train.jsonl.JsonLinesWriter` (lines of successive
+``bytes``), ``shares`` (speed-weighted shares changed: ``old``, ``new``, the costs behind it) and ``done``,
+through :class:`~elastic_train.train.jsonl.JsonLinesWriter` (lines of successive
 worker generations never interleave).
 """
 
@@ -16,7 +17,7 @@ from typing import Any
 from elastic_train.envvars import ENV_EVENTS
 from elastic_train.train.jsonl import JsonLinesWriter, read_json_lines
 
-EVENTS = ("started", "resumed", "step", "checkpoint", "done")
+EVENTS = ("started", "resumed", "step", "checkpoint", "shares", "done")
 
 
 class EventWriter:

@@ -10,6 +10,10 @@ The first bucket (index 0: the gradients that are ready first) is DDP's small on
 by default), so the copy that appending costs stays small whatever the model's size; the last bucket can hold
 up to ``bucket_cap_mb`` (25 MiB), and copying it on every step cost a 38 MB model ~3% of a 200 ms step.
 
+The same ride carries, with speed-weighted shares (:mod:`elastic_train.train.balance`), one slot per rank for
+the ranks' busy times of the step before: each rank fills its own slot and leaves the others 0, so the sum
+is every rank's value, exact and the same on every rank.
+
 Only used when every parameter is float32 or float64 (the appended value takes the bucket's dtype); with
 other dtypes the loop keeps its separate all-reduce.
 """
@@ -43,13 +47,18 @@ class LossCarrier:
     def register(self, ddp: torch.nn.parallel.DistributedDataParallel) -> None:
         ddp.register_comm_hook(self, _hook)
 
-    def arm(self, loss_sum: torch.Tensor) -> None:
-        """Carry ``loss_sum`` (this rank's sum of per-sample losses) with the next synchronizing backward."""
-        self._pending = loss_sum.detach()
+    def arm(self, loss_sum: torch.Tensor, extra: torch.Tensor | None = None) -> None:
+        """Carry ``loss_sum`` (this rank's sum of per-sample losses), and ``extra`` values after it, with the
+        next synchronizing backward."""
+        value = loss_sum.detach().reshape(1)
+        if extra is not None:
+            value = torch.cat([value, extra.detach().reshape(-1).to(device=value.device, dtype=value.dtype)])
+        self._pending = value
         self._reduced = None
 
     def take(self) -> torch.Tensor | None:
-        """The sum over ranks of the armed value (a 1-element tensor), or None when no bucket carried it."""
+        """The sum over ranks of the armed values (the loss first, then ``extra``), or None when no bucket
+        carried them."""
         out, self._reduced, self._pending = self._reduced, None, None
         return out
 
@@ -66,7 +75,7 @@ def _hook(state: LossCarrier, bucket: dist.GradBucket) -> torch.futures.Future[t
         fut = dist.all_reduce(buf, group=state.group, async_op=True).get_future()
         return fut.then(lambda f: _done(clock, f.value()[0]))
     state._pending = None
-    flat = torch.cat([buf, pending.reshape(1).to(device=buf.device, dtype=buf.dtype)])
+    flat = torch.cat([buf, pending.to(device=buf.device, dtype=buf.dtype)])
     n = buf.numel()
 
     def split(f: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:

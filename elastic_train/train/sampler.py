@@ -28,6 +28,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from elastic_train.envvars import ENV_AUDIT_DIR
+from elastic_train.train.balance import share_range, weighted_counts
 from elastic_train.train.batching import share_weight
 from elastic_train.train.link import worker_env
 
@@ -83,6 +84,9 @@ class ElasticSampler:
         self.seed = seed
         self.epoch = 0
         self.cursor = 0
+        self.weights: tuple[float, ...] | None = None
+        """Speed weights of the ranks' shares (:mod:`elastic_train.train.balance`); None: even shares. Not
+        part of the state: every rank of a group must hold the same, and a new group starts even."""
         self._perm: torch.Tensor | None = None
         self._perm_epoch = -1
 
@@ -130,10 +134,15 @@ class ElasticSampler:
     def plan(self, world_size: int, rank: int) -> StepPlan:
         """This rank's share of the next step, without advancing (call :meth:`advance` after the step)."""
         size = min(self.global_batch, self.dataset_len - self.cursor)
-        lo, hi = share_bounds(size, world_size, rank)
+        lo, hi = self._bounds(size, world_size, rank)
         perm = self._permutation()
         indices = perm[self.cursor + lo : self.cursor + hi].tolist()
         return StepPlan(epoch=self.epoch, start=self.cursor, size=size, indices=indices)
+
+    def _bounds(self, size: int, world_size: int, rank: int) -> tuple[int, int]:
+        if self.weights is None or len(self.weights) != world_size:
+            return share_bounds(size, world_size, rank)
+        return share_range(weighted_counts(size, self.weights, world_size), rank)
 
     def advance(self, plan: StepPlan) -> None:
         """Move the cursor past ``plan``'s step, rolling over to the next epoch at its end."""
@@ -257,7 +266,7 @@ class ElasticBatchSampler(ElasticSampler):
                     "restore the state before iterating the DataLoader"
                 )
             size = min(self.global_batch, self.dataset_len - cursor)
-            lo, hi = share_bounds(size, world, rank)
+            lo, hi = self._bounds(size, world, rank)  # the weights as they are when the step is drawn
             indices = perm[cursor + lo : cursor + hi].tolist()
             step += 1
             if audit is not None and step > self._audited:

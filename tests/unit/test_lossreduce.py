@@ -1,4 +1,5 @@
-"""The loss carried in DDP's last gradient bucket: same gradients as DDP's default hook, summed loss."""
+"""The loss carried in DDP's first gradient bucket: same gradients as DDP's default hook, summed loss; with
+per-rank slots after it (speed-weighted shares' busy times), every rank's value, exact, on every rank."""
 
 from __future__ import annotations
 
@@ -41,21 +42,24 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
         expected = loss.detach().clone()
         dist.all_reduce(expected)
         loss2 = ((carried_ddp(x) - y) ** 2).sum()
-        carrier.arm(loss2.detach().to(torch.float64))
+        slots = None
+        if step > 0:  # step 0 carries the loss alone
+            slots = torch.zeros(world, dtype=torch.float64)
+            slots[rank] = 0.1 * (rank + 1) + step / 3
+        carrier.arm(loss2.detach().to(torch.float64), slots)
         loss2.backward()
         got = carrier.take()
-        assert got is not None
+        assert got is not None and got.numel() == (1 if slots is None else 1 + world)
         same_grads = all(
             torch.equal(a.grad, b.grad) for a, b in zip(base.parameters(), twin.parameters(), strict=True)
         )
-        results.append((float(got.item()), float(expected.item()), same_grads))
+        results.append((float(got[0].item()), float(expected.item()), same_grads, got[1:].tolist()))
         for m in (base, twin):
             m.zero_grad()
     # Without arming, no bucket carries anything and the gradients are still DDP's.
     (carried_ddp(torch.ones(2, 8)).sum()).backward()
-    results.append((carrier.take(), None, True))
-    if rank == 0:
-        torch.save(results, out)
+    results.append((carrier.take(), None, True, []))
+    torch.save(results, f"{out}.{rank}")
     # DDP's reducers must go before the process group does (else gloo can abort the process at exit).
     del plain, carried_ddp, carrier
     gc.collect()
@@ -65,8 +69,11 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
 def test_loss_carrier_sums_the_loss_and_keeps_ddp_gradients(tmp_path):
     out = str(tmp_path / "r.pt")
     mp.spawn(_rank, args=(2, _port(), out), nprocs=2, join=True)
-    results = torch.load(out)
-    for got, expected, same_grads in results[:-1]:
+    results, other = torch.load(f"{out}.0"), torch.load(f"{out}.1")
+    for step, (got, expected, same_grads, slots) in enumerate(results[:-1]):
         assert abs(got - expected) <= 1e-5 * max(1.0, abs(expected))
         assert same_grads
+        # Each slot holds one rank's value exactly as the bucket's dtype (float32) has it, on both ranks.
+        want = [] if step == 0 else [float(torch.tensor(0.1 * (r + 1) + step / 3).float()) for r in range(2)]
+        assert slots == want and other[step][3] == want
     assert results[-1][0] is None

@@ -1,0 +1,221 @@
+"""Speed-weighted shares (``train.shares: speed``): a slow rank trains fewer of a step's samples, the others
+more.
+
+In synchronous data parallel training every step lasts as long as its slowest rank's work. Evicting a node
+slowed ``k`` times leaves the step to ``W - 1`` ranks; keeping it with a share proportional to its speed
+keeps its remaining throughput as well: for one of 3 ranks slowed 2x, even shares take ``2 · G/3`` sample
+times a step, speed-weighted ones ``G/2.5`` (1.67x faster), evicting it ``G/2`` (1.33x).
+
+How the shares are agreed without a collective of their own: each rank's *busy* time of its previous step
+(:class:`elastic_train.train.busy.StepClock`: the step's wall time less the wait for the gradient
+all-reduce) rides in DDP's first gradient bucket with the step's loss
+(:class:`elastic_train.train.lossreduce.LossCarrier`), one slot per rank. After the step every rank holds the
+same vector (each slot is one rank's value plus zeros: exact), feeds it to its own :class:`ShareBalancer`,
+and all of them reach the same decision from the same numbers, at the same step. The balancer keeps a
+cost per sample per rank (its busy time over the samples it trained), the median of the last ``window``
+steps trained under the current shares, and proposes shares proportional to the ranks' speeds (1 / cost),
+each between ``floor`` and ``cap`` times the even share. It adopts them only when they are predicted to
+shorten the step by ``min_gain`` or more (hysteresis: noise on a healthy job moves nothing), then waits for
+a full ``window`` under the new shares and checks what they did: when the slowest rank's busy time did not
+fall by at least half of ``min_gain`` (a cost that does not scale with the samples: a per-step overhead on a
+slow node), the change is undone and the shares are left alone for ``hold`` steps, doubled at each undo.
+Repeated, the rule converges on shares that equalise the ranks' busy times; a node that becomes fast again
+earns its share back the same way.
+
+The data order is untouched: a step's samples are the same ``G`` positions of the epoch's permutation,
+split in contiguous shares of the agreed sizes (exactly-once holds for any split the ranks agree on), and
+the loss weighting of :mod:`elastic_train.train.batching` makes the update the mean-loss gradient over the
+step for any split. A new worker group starts with even shares.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+#: Defaults of the balancer (see :class:`ShareBalancer`).
+WINDOW = 5
+MIN_GAIN = 0.05
+FLOOR = 0.25
+CAP = 2.0
+HOLD = 50
+
+
+def weighted_counts(size: int, weights: Sequence[float] | None, world_size: int) -> list[int]:
+    """``size`` samples split over ``world_size`` ranks in proportion to ``weights`` (None: even shares, the
+    first ``size % world_size`` ranks one more).
+
+    Largest remainders, ties to the lower rank: a pure function of its arguments, so every rank computes
+    the same split. The counts sum to ``size``.
+    """
+    if weights is None:
+        base, extra = divmod(size, world_size)
+        return [base + (1 if r < extra else 0) for r in range(world_size)]
+    assert len(weights) == world_size and all(w > 0 for w in weights), weights
+    total = sum(weights)
+    exact = [size * w / total for w in weights]
+    counts = [int(x) for x in exact]
+    left = size - sum(counts)
+    order = sorted(range(world_size), key=lambda r: (-(exact[r] - counts[r]), r))
+    for r in order[:left]:
+        counts[r] += 1
+    return counts
+
+
+def share_range(counts: Sequence[int], rank: int) -> tuple[int, int]:
+    """Contiguous share ``[lo, hi)`` of ``rank`` given every rank's count."""
+    lo = sum(counts[:rank])
+    return lo, lo + counts[rank]
+
+
+@dataclass(frozen=True, slots=True)
+class ShareChange:
+    """New shares adopted after ``step``: one event with the numbers behind it."""
+
+    step: int
+    """The step whose end decided it (the new shares apply from the step after the next one started)."""
+    old: list[int]
+    """Each rank's samples of a full step before."""
+    new: list[int]
+    """And after."""
+    cost_ms: list[float]
+    """Each rank's busy milliseconds per sample (median of the window)."""
+    predicted_s: tuple[float, float]
+    """The slowest rank's busy seconds a step under the old shares (measured) and under the new ones
+    (predicted; measured when the change undoes one)."""
+    why: str = "faster"
+    """``faster``, or ``undone`` (the change before did not shorten the step)."""
+
+    def fields(self) -> dict[str, Any]:
+        old, new = self.predicted_s
+        return {
+            "why": self.why,
+            "old": self.old,
+            "new": self.new,
+            "cost_ms_per_sample": self.cost_ms,
+            "predicted_step_s": [round(old, 4), round(new, 4)],
+            "predicted_gain": round(old / new, 3) if new > 0 else None,
+        }
+
+
+class ShareBalancer:
+    """Every rank's copy of the share decision (see the module docstring).
+
+    Args:
+        world_size: ranks in the group.
+        global_batch: samples in a full step (``G``).
+        window: steps under the current shares whose costs are taken (median) before a decision.
+        min_gain: adopt new shares only when they shorten the predicted step by this fraction or more.
+        floor: the smallest share, as a fraction of the even share ``G / W``.
+        cap: the largest share, as a multiple of the even share (it bounds a fast rank's memory growth).
+        hold: steps without a change after one is undone (doubled at each further undo).
+    """
+
+    def __init__(
+        self,
+        world_size: int,
+        global_batch: int,
+        *,
+        window: int = WINDOW,
+        min_gain: float = MIN_GAIN,
+        floor: float = FLOOR,
+        cap: float = CAP,
+        hold: int = HOLD,
+    ) -> None:
+        if world_size < 1 or global_batch < 1 or window < 1:
+            raise ValueError(
+                f"world_size {world_size}, global_batch {global_batch}, window {window}: each must be >= 1"
+            )
+        if not 0 < floor <= 1 <= cap:
+            raise ValueError(f"floor {floor} and cap {cap}: need 0 < floor <= 1 <= cap")
+        self.world_size = world_size
+        self.global_batch = global_batch
+        self.window = window
+        self.min_gain = min_gain
+        self.floor = floor
+        self.cap = cap
+        self.hold = hold
+        self.weights: tuple[float, ...] | None = None
+        """The current shares' weights (None: even)."""
+        self._since = 0  # steps numbered below this were trained under other shares
+        self._costs: list[deque[float]] = [deque(maxlen=window) for _ in range(world_size)]
+        #: After a change: the slowest busy seconds before it and the weights it replaced.
+        self._judge: tuple[float, tuple[float, ...] | None] | None = None
+        self._undone = 0
+
+    def counts(self, size: int) -> list[int]:
+        """Every rank's samples of a step of ``size`` under the current shares."""
+        return weighted_counts(size, self.weights, self.world_size)
+
+    def begin(self, step: int) -> None:
+        """Judge only steps from ``step`` on (the first step of a group includes its start-up)."""
+        self._since = max(self._since, step)
+
+    def observe(self, step: int, size: int, busy: Sequence[float]) -> ShareChange | None:
+        """Step ``step`` (of ``size`` samples) kept each rank busy ``busy[r]`` seconds (0: unknown).
+
+        Returns the change adopted after it, or None. Every rank must call it with the same arguments.
+        """
+        assert len(busy) == self.world_size
+        if step < self._since:
+            return None
+        counts = self.counts(size)
+        for r, (n, b) in enumerate(zip(counts, busy, strict=True)):
+            if n > 0 and b > 0:
+                self._costs[r].append(b / n)
+        if any(len(c) < self.window for c in self._costs):
+            return None
+        cost = [statistics.median(c) for c in self._costs]
+        old = self.counts(self.global_batch)
+        before = max(c * n for c, n in zip(cost, old, strict=True))
+        cost_ms = [round(c * 1000, 3) for c in cost]
+        if self._judge is not None:
+            earlier, replaced = self._judge
+            self._judge = None
+            if before > earlier * (1.0 - self.min_gain / 2):
+                self.weights = replaced
+                self._undone += 1
+                self._restart(step, self.hold * 2 ** (self._undone - 1))
+                new = self.counts(self.global_batch)
+                return ShareChange(step, old, new, cost_ms, (before, earlier), why="undone")
+            self._undone = 0
+        weights = self._proposal(cost)
+        new = weighted_counts(self.global_batch, weights, self.world_size)
+        after = max(c * n for c, n in zip(cost, new, strict=True))
+        if new == old or after > before * (1.0 - self.min_gain):
+            return None
+        if min(new) < 1 <= self.global_batch // self.world_size:
+            return None  # a rank without samples could not be measured again
+        self._judge = (before, self.weights)
+        self.weights = weights
+        self._restart(step, 0)
+        return ShareChange(step, old, new, cost_ms, (before, after))
+
+    def _restart(self, step: int, hold: int) -> None:
+        """New shares after ``step``: judge only steps trained under them, ``hold`` steps on."""
+        # The next step's share was taken before this decision: the new shares apply from the one after.
+        self._since = step + 2 + hold
+        for c in self._costs:
+            c.clear()
+
+    def _proposal(self, cost: Sequence[float]) -> tuple[float, ...]:
+        """Weights proportional to speed, each share kept within [floor, cap] of the even share: the shares
+        ``clamp(λ · speed)`` that sum to 1 (``λ`` by bisection: the sum grows with it)."""
+        w = self.world_size
+        speed = [1.0 / c for c in cost]
+        lo, hi = self.floor / w, self.cap / w
+
+        def shares(scale: float) -> list[float]:
+            return [min(hi, max(lo, scale * v)) for v in speed]
+
+        low, high = 0.0, 1.0 / min(speed)  # at ``high`` every share is min(hi, >= 1) >= 1 / w: a sum >= 1
+        for _ in range(100):
+            mid = (low + high) / 2
+            if sum(shares(mid)) < 1.0:
+                low = mid
+            else:
+                high = mid
+        return tuple(shares(high))
