@@ -41,7 +41,7 @@ WINDOW = 5
 MIN_GAIN = 0.05
 FLOOR = 0.25
 CAP = 2.0
-HOLD = 50
+HOLD = 10
 
 
 def weighted_counts(size: int, weights: Sequence[float] | None, world_size: int) -> list[int]:
