@@ -84,7 +84,8 @@ def test_a_probe_of_an_absent_device_is_no_rate() -> None:
 
 def test_a_probe_held_stopped_three_quarters_of_the_time_measures_a_lower_rate() -> None:
     """What a throttled node's probe sees: the process runs a quarter of the time (SIGSTOP/SIGCONT, the
-    ``slow-node`` fault's cycle), so its rate is well below a free-running probe's."""
+    ``slow-node`` fault's cycle), so its rate is well below a free-running probe's (the best of one before
+    and one after it: on a loaded machine one free probe alone can be held back as much)."""
     free = _rate(_probe_proc(2.0))
     proc = _probe_proc(2.0)
     time.sleep(0.2)  # started (importing torch): the cycle holds it from here to its end
@@ -100,6 +101,7 @@ def test_a_probe_held_stopped_three_quarters_of_the_time_measures_a_lower_rate()
         if proc.poll() is None:
             proc.send_signal(signal.SIGCONT)
     held = _rate(proc)
+    free = max(free, _rate(_probe_proc(2.0)))
     assert free / held >= 2.0, (free, held)
 
 
