@@ -26,6 +26,8 @@ epochs, so that the new node, starting beside three busy workers, joins before t
 A node that dies costs at most the step it was in: the others resume from their shared-memory snapshot. A
 job that is stopped entirely resumes from the last durable checkpoint (``--checkpoint``, every
 ``--checkpoint-every`` steps). Each epoch trains every sample exactly once, whatever the world size did.
+With ``--shares speed`` a slow node trains a smaller share of each step, by its measured speed
+(docs/stragglers.md).
 """
 
 from __future__ import annotations
@@ -86,6 +88,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--checkpoint", default="checkpoints", help="checkpoint root, any fsspec URL")
     p.add_argument("--checkpoint-every", type=int, default=10, help="durable checkpoint every N steps")
     p.add_argument("--float64", action="store_true", help="train in double precision")
+    p.add_argument(
+        "--shares",
+        choices=("even", "speed"),
+        default="even",
+        help="split each step evenly over the ranks, or by their measured speeds (docs/stragglers.md)",
+    )
     return p.parse_args()
 
 
@@ -101,7 +109,8 @@ def main() -> None:
     steps_per_epoch = math.ceil(len(dataset) / args.global_batch)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs * steps_per_epoch)
 
-    sampler = et.ElasticBatchSampler(dataset, args.global_batch, seed=args.seed)  # elastic
+    shares = args.shares  # even, or by the ranks' measured speeds
+    sampler = et.ElasticBatchSampler(dataset, args.global_batch, seed=args.seed, shares=shares)  # elastic
     loader = DataLoader(
         dataset,
         batch_sampler=sampler,  # elastic: replaces batch_size=, shuffle=, sampler=DistributedSampler(...)
@@ -114,6 +123,7 @@ def main() -> None:
         with et.Checkpointer(state, args.checkpoint, every_steps=args.checkpoint_every) as ckpt:  # elastic
             ckpt.restore()  # elastic: replaces loading snapshot.pt
             ddp = DDP(model, device_ids=world.device_ids)
+            et.time_collectives(ddp, ckpt.clock)  # elastic: a rank's work told from its wait (slow nodes)
 
             for epoch in range(sampler.epoch, args.epochs):  # elastic: start at the restored epoch
                 for x, y in loader:

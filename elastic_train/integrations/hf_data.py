@@ -20,7 +20,8 @@ import math
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from elastic_train.train.sampler import ElasticBatchSampler, share_bounds
+from elastic_train.train.balance import share_bounds
+from elastic_train.train.sampler import ElasticBatchSampler
 
 
 def accumulation(step_size: int, world_size: int, micro_batch: int) -> int:

@@ -8,10 +8,11 @@ times a step, speed-weighted ones ``G/2.5`` (1.67x faster), evicting it ``G/2`` 
 
 How the shares are agreed without a collective of their own: each rank's *busy* time of its previous step
 (:class:`elastic_train.train.busy.StepClock`: the step's wall time less the wait for the gradient
-all-reduce) rides in DDP's first gradient bucket with the step's loss
-(:class:`elastic_train.train.lossreduce.LossCarrier`), one slot per rank. After the step every rank holds the
-same vector (each slot is one rank's value plus zeros: exact), feeds it to its own :class:`ShareBalancer`,
-and all of them reach the same decision from the same numbers, at the same step. The balancer keeps a
+all-reduce) rides in DDP's first gradient bucket (:func:`elastic_train.train.busy.reduce_bucket`, the hook of
+the built-in loop and of :func:`~elastic_train.train.busy.time_collectives`), one slot per rank. After the
+step every rank holds the same vector (each slot is one rank's value plus zeros: exact in any float dtype),
+feeds it to its own :class:`ShareBalancer` (:class:`SpeedShares`, at the step's commit), and all of them
+reach the same decision from the same numbers, at the same step. The balancer keeps a
 cost per sample per rank (its busy time over the samples it trained), the median of the last ``window``
 steps trained under the current shares, and proposes shares proportional to the ranks' speeds (1 / cost),
 each between ``floor`` and ``cap`` times the even share. It adopts them only when they are predicted to
@@ -26,6 +27,12 @@ The data order is untouched: a step's samples are the same ``G`` positions of th
 split in contiguous shares of the agreed sizes (exactly-once holds for any split the ranks agree on), and
 the loss weighting of :mod:`elastic_train.train.batching` makes the update the mean-loss gradient over the
 step for any split. A new worker group starts with even shares.
+
+When the new shares apply: a DataLoader with workers draws steps ahead of training, so a decision taken at
+a step's commit cannot change the steps any rank has drawn already. Each rank also carries how far ahead
+it has drawn (:meth:`~elastic_train.train.sampler.ElasticBatchSampler.ahead`), and the shares apply from the
+first step no rank can have drawn, leaving one more draw of margin: with no prefetch, the step after the
+next one.
 """
 
 from __future__ import annotations
@@ -34,7 +41,9 @@ import statistics
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
+
+import torch
 
 #: Defaults of the balancer (see :class:`ShareBalancer`).
 WINDOW = 5
@@ -44,16 +53,26 @@ CAP = 2.0
 HOLD = 10
 
 
+def share_bounds(size: int, world_size: int, rank: int) -> tuple[int, int]:
+    """Even contiguous share ``[lo, hi)`` of ``size`` samples for ``rank`` of ``world_size``.
+
+    The first ``size % world_size`` ranks get one sample more; shares are disjoint and cover ``range(size)``.
+    """
+    assert 0 <= rank < world_size, (rank, world_size)
+    base, extra = divmod(size, world_size)
+    lo = rank * base + min(rank, extra)
+    return lo, lo + base + (1 if rank < extra else 0)
+
+
 def weighted_counts(size: int, weights: Sequence[float] | None, world_size: int) -> list[int]:
-    """``size`` samples split over ``world_size`` ranks in proportion to ``weights`` (None: even shares, the
-    first ``size % world_size`` ranks one more).
+    """``size`` samples split over ``world_size`` ranks in proportion to ``weights`` (None: the even shares of
+    :func:`share_bounds`).
 
     Largest remainders, ties to the lower rank: a pure function of its arguments, so every rank computes
     the same split. The counts sum to ``size``.
     """
     if weights is None:
-        base, extra = divmod(size, world_size)
-        return [base + (1 if r < extra else 0) for r in range(world_size)]
+        return [hi - lo for lo, hi in (share_bounds(size, world_size, r) for r in range(world_size))]
     assert len(weights) == world_size and all(w > 0 for w in weights), weights
     total = sum(weights)
     exact = [size * w / total for w in weights]
@@ -150,16 +169,18 @@ class ShareBalancer:
         """Every rank's samples of a step of ``size`` under the current shares."""
         return weighted_counts(size, self.weights, self.world_size)
 
-    def begin(self, step: int) -> None:
-        """Judge only steps from ``step`` on (the first step of a group includes its start-up)."""
-        self._since = max(self._since, step)
-
-    def observe(self, step: int, size: int, busy: Sequence[float]) -> ShareChange | None:
+    def observe(
+        self, step: int, size: int, busy: Sequence[float], *, applies_from: int | None = None
+    ) -> ShareChange | None:
         """Step ``step`` (of ``size`` samples) kept each rank busy ``busy[r]`` seconds (0: unknown).
 
         Returns the change adopted after it, or None. Every rank must call it with the same arguments.
+        ``applies_from``: the first step a change made now is trained with (default ``step + 2``: the step
+        after ``step`` was drawn before its busy times were known); steps before it are not judged.
         """
         assert len(busy) == self.world_size
+        first = step + 2 if applies_from is None else applies_from
+        assert first > step, (first, step)
         if step < self._since:
             return None
         counts = self.counts(size)
@@ -178,7 +199,7 @@ class ShareBalancer:
             if before > earlier * (1.0 - self.min_gain / 2):
                 self.weights = replaced
                 self._undone += 1
-                self._restart(step, self.hold * 2 ** (self._undone - 1))
+                self._restart(first, self.hold * 2 ** (self._undone - 1))
                 new = self.counts(self.global_batch)
                 return ShareChange(step, old, new, cost_ms, (before, earlier), why="undone")
             self._undone = 0
@@ -191,13 +212,12 @@ class ShareBalancer:
             return None  # a rank without samples could not be measured again
         self._judge = (before, self.weights)
         self.weights = weights
-        self._restart(step, 0)
+        self._restart(first, 0)
         return ShareChange(step, old, new, cost_ms, (before, after))
 
-    def _restart(self, step: int, hold: int) -> None:
-        """New shares after ``step``: judge only steps trained under them, ``hold`` steps on."""
-        # The next step's share was taken before this decision: the new shares apply from the one after.
-        self._since = step + 2 + hold
+    def _restart(self, first: int, hold: int) -> None:
+        """New shares from step ``first`` on: judge only steps trained under them, ``hold`` steps later."""
+        self._since = first + hold
         for c in self._costs:
             c.clear()
 
@@ -219,3 +239,67 @@ class ShareBalancer:
             else:
                 high = mid
         return tuple(shares(high))
+
+
+class ShareDrawer(Protocol):
+    """What :class:`SpeedShares` needs of the sampler that draws the shares
+    (:class:`~elastic_train.train.sampler.ElasticBatchSampler`)."""
+
+    global_batch: int
+
+    def ahead(self) -> int: ...
+
+    def set_weights(self, weights: tuple[float, ...] | None, first_step: int) -> None: ...
+
+    def reset_weights(self) -> None: ...
+
+
+class SpeedShares:
+    """One group's speed-weighted shares (an :class:`~elastic_train.train.sampler.ElasticBatchSampler` made
+    with ``shares="speed"``): the values each rank carries with a step's gradients (the step clock's
+    :attr:`~elastic_train.train.busy.StepClock.rider`) and the decision every rank takes from their sum at
+    the step's commit. Made by the group's :class:`~elastic_train.train.checkpointer.Checkpointer`.
+
+    The carried vector has ``2 · W`` slots: this rank's busy seconds of the step before in slot ``rank``
+    (0: unknown, the first step of a group), and how many steps ahead of the committed one it has drawn in
+    slot ``W + rank``.
+    """
+
+    def __init__(
+        self,
+        sampler: ShareDrawer,
+        *,
+        rank: int,
+        world_size: int,
+        balancer: ShareBalancer | None = None,
+    ) -> None:
+        self.sampler = sampler
+        self.rank = rank
+        self.world_size = world_size
+        self.balancer = balancer or ShareBalancer(world_size, sampler.global_batch)
+        self._last: tuple[int, int] | None = None  # (step, samples) committed last in this group
+        sampler.reset_weights()
+
+    def slots(self, busy: float | None) -> torch.Tensor:
+        """This rank's values for the step being trained (see the class docstring)."""
+        values = torch.zeros(2 * self.world_size, dtype=torch.float64)
+        if busy is not None and self._last is not None:
+            values[self.rank] = busy
+        values[self.world_size + self.rank] = self.sampler.ahead()
+        return values
+
+    def decide(self, step: int, size: int, carried: torch.Tensor | None) -> ShareChange | None:
+        """At the commit of ``step`` (of ``size`` samples): ``carried`` is the sum over the ranks of the
+        values its backward carried (None: none rode). Returns the change adopted, which the sampler then
+        draws with; the same on every rank."""
+        last, self._last = self._last, (step, size)
+        w = self.world_size
+        if carried is None or last is None or last[0] != step - 1 or carried.numel() != 2 * w:
+            return None
+        values = carried.tolist()
+        ahead = max(round(v) for v in values[w:])
+        first = step + max(ahead, 1) + 1  # the first step no rank can have drawn, one draw of margin
+        change = self.balancer.observe(last[0], last[1], values[:w], applies_from=first)
+        if change is not None:
+            self.sampler.set_weights(self.balancer.weights, first)
+        return change

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from elastic_train.checkpoint.config import CheckpointConfig
 from elastic_train.log import get_logger
+from elastic_train.train.balance import SpeedShares
 from elastic_train.train.busy import StepClock
 from elastic_train.train.errors import NotStateful, TrainingError
 from elastic_train.train.events import EventWriter
@@ -190,6 +191,9 @@ class Checkpointer:
         #: Times each step's wait for the gradient all-reduce (reported by the DDP hook of
         #: :func:`elastic_train.train.busy.time_collectives`): slow-node detection compares busy times.
         self.clock = StepClock()
+        #: Speed-weighted shares of this group (an ``ElasticBatchSampler(shares="speed")``), else None.
+        self.shares = self._speed_shares(state)
+        self._share_commits = self._share_carried = 0  # commits of this group, and those that carried
         #: Where the restored state came from (``memory``, ``durable``, ``resume_from``), None when fresh.
         self.source: str | None = None
         self._restored = False
@@ -199,6 +203,25 @@ class Checkpointer:
         # pre-hook fences the copy), let it: the snapshot then costs the loop less.
         if isinstance(manager, Fenced) and isinstance(state.optimizer, torch.optim.Optimizer):
             manager.attach(state.optimizer)
+
+    def _speed_shares(self, state: TrainState) -> SpeedShares | None:
+        """The group's speed-weighted shares, riding on the step clock; even shares for a new group."""
+        sampler = state.sampler
+        if not isinstance(sampler, ElasticBatchSampler):
+            return None
+        sampler.reset_weights()
+        if sampler.shares != "speed" or self.world.world_size < 2:
+            return None
+        from elastic_train.checkpoint.sharded.local import is_sharded
+
+        if is_sharded(state.model):
+            raise ValueError(
+                "ElasticBatchSampler(shares='speed') needs DDP: the ranks' busy times ride in its gradient "
+                "all-reduce, and the model is sharded (FSDP2); use shares='even'"
+            )
+        shares = SpeedShares(sampler, rank=self.world.rank, world_size=self.world.world_size)
+        self.clock.rider = shares
+        return shares
 
     @property
     def step(self) -> int:
@@ -322,6 +345,8 @@ class Checkpointer:
         except GroupChanged:
             self._leave(step, snapshot)
             raise
+        if self.shares is not None:
+            self._share(step, samples)
         started = time.perf_counter()
         self.manager.save(step, snapshot)
         saved_s = time.perf_counter() - started
@@ -340,6 +365,26 @@ class Checkpointer:
                 sampler = self.state.sampler
                 epoch = sampler.epoch if sampler.cursor else sampler.epoch - 1  # the step's own epoch
             self.events.emit("step", step, loss=value, samples_per_s=rate, epoch=epoch)
+
+    def _share(self, step: int, samples: int) -> None:
+        """Speed-weighted shares: the ranks' busy times carried by this step decide the next shares."""
+        assert self.shares is not None
+        carried = self.clock.take_carried()
+        self._share_commits += 1
+        self._share_carried += carried is not None
+        if self._share_commits == 3 and not self._share_carried and self.world.rank == 0:
+            log.warning(
+                "shares_even",
+                reason="no gradient all-reduce carried the ranks' busy times: wrap the model in DDP and call "
+                "elastic_train.time_collectives(ddp, ckpt.clock)",
+            )
+        change = self.shares.decide(step, samples, carried)
+        if change is None:
+            return
+        fields = change.fields()
+        if self.world.rank == 0:
+            log.info("shares_changed", step=step, **fields)
+        self.events.emit("shares", step, **fields)
 
     def _leave(self, step: int, snapshot: Callable[[], Any]) -> None:
         """The group re-forms after this step: keep its snapshot (memory tier only), so that the members

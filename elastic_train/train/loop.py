@@ -26,7 +26,6 @@ from torch.nn.parallel import DistributedDataParallel
 
 from elastic_train.log import get_logger
 from elastic_train.train.api import Task
-from elastic_train.train.balance import ShareBalancer
 from elastic_train.train.batching import loss_scale, micro_batches
 from elastic_train.train.busy import time_collectives
 from elastic_train.train.checkpointer import Checkpointer, Manager
@@ -129,6 +128,7 @@ class Trainer:
             round=round,
             audit_dir=audit_dir,
             pad_empty=False,  # make_batch takes an empty share
+            shares=cfg.shares,
         )
         self.train_state = TrainState(
             model=self.model, optimizer=task.optimizer, scheduler=task.scheduler, sampler=self.sampler
@@ -148,8 +148,6 @@ class Trainer:
         self.ckpt.skip_restore()  # restore() is the worker's call; tests and benchmarks start fresh
         self.ddp: torch.nn.Module | None = None
         self._carrier: LossCarrier | None = None
-        self._balancer: ShareBalancer | None = None
-        self._last: tuple[int, int] | None = None  # (step, samples) of the step trained last in this group
         self._batches: Iterator[list[int]] | None = None
 
     @property
@@ -204,17 +202,8 @@ class Trainer:
         if self.world_size > 1 and LossCarrier.suitable(self.model):
             self._carrier = LossCarrier(clock=self.ckpt.clock)
             self._carrier.register(ddp)
-            if self.cfg.shares == "speed":
-                self._balancer = ShareBalancer(self.world_size, self.cfg.global_batch)
-                self._balancer.begin(self.step + 2)  # the group's first step includes its start-up
         elif self.world_size > 1:
-            time_collectives(ddp, self.ckpt.clock)
-            if self.cfg.shares == "speed" and self.rank == 0:
-                log.warning(
-                    "shares_even",
-                    reason="the model has parameters that are neither float32 nor float64: "
-                    "the ranks' busy times cannot ride with the gradients",
-                )
+            time_collectives(ddp, self.ckpt.clock)  # the clock's values (speed shares) ride with it too
         self.ddp = ddp
         return ddp
 
@@ -230,8 +219,6 @@ class Trainer:
         """
         self.ddp = None
         self._carrier = None
-        self._balancer = None
-        self.sampler.weights = None
         if collect:
             gc.collect()
 
@@ -269,7 +256,7 @@ class Trainer:
                 total = losses.sum()
                 loss_sum += total.detach()
                 if self._carrier is not None and i == len(chunks) - 1:
-                    self._carrier.arm(loss_sum, self._busy_slots())
+                    self._carrier.arm(loss_sum)
                 (total * scale).backward()
         carried = self._carrier.take() if self._carrier is not None else None
         work = None
@@ -283,9 +270,6 @@ class Trainer:
         if work is not None:
             work.wait()
         total_loss = carried[0].item() if carried is not None else loss_sum.item()
-        if carried is not None and self._balancer is not None:
-            self._rebalance(step, carried[1:].tolist())
-        self._last = (step, plan.size)
         return StepResult(
             step=step,
             epoch=plan.epoch,
@@ -293,32 +277,6 @@ class Trainer:
             loss=total_loss / plan.size,
             seconds=time.perf_counter() - started,
         )
-
-    def _busy_slots(self) -> torch.Tensor | None:
-        """With speed-weighted shares: a slot per rank, this rank's holding its busy seconds of the step
-        before (0: unknown), to be summed over the ranks with the gradients."""
-        if self._balancer is None:
-            return None
-        slots = torch.zeros(self.world_size, dtype=torch.float64)
-        busy = self.ckpt.clock.last_busy
-        if self._last is not None and busy is not None:
-            slots[self.rank] = busy
-        return slots
-
-    def _rebalance(self, step: int, busy: list[float]) -> None:
-        """Every rank's busy time of the step before this one is known to all: the same decision on each."""
-        assert self._balancer is not None
-        if self._last is None:
-            return
-        last_step, last_size = self._last
-        change = self._balancer.observe(last_step, last_size, busy)
-        if change is None:
-            return
-        self.sampler.weights = self._balancer.weights
-        fields = change.fields()
-        if self.rank == 0:
-            log.info("shares_changed", step=step, **fields)
-        self.events.emit("shares", step, **fields)
 
     def _no_sync(self) -> Any:
         """Gradients of a micro-batch that is not the step's last are accumulated, not reduced yet."""

@@ -10,12 +10,12 @@ The first bucket (index 0: the gradients that are ready first) is DDP's small on
 by default), so the copy that appending costs stays small whatever the model's size; the last bucket can hold
 up to ``bucket_cap_mb`` (25 MiB), and copying it on every step cost a 38 MB model ~3% of a 200 ms step.
 
-The same ride carries, with speed-weighted shares (:mod:`elastic_train.train.balance`), one slot per rank for
-the ranks' busy times of the step before: each rank fills its own slot and leaves the others 0, so the sum
-is every rank's value, exact and the same on every rank.
+The same ride carries the values of the step clock's rider (:func:`elastic_train.train.busy.reduce_bucket`;
+with speed-weighted shares, each rank's busy time of the step before in a slot of its own).
 
-Only used when every parameter is float32 or float64 (the appended value takes the bucket's dtype); with
-other dtypes the loop keeps its separate all-reduce.
+Only used when every parameter is float32 or float64 (the appended loss takes the bucket's dtype); with
+other dtypes the loop keeps its separate all-reduce, and the clock's values ride with the timing hook of
+:func:`~elastic_train.train.busy.time_collectives` instead.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from elastic_train.train.busy import StepClock
+from elastic_train.train.busy import StepClock, reduce_bucket
 
 PRECISE_DTYPES = (torch.float32, torch.float64)
 
@@ -56,6 +56,9 @@ class LossCarrier:
         self._pending = value
         self._reduced = None
 
+    def _land(self, reduced: torch.Tensor) -> None:
+        self._reduced = reduced
+
     def take(self) -> torch.Tensor | None:
         """The sum over ranks of the armed values (the loss first, then ``extra``), or None when no bucket
         carried them."""
@@ -64,35 +67,10 @@ class LossCarrier:
 
 
 def _hook(state: LossCarrier, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    world = dist.get_world_size(state.group)
-    buf = bucket.buffer()
-    buf.div_(world)  # as DDP's default hook: divide first, then sum
-    pending = state._pending
-    clock = state.clock
-    if bucket.index() != 0 or pending is None:
-        if clock is not None:
-            clock.launched()
-        fut = dist.all_reduce(buf, group=state.group, async_op=True).get_future()
-        return fut.then(lambda f: _done(clock, f.value()[0]))
-    state._pending = None
-    flat = torch.cat([buf, pending.to(device=buf.device, dtype=buf.dtype)])
-    n = buf.numel()
-
-    def split(f: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
-        out = f.value()[0]
-        state._reduced = out[n:]
-        return _done(clock, out[:n])
-
-    if clock is not None:
-        clock.launched()
-    return dist.all_reduce(flat, group=state.group, async_op=True).get_future().then(split)
-
-
-def _done(clock: StepClock | None, out: torch.Tensor) -> torch.Tensor:
-    """A bucket's all-reduce completed: tell the step clock (slow-node detection's wait)."""
-    if clock is not None:
-        clock.completed()
-    return out
+    pending = state._pending if bucket.index() == 0 else None
+    if pending is not None:
+        state._pending = None
+    return reduce_bucket(bucket, state.group, state.clock, pending, state._land)
 
 
 # DDP checks a hook's annotations by identity; postponed (string) annotations would fail that check.

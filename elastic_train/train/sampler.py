@@ -28,7 +28,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from elastic_train.envvars import ENV_AUDIT_DIR
-from elastic_train.train.balance import share_range, weighted_counts
+from elastic_train.train.balance import share_bounds, share_range, weighted_counts
 from elastic_train.train.batching import share_weight
 from elastic_train.train.link import worker_env
 
@@ -47,15 +47,14 @@ class StepPlan:
     """Dataset indices this rank trains in this step (may be empty when ``W > size``)."""
 
 
-def share_bounds(size: int, world_size: int, rank: int) -> tuple[int, int]:
-    """Contiguous share ``[lo, hi)`` of ``size`` samples for ``rank`` of ``world_size``.
+Weights = tuple[float, ...] | None
+"""The ranks' relative shares of a step (None: even shares)."""
 
-    The first ``size % world_size`` ranks get one sample more; shares are disjoint and cover ``range(size)``.
-    """
-    assert 0 <= rank < world_size, (rank, world_size)
-    base, extra = divmod(size, world_size)
-    lo = rank * base + min(rank, extra)
-    return lo, lo + base + (1 if rank < extra else 0)
+
+def _bounds(size: int, world_size: int, rank: int, weights: Weights) -> tuple[int, int]:
+    if weights is None or len(weights) != world_size:
+        return share_bounds(size, world_size, rank)
+    return share_range(weighted_counts(size, weights, world_size), rank)
 
 
 def epoch_permutation(seed: int, epoch: int, dataset_len: int) -> torch.Tensor:
@@ -84,9 +83,6 @@ class ElasticSampler:
         self.seed = seed
         self.epoch = 0
         self.cursor = 0
-        self.weights: tuple[float, ...] | None = None
-        """Speed weights of the ranks' shares (:mod:`elastic_train.train.balance`); None: even shares. Not
-        part of the state: every rank of a group must hold the same, and a new group starts even."""
         self._perm: torch.Tensor | None = None
         self._perm_epoch = -1
 
@@ -131,18 +127,17 @@ class ElasticSampler:
         assert self._perm is not None
         return self._perm
 
-    def plan(self, world_size: int, rank: int) -> StepPlan:
-        """This rank's share of the next step, without advancing (call :meth:`advance` after the step)."""
+    def plan(self, world_size: int, rank: int, weights: Weights = None) -> StepPlan:
+        """This rank's share of the next step, without advancing (call :meth:`advance` after the step).
+
+        ``weights``: the ranks' relative shares (:func:`~elastic_train.train.balance.weighted_counts`);
+        None: even shares.
+        """
         size = min(self.global_batch, self.dataset_len - self.cursor)
-        lo, hi = self._bounds(size, world_size, rank)
+        lo, hi = _bounds(size, world_size, rank, weights)
         perm = self._permutation()
         indices = perm[self.cursor + lo : self.cursor + hi].tolist()
         return StepPlan(epoch=self.epoch, start=self.cursor, size=size, indices=indices)
-
-    def _bounds(self, size: int, world_size: int, rank: int) -> tuple[int, int]:
-        if self.weights is None or len(self.weights) != world_size:
-            return share_bounds(size, world_size, rank)
-        return share_range(weighted_counts(size, self.weights, world_size), rank)
 
     def advance(self, plan: StepPlan) -> None:
         """Move the cursor past ``plan``'s step, rolling over to the next epoch at its end."""
@@ -175,6 +170,11 @@ class ElasticBatchSampler(ElasticSampler):
         pad_empty: a rank whose share of a step is empty (the world is larger than the step) gets the step's
             first sample instead, with a loss weight of 0 (:meth:`loss_weight`): a DataLoader cannot collate
             an empty batch, and DDP needs every rank's backward. False: yield the empty list.
+        shares: ``"even"`` (each rank ``G / W`` of every step) or ``"speed"``: each rank's share follows its
+            measured speed (:mod:`elastic_train.train.balance`), decided by the group's
+            :class:`~elastic_train.train.checkpointer.Checkpointer` from the busy times that ride with the
+            gradients (:func:`~elastic_train.train.busy.time_collectives` on a DDP model of one's own).
+            Each step is drawn with the shares agreed for it, so :meth:`loss_weight` stays exact.
     """
 
     def __init__(
@@ -188,7 +188,10 @@ class ElasticBatchSampler(ElasticSampler):
         round: int | None = None,
         audit_dir: str | None = None,
         pad_empty: bool = True,
+        shares: str = "even",
     ) -> None:
+        if shares not in ("even", "speed"):
+            raise ValueError(f"shares: {shares!r} is not one of even, speed")
         dataset_len = dataset if isinstance(dataset, int) else len(dataset)
         super().__init__(dataset_len, global_batch, seed)
         if world_size is not None and world_size < 1:
@@ -200,11 +203,15 @@ class ElasticBatchSampler(ElasticSampler):
         self._round = round
         self.audit_dir = audit_dir if audit_dir is not None else (os.environ.get(ENV_AUDIT_DIR) or None)
         self.pad_empty = pad_empty
+        self.shares = shares
         #: Optimizer steps committed so far (numbers the audit lines; set from the restored state).
         self.step = 0
         self._generation = 0
         self._audit: Any = None
         self._audited = 0  # highest step with an audit line from this process
+        #: (first step, weights) of the shares agreed in this group, in step order (empty: even shares).
+        self._schedule: list[tuple[int, Weights]] = []
+        self._drawn = 0  # the step the newest iterator yielded last
 
     # -- where this rank stands ----------------------------------------------------------------------------
     @property
@@ -217,7 +224,50 @@ class ElasticBatchSampler(ElasticSampler):
 
     def current(self) -> StepPlan:
         """This rank's share of the step being trained now (the one after the committed cursor)."""
-        return self.plan(self.world_size, self.rank)
+        return self.plan(self.world_size, self.rank, self.weights_at(self.step + 1))
+
+    # -- speed-weighted shares -----------------------------------------------------------------------------
+    def weights_at(self, step: int) -> Weights:
+        """The ranks' relative shares of step ``step`` (None: even)."""
+        entry = self._entry(step)
+        return self._schedule[entry][1] if entry >= 0 else None
+
+    def set_weights(self, weights: Weights, first_step: int) -> None:
+        """Draw the steps from ``first_step`` on with ``weights`` (every rank of the group alike).
+
+        Raises:
+            TrainingError: this rank already drew ``first_step`` (a DataLoader iterated further ahead of
+                training than the group allowed for): its share of that step would differ from the others'.
+        """
+        if self._drawn >= first_step:
+            from elastic_train.train.errors import TrainingError
+
+            raise TrainingError(
+                f"speed-weighted shares: step {first_step} is to be split anew, but this rank already drew "
+                f"step {self._drawn}: the loop fetched batches further ahead between a backward and its "
+                "commit than the shares allow for; use shares='even'"
+            )
+        # entries before the one the current step is drawn with are spent; those from first_step on replaced
+        kept = self._schedule[max(self._entry(self.step + 1), 0) :]
+        self._schedule = [(f, w) for f, w in kept if f < first_step] + [(first_step, weights)]
+
+    def _entry(self, step: int) -> int:
+        """Index of the schedule entry step ``step`` is drawn with (-1: none, even shares)."""
+        entry = -1
+        for i, (first, _) in enumerate(self._schedule):
+            if first > step:
+                break
+            entry = i
+        return entry
+
+    def reset_weights(self) -> None:
+        """Even shares again (a new group: its ranks agree on nothing yet)."""
+        self._schedule = []
+        self._drawn = 0
+
+    def ahead(self) -> int:
+        """How many steps past the committed one this rank has drawn (a DataLoader's prefetch)."""
+        return max(0, self._drawn - self.step)
 
     def loss_weight(self, reduction: str = "mean") -> float:
         """Factor on this rank's loss of the current step so that DDP's gradient average over the ranks is the
@@ -266,9 +316,10 @@ class ElasticBatchSampler(ElasticSampler):
                     "restore the state before iterating the DataLoader"
                 )
             size = min(self.global_batch, self.dataset_len - cursor)
-            lo, hi = self._bounds(size, world, rank)  # the weights as they are when the step is drawn
-            indices = perm[cursor + lo : cursor + hi].tolist()
             step += 1
+            lo, hi = _bounds(size, world, rank, self.weights_at(step))
+            indices = perm[cursor + lo : cursor + hi].tolist()
+            self._drawn = step
             if audit is not None and step > self._audited:
                 # A step yielded (prefetched) but not trained when the loop left the DataLoader is yielded
                 # again by the next iterator: in the same group, with the same share; one line is enough.

@@ -1,18 +1,22 @@
-"""``train.shares: speed`` on a job of 3 nodes with one node slowed 2x for good (``slow-node``: SIGSTOP and
-SIGCONT duty cycling).
+"""Speed-weighted shares on a job of 3 nodes with one node slowed 2x for good (``slow-node``: SIGSTOP and
+SIGCONT duty cycling): ``train.shares: speed`` in the built-in loop, and ``examples/own_loop.py --shares
+speed`` (an ``ElasticBatchSampler(shares="speed")`` behind a DataLoader whose workers draw steps ahead).
 
 The slowed node's rank is seen by every rank as slower per sample and trains a smaller share: a ``shares``
 event names the change and the costs behind it, and the steps after it are shorter than with even shares.
-Every sample is trained exactly once, nobody restarts, and, since the loss weighting makes each update the
-mean-loss gradient over the step however it is split, the final float64 weights equal those of a fault-free
-run with even shares within 1e-5.
+Every sample is trained exactly once (the ranks drew every step with the same split), nobody restarts, and,
+since the loss weighting makes each update the mean-loss gradient over the step however it is split, the
+final float64 weights equal those of a fault-free run with even shares within 1e-5.
 """
 
 from __future__ import annotations
 
 import io
+import json
 import os
 import statistics
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +27,7 @@ from elastic_train.launch.faults import parse_fault
 from elastic_train.launch.local import LocalJob, LocalOptions
 from elastic_train.train.audit import check_exactly_once
 from elastic_train.train.events import read_events
-from tests.helpers import assert_same_weights, final_weights
+from tests.helpers import assert_same_weights, final_weights, script_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.long, pytest.mark.timeout(300)]
 
@@ -96,3 +100,54 @@ def test_a_slow_node_trains_a_share_by_its_speed_and_the_weights_stay(tmp_path: 
         assert statistics.median(after) < statistics.median(before), (before, after)
 
     assert_same_weights(final_weights(tmp_path / "ckpt", "speed", STEPS), reference)
+
+
+def slowed_rank(changes: list[dict[str, Any]], where: str) -> int:
+    """The rank the first change found slower per sample than the others (by 1.25x or more: its first window
+    may straddle the slowdown's start, and under load a duty cycle holds it less than twofold)."""
+    assert changes, where
+    first = changes[0]
+    costs = first["cost_ms_per_sample"]
+    slow = max(range(3), key=lambda r: costs[r])
+    assert costs[slow] > 1.25 * max(costs[r] for r in range(3) if r != slow), first
+    return slow
+
+
+OWN_LOOP = ROOT / "tests" / "integration" / "speed_own_loop.py"
+#: 7 epochs of examples/own_loop.py's 15 steps (240 samples, 16 a step).
+OWN_EPOCHS = 7
+
+
+def test_an_own_loop_with_a_prefetching_dataloader_splits_by_speed(tmp_path: Path) -> None:
+    """``elastic-train local --entry``: the example's DataLoader (2 workers) draws 4 steps ahead of training;
+    the shares change only from a step no rank had drawn, so every rank splits every step alike."""
+    args = ["--float64", "--epochs", str(OWN_EPOCHS)]
+    steps = OWN_EPOCHS * 15
+    ref = tmp_path / "reference"
+    ref.mkdir()
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "own_loop.py"), *args],
+        cwd=ref, env=script_env(), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    reference = final_weights(ref / "checkpoints", "default", steps)
+
+    cmd = [
+        sys.executable, "-m", "elastic_train", "local", "--nodes", "3", "--summary", "run.json",
+        "--slow-node", f"1@step={SLOW_STEP},factor=2",
+        "--entry", str(OWN_LOOP), "0.016", *args, "--shares", "speed",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=tmp_path, env=script_env(), capture_output=True, text=True, timeout=240)
+    where = f"{proc.stdout[-3000:]}\n{proc.stderr[-2000:]}"
+    assert proc.returncode == 0, where
+    assert "exactly-once: OK" in proc.stdout, where
+    summary = json.loads((tmp_path / "run.json").read_text())
+    run_id = summary["run_id"]
+    audit = check_exactly_once(str(tmp_path / "runs" / run_id / "audit"), steps=steps)
+    assert audit.ok and not audit.redone_steps, (audit.problems[:5], audit.redone_steps, where)
+    events = read_events(str(tmp_path / "runs" / run_id / "events.jsonl"))
+    changes = [e for e in events if e["event"] == "shares"]
+    slow = slowed_rank(changes, where)
+    assert changes[0]["step"] > SLOW_STEP and changes[0]["new"][slow] == min(changes[0]["new"]), changes
+    assert changes[-1]["new"][slow] < min(n for r, n in enumerate(changes[-1]["new"]) if r != slow), changes
+    assert_same_weights(final_weights(tmp_path / "checkpoints", run_id, steps), reference)

@@ -12,10 +12,19 @@ import random
 from collections.abc import Callable
 
 import pytest
+import torch
 
-from elastic_train.train.balance import ShareBalancer, ShareChange, share_range, weighted_counts
+from elastic_train.train.balance import (
+    ShareBalancer,
+    ShareChange,
+    SpeedShares,
+    share_bounds,
+    share_range,
+    weighted_counts,
+)
 from elastic_train.train.config import TrainConfig
-from elastic_train.train.sampler import ElasticBatchSampler, ElasticSampler, share_bounds
+from elastic_train.train.errors import TrainingError
+from elastic_train.train.sampler import ElasticBatchSampler, ElasticSampler
 
 G = 24
 
@@ -126,16 +135,17 @@ def test_a_very_slow_rank_keeps_the_floor_and_a_fast_one_the_cap() -> None:
     assert bal.counts(G) == [15, 9]  # 1.25 · 12 for the fast one
 
 
-def test_unknown_times_and_steps_before_begin_are_not_judged() -> None:
+def test_unknown_times_and_steps_before_the_change_applies_are_not_judged() -> None:
     bal = ShareBalancer(2, G, window=2)
-    bal.begin(5)
-    for step in range(1, 5):  # start-up steps: slow, but not judged
-        assert bal.observe(step, G, [0.1, 10.0]) is None
-    for step in range(5, 20):
+    for step in range(1, 20):
         assert bal.observe(step, G, [0.1, 0.0]) is None  # rank 1's time unknown: no decision
     assert bal.observe(20, G, [0.1, 0.2]) is None  # one window entry of two
-    assert bal.observe(21, G, [0.1, 0.2]) is not None
-    assert bal.observe(22, G, [0.1, 0.3]) is None  # step 22 was drawn under the old shares
+    assert bal.observe(21, G, [0.1, 0.2], applies_from=25) is not None
+    for step in range(22, 25):  # drawn under the old shares: even absurd times decide nothing
+        assert bal.observe(step, G, [0.1, 100.0], applies_from=step + 4) is None
+    assert bal.observe(25, G, [0.1, 0.2]) is None  # the first of the window under the new shares
+    with pytest.raises(AssertionError):
+        bal.observe(26, G, [0.1, 0.2], applies_from=26)  # a change cannot apply to a step already trained
 
 
 def test_balancer_settings_are_checked() -> None:
@@ -151,10 +161,8 @@ def test_weighted_shares_of_every_rank_cover_each_step_once() -> None:
     weights = (2.0, 2.0, 1.0)
     taken: list[int] = []
     samplers = [ElasticSampler(100, G, seed=1) for _ in range(3)]
-    for s in samplers:
-        s.weights = weights
     for _ in range(6):  # across the epoch's end (100 = 4 · 24 + 4) into the next
-        plans = [s.plan(3, r) for r, s in enumerate(samplers)]
+        plans = [s.plan(3, r, weights) for r, s in enumerate(samplers)]
         assert [len(p.indices) for p in plans] == weighted_counts(plans[0].size, weights, 3)
         taken += [i for p in plans for i in p.indices]
         for s, p in zip(samplers, plans, strict=True):
@@ -163,15 +171,55 @@ def test_weighted_shares_of_every_rank_cover_each_step_once() -> None:
     assert len(set(taken[100:])) == G
 
 
-def test_batch_sampler_draws_each_step_with_the_weights_of_its_time() -> None:
-    s = ElasticBatchSampler(240, G, seed=0, world_size=3, rank=2)
+def test_batch_sampler_draws_each_step_with_the_shares_agreed_for_it() -> None:
+    s = ElasticBatchSampler(240, G, seed=0, world_size=3, rank=2, shares="speed")
     batches = iter(s)
-    assert len(next(batches)) == 8 and len(s.current().indices) == 8
+    assert len(next(batches)) == 8 and s.ahead() == 1  # step 1 drawn
+    s.set_weights((2.0, 2.0, 1.0), 3)  # agreed while step 1 trains: from step 3 on
+    assert len(next(batches)) == 8 and s.ahead() == 2  # step 2: drawn with the even shares
     s.advance()
-    s.weights = (2.0, 2.0, 1.0)  # changed between two steps: the next one is drawn with them
-    share = next(batches)
+    assert len(s.current().indices) == 8 and s.loss_weight() == pytest.approx(8 * 3 / G)
+    share = next(batches)  # step 3
+    s.advance()
     assert len(share) == 5 and share == s.current().indices
     assert s.loss_weight() == pytest.approx(5 * 3 / G)
+    assert s.weights_at(2) is None and s.weights_at(99) == (2.0, 2.0, 1.0)
+    with pytest.raises(TrainingError, match="already drew step 3"):
+        s.set_weights(None, 3)  # a split of a step drawn already would differ from the other ranks'
+    s.set_weights(None, 5)
+    assert [len(next(batches)) for _ in range(2)] == [5, 8]  # steps 4 and 5
+    s.reset_weights()  # a new group: even shares, nothing drawn
+    assert s.weights_at(4) is None and s.ahead() == 0
+
+
+def test_speed_shares_apply_after_every_rank_s_prefetch() -> None:
+    """The decision at a step's commit applies from the first step no rank can have drawn."""
+    world, per_sample = 3, [0.01, 0.01, 0.02]
+    s = ElasticBatchSampler(100_000, G, seed=0, world_size=world, rank=0, shares="speed")
+    shares = SpeedShares(s, rank=0, world_size=world)
+    batches = iter(s)
+    next(batches)
+    assert shares.slots(0.5).tolist() == [0.0] * 3 + [1.0, 0.0, 0.0]  # nothing committed yet: busy unknown
+    assert shares.decide(1, G, None) is None  # nothing carried: nothing decided
+    for step in range(2, 40):
+        next(batches)  # this rank draws one step ahead; rank 1's DataLoader draws 4 ahead
+        counts = weighted_counts(G, s.weights_at(step - 1), world)
+        carried = torch.tensor([c * n for c, n in zip(per_sample, counts, strict=True)] + [1.0, 4.0, 1.0])
+        change = shares.decide(step, G, carried)
+        s.advance()
+        if change is not None:
+            break
+    else:
+        raise AssertionError("no change")
+    assert change.new[2] < change.new[0] and s.weights_at(step + 4) is None
+    assert s.weights_at(step + 5) == shares.balancer.weights  # 4 ahead of step - 1, one draw of margin
+    for bad in (torch.zeros(5), None):  # a vector of another world, nothing carried: no decision
+        assert shares.decide(step + 1, G, bad) is None
+
+
+def test_speed_shares_setting_of_the_sampler() -> None:
+    with pytest.raises(ValueError, match="shares: 'fast' is not one of even, speed"):
+        ElasticBatchSampler(240, G, shares="fast")
 
 
 def test_speed_shares_setting() -> None:

@@ -10,11 +10,11 @@ import torch.distributed as dist
 
 from elastic_train.train import rng
 from elastic_train.train.api import load_task
+from elastic_train.train.balance import share_bounds
 from elastic_train.train.batching import loss_scale, micro_batches
 from elastic_train.train.config import TrainConfig
 from elastic_train.train.events import EventWriter
 from elastic_train.train.loop import Trainer
-from elastic_train.train.sampler import share_bounds
 
 
 def test_micro_batches() -> None:

@@ -1,5 +1,6 @@
 """The loss carried in DDP's first gradient bucket: same gradients as DDP's default hook, summed loss; with
-per-rank slots after it (speed-weighted shares' busy times), every rank's value, exact, on every rank."""
+the step clock's per-rank slots after it (speed-weighted shares' busy times), every rank's value, exact, on
+every rank, once a step; the same slots ride with ``time_collectives``' hook."""
 
 from __future__ import annotations
 
@@ -12,7 +13,20 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 
+from elastic_train.train.busy import StepClock, time_collectives
 from elastic_train.train.lossreduce import LossCarrier
+
+
+class _Slots:
+    """A rider: one slot per rank, this rank's holding a value of the step."""
+
+    def __init__(self, rank: int, world: int) -> None:
+        self.rank, self.world, self.value = rank, world, 0.0
+
+    def slots(self, busy: float | None) -> torch.Tensor:
+        out = torch.zeros(self.world, dtype=torch.float64)
+        out[self.rank] = self.value
+        return out
 
 
 def _port() -> int:
@@ -30,9 +44,17 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
     twin.load_state_dict(base.state_dict())
     plain = DistributedDataParallel(base)
     carried_ddp = DistributedDataParallel(twin, bucket_cap_mb=0.0005)  # several buckets
-    carrier = LossCarrier()
+    clock = StepClock()
+    rider = _Slots(rank, world)
+    carrier = LossCarrier(clock=clock)
     assert carrier.suitable(twin)
     carrier.register(carried_ddp)
+    timed_twin = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    timed_twin.load_state_dict(base.state_dict())
+    timed_ddp = DistributedDataParallel(timed_twin, bucket_cap_mb=0.0005)
+    timed_clock = StepClock()
+    time_collectives(timed_ddp, timed_clock)
+    timed_clock.rider = rider
     results = []
     for step in range(3):
         g = torch.Generator().manual_seed(100 * step + rank)
@@ -42,26 +64,34 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
         expected = loss.detach().clone()
         dist.all_reduce(expected)
         loss2 = ((carried_ddp(x) - y) ** 2).sum()
-        slots = None
-        if step > 0:  # step 0 carries the loss alone
-            slots = torch.zeros(world, dtype=torch.float64)
-            slots[rank] = 0.1 * (rank + 1) + step / 3
-        carrier.arm(loss2.detach().to(torch.float64), slots)
+        rider.value = 0.1 * (rank + 1) + step / 3
+        clock.rider = rider if step > 0 else None  # step 0 carries the loss alone
+        carrier.arm(loss2.detach().to(torch.float64))
         loss2.backward()
         got = carrier.take()
-        assert got is not None and got.numel() == (1 if slots is None else 1 + world)
+        slots = clock.take_carried()
+        assert got is not None and got.numel() == 1
+        assert (slots is None) == (step == 0) and clock.take_carried() is None
+        ((timed_ddp(x) - y) ** 2).sum().backward()
+        timed = timed_clock.take_carried()
+        assert timed is not None and timed_clock.carry() is None  # once a step: until the next lap
+        timed_clock.lap()
+        clock.lap()
         same_grads = all(
-            torch.equal(a.grad, b.grad) for a, b in zip(base.parameters(), twin.parameters(), strict=True)
+            torch.equal(a.grad, b.grad) and torch.equal(a.grad, c.grad)
+            for a, b, c in zip(base.parameters(), twin.parameters(), timed_twin.parameters(), strict=True)
         )
-        results.append((float(got[0].item()), float(expected.item()), same_grads, got[1:].tolist()))
-        for m in (base, twin):
+        carried = [] if slots is None else slots.tolist()
+        assert carried in ([], timed.tolist())
+        results.append((float(got[0].item()), float(expected.item()), same_grads, carried))
+        for m in (base, twin, timed_twin):
             m.zero_grad()
     # Without arming, no bucket carries anything and the gradients are still DDP's.
     (carried_ddp(torch.ones(2, 8)).sum()).backward()
     results.append((carrier.take(), None, True, []))
     torch.save(results, f"{out}.{rank}")
     # DDP's reducers must go before the process group does (else gloo can abort the process at exit).
-    del plain, carried_ddp, carrier
+    del plain, carried_ddp, carrier, timed_ddp
     gc.collect()
     dist.destroy_process_group()
 

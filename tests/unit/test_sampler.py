@@ -7,7 +7,8 @@ import random
 
 import pytest
 
-from elastic_train.train.sampler import ElasticSampler, epoch_permutation, share_bounds
+from elastic_train.train.balance import share_bounds
+from elastic_train.train.sampler import ElasticSampler, epoch_permutation
 
 
 @pytest.mark.parametrize("size", [0, 1, 5, 7, 48])
