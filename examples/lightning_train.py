@@ -33,7 +33,8 @@ epochs, so that the new node, starting beside three busy workers, joins before t
         --summary run.json --preload elastic_train.lightning --entry examples/lightning_train.py --epochs 300
 
 A node that dies costs at most the step it was in; each epoch trains every sample exactly once, with the same
-global batch at every world size.
+global batch at every world size. With ``--shares speed`` a slow node trains a smaller share of each step,
+by its measured speed (docs/stragglers.md).
 """
 
 from __future__ import annotations
@@ -109,6 +110,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--checkpoint", default="checkpoints", help="elastic checkpoint root, any fsspec URL")
     p.add_argument("--checkpoint-every", type=int, default=10, help="durable checkpoint every N steps")
     p.add_argument("--float64", action="store_true", help="train in double precision")
+    p.add_argument(
+        "--shares",
+        choices=("even", "speed"),
+        default="even",
+        help="split each step evenly over the ranks, or by their measured speeds (docs/stragglers.md)",
+    )
     return p.parse_args()
 
 
@@ -119,8 +126,9 @@ def main() -> None:
     loader = DataLoader(dataset, batch_size=args.batch_size, shuffle=True, num_workers=args.workers)
     steps = args.epochs * math.ceil(len(dataset) / args.batch_size)
     model = Regressor(lr=args.lr, total_steps=steps)
+    every, shares = args.checkpoint_every, args.shares  # shares: even, or by the ranks' measured speeds
     trainer = L.Trainer(
-        strategy=ElasticStrategy(checkpoint=args.checkpoint, every_steps=args.checkpoint_every),  # elastic
+        strategy=ElasticStrategy(checkpoint=args.checkpoint, every_steps=every, shares=shares),  # elastic
         accelerator="cpu",
         devices=1,
         max_epochs=args.epochs,

@@ -34,6 +34,7 @@ from collections.abc import Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, IterableDataset
 
 from elastic_train import elastic as et
@@ -41,6 +42,7 @@ from elastic_train.checkpoint import drain
 from elastic_train.checkpoint.config import CheckpointConfig
 from elastic_train.errors import NonRetryableError
 from elastic_train.log import get_logger
+from elastic_train.train.busy import StepClock, time_collectives
 from elastic_train.train.checkpointer import StepHook
 from elastic_train.train.errors import TrainingError
 from elastic_train.train.sampler import rebuild
@@ -221,6 +223,10 @@ class ElasticStrategy(_PerNamespace, _StrategyBase):
         config: every other checkpoint setting (``keep_last``, ``memory_dir``, ``storage_options`` …).
         run_id: checkpoints go to ``checkpoint/run_id`` (default: torchrun's ``--rdzv-id``).
         hooks: called with the step number at every commit, before the state is saved.
+        shares: ``"even"`` or ``"speed"``: each step split by the ranks' measured speeds
+            (docs/stragglers.md). The busy times ride in the strategy's DDP communication hook, which
+            also lets slow-node detection tell a rank's work from its wait; with a ``ddp_comm_hook`` of
+            your own neither works (shares stay even, nobody is flagged).
         **kwargs: passed to ``DDPStrategy`` (``find_unused_parameters``, ``timeout``,
             ``process_group_backend`` …).
     """
@@ -243,8 +249,11 @@ class ElasticStrategy(_PerNamespace, _StrategyBase):
         config: CheckpointConfig | None = None,
         run_id: str | None = None,
         hooks: Sequence[StepHook] = (),
+        shares: str = "even",
         **kwargs: Any,
     ) -> None:
+        if shares not in ("even", "speed"):
+            raise ValueError(f"shares: {shares!r} is not one of even, speed")
         if global_batch is not None and global_batch < 1:
             raise ValueError(f"global_batch: {global_batch} must be >= 1")
         if loss_reduction not in ("mean", "sum"):
@@ -255,6 +264,9 @@ class ElasticStrategy(_PerNamespace, _StrategyBase):
         self.global_batch = global_batch
         self.seed = seed
         self.loss_reduction = loss_reduction
+        self.shares = shares
+        #: The step clock the DDP timing hook reports to (slow-node detection, speed-weighted shares).
+        self.clock = StepClock()
         self._ckpt_args: dict[str, Any] = {
             "url": checkpoint,
             "every_steps": every_steps,
@@ -308,6 +320,14 @@ class ElasticStrategy(_PerNamespace, _StrategyBase):
             assert self.namespace is not None
             callbacks.append(_Commit.for_namespace(self.namespace)(self))
 
+    def _register_ddp_hooks(self) -> None:
+        """Lightning's hooks when the strategy was given a ``ddp_comm_hook``; else the timing hook (DDP's
+        default reduction, the rank's wait for the others timed: slow-node detection, speed shares)."""
+        if self._ddp_comm_hook is not None or not isinstance(self.model, DistributedDataParallel):
+            super()._register_ddp_hooks()
+            return
+        time_collectives(self.model, self.clock)
+
     # -- data ------------------------------------------------------------------------------------------------
     def process_dataloader(self, dataloader: object) -> object:
         """The training DataLoader over the elastic sampler (evaluation loaders as Lightning made them)."""
@@ -333,7 +353,7 @@ class ElasticStrategy(_PerNamespace, _StrategyBase):
                 "ElasticStrategy(global_batch=...) instead; the strategy draws the batches"
             )
         global_batch = self.global_batch or batch_size * self._requested_nodes * self.num_processes
-        self.sampler = _EpochSampler(dataloader.dataset, global_batch, seed=self.seed)
+        self.sampler = _EpochSampler(dataloader.dataset, global_batch, seed=self.seed, shares=self.shares)
         self._loader = rebuild(dataloader, self.sampler)
         self._restore(trainer)
         return self._loader
@@ -351,7 +371,7 @@ class ElasticStrategy(_PerNamespace, _StrategyBase):
             **{f"scheduler{i}": c.scheduler for i, c in enumerate(configs) if len(configs) > 1},
         )
         args = {k: v for k, v in self._ckpt_args.items() if k != "hooks"}
-        self.checkpointer = et.Checkpointer(state, **args, hooks=self._ckpt_args["hooks"])
+        self.checkpointer = et.Checkpointer(state, **args, hooks=self._ckpt_args["hooks"], clock=self.clock)
         step = self.checkpointer.restore()
         loop = trainer.fit_loop
         if step == 0:

@@ -144,6 +144,8 @@ class Checkpointer:
             injection in tests).
         link: this process's end of the node contract (default: :func:`~elastic_train.train.link.
             process_link`): the step beat and the announced membership changes at each commit.
+        clock: the step clock a DDP timing hook registered before this Checkpointer reports to
+            (:func:`~elastic_train.train.busy.time_collectives`; default: a new one, :attr:`clock`).
 
     Raises:
         StorageError: the URL's filesystem cannot be opened.
@@ -164,6 +166,7 @@ class Checkpointer:
         events: EventWriter | None = None,
         hooks: Sequence[StepHook] = (),
         link: ProcessLink | None = None,
+        clock: StepClock | None = None,
     ) -> None:
         if not isinstance(state, TrainState):
             raise NotStateful(f"state: a {type(state).__name__} is not an elastic_train TrainState")
@@ -190,7 +193,7 @@ class Checkpointer:
         self.hooks = list(hooks)
         #: Times each step's wait for the gradient all-reduce (reported by the DDP hook of
         #: :func:`elastic_train.train.busy.time_collectives`): slow-node detection compares busy times.
-        self.clock = StepClock()
+        self.clock = clock or StepClock()
         #: Speed-weighted shares of this group (an ``ElasticBatchSampler(shares="speed")``), else None.
         self.shares = self._speed_shares(state)
         self._share_commits = self._share_carried = 0  # commits of this group, and those that carried

@@ -1,6 +1,8 @@
-"""examples/own_loop.py on a simulated accelerator: each rank's loss costs device time per sample.
+"""A training script on a simulated accelerator: each rank's loss costs device time per sample.
 
-    python tests/integration/speed_own_loop.py PER_SAMPLE_S [own_loop.py's arguments ...]
+    python tests/integration/on_device.py SCRIPT PER_SAMPLE_S [the script's arguments ...]
+
+For examples/own_loop.py and examples/lightning_train.py (any script whose loss is ``F.mse_loss``).
 
 The wait (``device_time`` of benchmarks/straggler_task.py: it advances only while the process runs, so a
 node held stopped by the ``slow-node`` fault is slowed as a throttled device would be) is added where the
@@ -19,13 +21,13 @@ import torch
 import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[2]
-EXAMPLE = ROOT / "examples" / "own_loop.py"
 
 
 def main() -> None:
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from straggler_task import device_time
 
+    script = sys.argv.pop(1)
     per_sample_s = float(sys.argv.pop(1))
     mse = F.mse_loss
 
@@ -34,8 +36,8 @@ def main() -> None:
         return mse(input, target, *args, **kwargs)
 
     F.mse_loss = on_device  # what the script's ``F.mse_loss`` resolves to
-    sys.argv[0] = str(EXAMPLE)
-    runpy.run_path(str(EXAMPLE), run_name="__main__")
+    sys.argv[0] = script
+    runpy.run_path(script, run_name="__main__")
 
 
 if __name__ == "__main__":
