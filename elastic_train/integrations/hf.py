@@ -51,6 +51,7 @@ import transformers.trainer as hf_trainer
 from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.state import AcceleratorState, PartialState
 from accelerate.utils import DistributedType
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 from transformers import Trainer
 from transformers.trainer_callback import ExportableState, TrainerControl
@@ -67,6 +68,7 @@ from elastic_train.integrations.hf_data import (
     steps_per_epoch,
 )
 from elastic_train.log import get_logger
+from elastic_train.train.busy import time_collectives
 from elastic_train.train.checkpointer import StepHook
 from elastic_train.train.errors import TrainingError
 from elastic_train.train.loop import step_seed
@@ -174,6 +176,7 @@ class ElasticTrainer(Trainer):
         self._resumed: str | None = None  # this train() entry resumed: "ours", or "trainer" (its checkpoint)
         self._trainer_checkpoint: str | bool | None = None  # train()'s resume_from_checkpoint
         self._weights: deque[float] = deque()  # loss factors of the step's micro-batches still to come
+        self._timed: Any = None  # the DDP wrapper whose all-reduce waits are timed
         self._step_loss: torch.Tensor | None = None
         self._backward = self.accelerator.backward
         self.accelerator.backward = self._weighted_backward
@@ -230,6 +233,7 @@ class ElasticTrainer(Trainer):
         if ckpt is not None:
             ckpt.close()
         self.model_wrapped = self.model  # type: ignore[assignment]
+        self._timed = None
         self.accelerator.free_memory()
         self._weights.clear()
         self._step_loss = None
@@ -412,6 +416,7 @@ class ElasticTrainer(Trainer):
         starts there: the Trainer only counts the micro-batches trained before)."""
         if self._resumed and epoch == epochs_trained:
             resume_from_checkpoint = RESUMED
+        self._time_collectives(model)
         with _no_skip(self):
             return super()._run_epoch(
                 model=model,
@@ -426,6 +431,19 @@ class ElasticTrainer(Trainer):
                 epochs_trained=epochs_trained,
                 steps_trained_in_current_epoch=steps_trained_in_current_epoch,
             )
+
+    def _time_collectives(self, model: Any) -> None:
+        """The group's DDP model times its wait for the others' gradients (slow-node detection tells a
+        rank's work from that wait), once per wrapper and before its first backward; a model given a
+        communication hook through accelerate keeps that one, untimed."""
+        ckpt = self.checkpointer
+        if not isinstance(model, DistributedDataParallel) or model is self._timed or ckpt is None:
+            return
+        self._timed = model
+        try:
+            time_collectives(model, ckpt.clock)
+        except RuntimeError as exc:  # a hook is registered already (one per DDP model)
+            log.info("hf_untimed", reason=str(exc).splitlines()[0])
 
     def _load_rng_state(self, checkpoint: str | None) -> None:
         """Nothing: the torch generators are seeded per step (:meth:`_seed_step`), the others restored with

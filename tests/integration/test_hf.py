@@ -172,7 +172,7 @@ def test_a_plain_trainer_loses_and_repeats_samples_on_a_resize() -> None:
 MEAN_LOSS = """
 import sys, torch
 from torch.utils.data import Dataset
-from transformers import TrainingArguments, set_seed
+from transformers import TrainerCallback, TrainingArguments, set_seed
 from elastic_train.hf import ElasticTrainer
 
 class Waves(Dataset):
@@ -194,8 +194,13 @@ set_seed(0)
 args = TrainingArguments(output_dir=sys.argv[1], per_device_train_batch_size=3, num_train_epochs=2,
     learning_rate=0.05, report_to="none", disable_tqdm=True, use_cpu=True, save_strategy="no",
     eval_strategy="steps", eval_steps=5, dataloader_num_workers=1, label_names=["y"])
-ElasticTrainer(model=Net().double(), args=args, train_dataset=Waves(70), eval_dataset=Waves(20),
-               global_batch=10).train()
+class Timed(TrainerCallback):  # was each rank's wait for the gradient all-reduce timed?
+    def on_train_end(self, args, state, control, **kwargs):
+        print(f"timed={trainer.checkpointer.clock.timed}", flush=True)
+
+trainer = ElasticTrainer(model=Net().double(), args=args, train_dataset=Waves(70), eval_dataset=Waves(20),
+                         global_batch=10, callbacks=[Timed()])
+trainer.train()
 """
 
 
@@ -203,7 +208,8 @@ ElasticTrainer(model=Net().double(), args=args, train_dataset=Waves(70), eval_da
 def test_a_mean_loss_is_weighted_to_the_same_update_at_any_world_size(tmp_path: Path) -> None:
     """A model whose loss is the mean over its micro-batch (the Trainer divides it by the accumulation
     steps): global batch 10 at world 1 (micro-batches of 3, 3, 2, 2) and world 3 (shares of 4, 3, 3 in two
-    micro-batches each) end with the same weights; evaluation and a DataLoader worker on the way."""
+    micro-batches each) end with the same weights; evaluation and a DataLoader worker on the way. At world 3
+    the Trainer's DDP model carries the timing hook (slow-node detection), which reduces as DDP's own."""
     script = tmp_path / "mean_loss.py"
     script.write_text(MEAN_LOSS)
     for world in (1, 3):
@@ -217,6 +223,8 @@ def test_a_mean_loss_is_weighted_to_the_same_update_at_any_world_size(tmp_path: 
             timeout=300,
         )
         assert proc.returncode == 0, proc.stderr[-3000:]
+        timed = [line for line in proc.stdout.splitlines() if line.startswith("timed=")]
+        assert timed == [f"timed={world > 1}"] * world, proc.stdout[-2000:]  # world 1 has no DDP model
     (run_id,) = (p.name for p in (tmp_path / "w3" / "elastic").iterdir())
     weights = final_weights(tmp_path / "w3" / "elastic", run_id, 14)
     assert_same_weights(weights, final_weights(tmp_path / "w1" / "elastic", "default", 14), torch.float64)
