@@ -95,4 +95,5 @@ if __name__ == "__main__":
     args = sys.argv[1:]
     for i in range(0, len(args), 3):
         {"load": load, "save": save}[args[i]](args[i + 1], args[i + 2])
+    dist.barrier()  # nobody tears its gloo pairs down while a peer still uses them
     dist.destroy_process_group()
