@@ -32,4 +32,7 @@ def job_settings(cfg: JobConfig) -> dict[str, Any]:
         "train.global_batch": train.global_batch,
         "train.seed": train.seed,
         "train.steps": train.steps,
+        # how every rank splits and reduces a step: ranks that differ make the collectives disagree
+        "train.shares": train.shares,
+        "train.fsdp": train.fsdp,
     }

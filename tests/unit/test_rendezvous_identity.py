@@ -35,6 +35,8 @@ def test_same_config_same_fingerprint_and_local_paths_are_absolute(tmp_path, mon
         ),
         ({"rendezvous.max_nodes": 2}, "rendezvous.max_nodes=1; this node has rendezvous.max_nodes=2"),
         ({"train.task_args": {"n": 1}}, 'train.task_args={}; this node has train.task_args={"n": 1}'),
+        ({"train.shares": "speed"}, "train.shares=even; this node has train.shares=speed"),
+        ({"train.fsdp": True}, "train.fsdp=false; this node has train.fsdp=true"),
         (
             {"checkpoint.url": "s3://b/ckpt", "train.seed": 9, "train.steps": 5},
             "checkpoint.url=s3://a/ckpt, train.seed=0; "
