@@ -96,4 +96,5 @@ if __name__ == "__main__":
     for i in range(0, len(args), 3):
         {"load": load, "save": save}[args[i]](args[i + 1], args[i + 2])
     dist.barrier()  # nobody tears its gloo pairs down while a peer still uses them
+    print(f"rank {dist.get_rank()}: finished", flush=True)  # the work is done and written
     dist.destroy_process_group()

@@ -23,6 +23,7 @@ is in, however loaded the machine.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -169,10 +170,21 @@ def test_plain_torchrun_agents_kill_join_and_a_worker_dying_in_the_reshard(
     )
 
 
+#: What gloo prints when a process aborts in its teardown (a std::thread still joinable when destroyed).
+TEARDOWN_ABORT = "terminate called without an active exception"
+
+
 def torchrun_standalone(nproc: int, *args: str, cwd: Path) -> None:
+    """dcp_scripts.py under ``torchrun --standalone``: every rank must finish its work (print ``finished``,
+    after a barrier that follows the last write). A SIGABRT of gloo's teardown after that, seen on loaded
+    CI machines in this plain torch script, is torch's (it comes after everything this test checks) and is
+    tolerated when it is the only failure; anything else fails the test."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
     proc = subprocess.run(cmd, cwd=cwd, env=env(), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    where = proc.stdout[-2000:] + proc.stderr[-3000:]
+    finished = set(re.findall(r"rank (\d+): finished", proc.stdout))  # the ranks' lines may interleave
+    assert finished == {str(r) for r in range(nproc)}, where
+    assert proc.returncode == 0 or TEARDOWN_ABORT in proc.stderr, where
 
 
 def test_dcp_both_ways_at_another_world_size(tmp_path: Path, reference_run: Path) -> None:
