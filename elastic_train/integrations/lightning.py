@@ -44,6 +44,7 @@ from elastic_train.errors import NonRetryableError
 from elastic_train.log import get_logger
 from elastic_train.train.busy import StepClock, time_collectives
 from elastic_train.train.checkpointer import StepHook
+from elastic_train.train.config import check_shares
 from elastic_train.train.errors import TrainingError
 from elastic_train.train.sampler import rebuild
 
@@ -252,8 +253,7 @@ class ElasticStrategy(_PerNamespace, _StrategyBase):
         shares: str = "even",
         **kwargs: Any,
     ) -> None:
-        if shares not in ("even", "speed"):
-            raise ValueError(f"shares: {shares!r} is not one of even, speed")
+        check_shares(shares)
         if global_batch is not None and global_batch < 1:
             raise ValueError(f"global_batch: {global_batch} must be >= 1")
         if loss_reduction not in ("mean", "sum"):

@@ -251,14 +251,13 @@ class ShareDrawer(Protocol):
 
     def set_weights(self, weights: tuple[float, ...] | None, first_step: int) -> None: ...
 
-    def reset_weights(self) -> None: ...
-
 
 class SpeedShares:
     """One group's speed-weighted shares (an :class:`~elastic_train.train.sampler.ElasticBatchSampler` made
     with ``shares="speed"``): the values each rank carries with a step's gradients (the step clock's
     :attr:`~elastic_train.train.busy.StepClock.rider`) and the decision every rank takes from their sum at
-    the step's commit. Made by the group's :class:`~elastic_train.train.checkpointer.Checkpointer`.
+    the step's commit. Made by the group's :class:`~elastic_train.train.checkpointer.Checkpointer`, which
+    also resets the sampler to even shares for the new group.
 
     The carried vector has ``2 · W`` slots: this rank's busy seconds of the step before in slot ``rank``
     (0: unknown, the first step of a group), and how many steps ahead of the committed one it has drawn in
@@ -278,7 +277,6 @@ class SpeedShares:
         self.world_size = world_size
         self.balancer = balancer or ShareBalancer(world_size, sampler.global_batch)
         self._last: tuple[int, int] | None = None  # (step, samples) committed last in this group
-        sampler.reset_weights()
 
     def slots(self, busy: float | None) -> torch.Tensor:
         """This rank's values for the step being trained (see the class docstring)."""

@@ -5,6 +5,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+#: How a step is split over the ranks: ``even``, or ``speed`` (by measured speed: train/balance.py).
+SHARES = ("even", "speed")
+
+
+def check_shares(shares: str) -> None:
+    """Raises ValueError naming the choices when ``shares`` is not one of :data:`SHARES`."""
+    if shares not in SHARES:
+        raise ValueError(f"shares: {shares!r} is not one of {', '.join(SHARES)}")
+
 
 @dataclass(kw_only=True, slots=True)
 class TrainConfig:
@@ -46,8 +55,7 @@ class TrainConfig:
             raise ValueError(f"log_every: {self.log_every} must be >= 1")
         if self.backend not in ("auto", "gloo", "nccl"):
             raise ValueError(f"backend: {self.backend!r} is not one of auto, gloo, nccl")
-        if self.shares not in ("even", "speed"):
-            raise ValueError(f"shares: {self.shares!r} is not one of even, speed")
+        check_shares(self.shares)
         if self.shares == "speed" and self.fsdp:
             raise ValueError(
                 "shares: 'speed' needs DDP, and train.fsdp is on: the ranks' busy times ride in DDP's "

@@ -47,21 +47,16 @@ class LossCarrier:
     def register(self, ddp: torch.nn.parallel.DistributedDataParallel) -> None:
         ddp.register_comm_hook(self, _hook)
 
-    def arm(self, loss_sum: torch.Tensor, extra: torch.Tensor | None = None) -> None:
-        """Carry ``loss_sum`` (this rank's sum of per-sample losses), and ``extra`` values after it, with the
-        next synchronizing backward."""
-        value = loss_sum.detach().reshape(1)
-        if extra is not None:
-            value = torch.cat([value, extra.detach().reshape(-1).to(device=value.device, dtype=value.dtype)])
-        self._pending = value
+    def arm(self, loss_sum: torch.Tensor) -> None:
+        """Carry ``loss_sum`` (this rank's sum of per-sample losses) with the next synchronizing backward."""
+        self._pending = loss_sum.detach().reshape(1)
         self._reduced = None
 
     def _land(self, reduced: torch.Tensor) -> None:
         self._reduced = reduced
 
     def take(self) -> torch.Tensor | None:
-        """The sum over ranks of the armed values (the loss first, then ``extra``), or None when no bucket
-        carried them."""
+        """The sum over ranks of the armed loss (shape ``[1]``), or None when no bucket carried it."""
         out, self._reduced, self._pending = self._reduced, None, None
         return out
 

@@ -30,6 +30,7 @@ from torch.utils.data import DataLoader
 from elastic_train.envvars import ENV_AUDIT_DIR
 from elastic_train.train.balance import share_bounds, share_range, weighted_counts
 from elastic_train.train.batching import share_weight
+from elastic_train.train.config import check_shares
 from elastic_train.train.link import worker_env
 
 
@@ -190,8 +191,7 @@ class ElasticBatchSampler(ElasticSampler):
         pad_empty: bool = True,
         shares: str = "even",
     ) -> None:
-        if shares not in ("even", "speed"):
-            raise ValueError(f"shares: {shares!r} is not one of even, speed")
+        check_shares(shares)
         dataset_len = dataset if isinstance(dataset, int) else len(dataset)
         super().__init__(dataset_len, global_batch, seed)
         if world_size is not None and world_size < 1:
