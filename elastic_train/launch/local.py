@@ -40,7 +40,7 @@ from elastic_train.launch.netlink import SilentLink
 from elastic_train.launch.run import worker_overrides_argv
 from elastic_train.launch.summary import Summary, render_table, world_size_timeline
 from elastic_train.log import get_logger
-from elastic_train.procs import signal_tree, start_ms, terminate_tree, tree
+from elastic_train.procs import die_with_parent, signal_tree, start_ms, terminate_tree, tree
 
 if TYPE_CHECKING:
     from elastic_train.etcd.client import Etcd
@@ -61,8 +61,8 @@ PARTITION_AFTER_RESUME = 2.0
 PARTITION_SECONDS = 12.0
 #: Period of a ``slow-node`` fault's stop/continue cycle: the workers run ``period / factor`` of each, and
 #: a step longer than it is slowed by about the factor. The processes under the agent are looked up again
-#: at every period (half a millisecond a walk): one started in between (a restarted worker, the agent's
-#: one-second health probe) is slowed from its first period, as on a node whose hardware is slow.
+#: at every period: one started in between (a restarted worker, the agent's one-second health probe) is
+#: slowed from its first period, as on a node whose hardware is slow (:mod:`elastic_train.launch.slowdown`).
 SLOW_PERIOD = 0.1
 
 
@@ -327,41 +327,38 @@ class LocalJob:
     def _slow_node(self, record: FaultRecord, node: Node) -> None:
         """Slow the node's workers by ``factor`` (SIGSTOP for ``1 - 1/factor`` of every :data:`SLOW_PERIOD`,
         SIGCONT for the rest; every process under the agent: workers, their stand-ins, the fork server) for
-        ``for`` seconds or until the job ends, on a thread of its own; the agent is left alone (it keeps
-        its lease: a slow node is not a lost one). Records ``factor``, ``for_s``,
-        the workers' PIDs and, once it ends, ``stopped_s`` (the time they were held) and ``ended_s``."""
+        ``for`` seconds or until the job ends, by a driver process of its own
+        (:mod:`elastic_train.launch.slowdown`); the agent is left alone (it keeps its lease: a slow node is
+        not a lost one). Records ``factor``, ``for_s`` and, once it ends, the driver's report: the
+        processes' PIDs, ``stopped_s`` (the time they were held) and ``ended_s``."""
         factor = record.fault.option("factor") or 2.0
         span = record.fault.option("for")
         record.extra.update(factor=factor, for_s=span, period_s=SLOW_PERIOD, pids=[])
-        run_s = SLOW_PERIOD / factor
-        t0 = time.monotonic()
+        cmd = [
+            sys.executable, "-m", "elastic_train.launch.slowdown", str(node.proc.pid),
+            "--factor", str(factor), "--period", str(SLOW_PERIOD), *(["--for", str(span)] if span else []),
+        ]  # fmt: skip
+        driver = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=die_with_parent
+        )
 
-        def cycle() -> None:
-            pids: set[int] = set()
-            workers: list[psutil.Process] = []
-            held = 0.0
+        def watch() -> None:
+            while driver.poll() is None and not self._ending.wait(0.1):
+                pass
+            if driver.poll() is None:
+                driver.terminate()  # it continues what it holds, then reports
             try:
-                while not self._ending.is_set() and (span is None or time.monotonic() - t0 < span):
-                    if node.killed or node.stopped or node.proc.poll() is not None:
-                        self._ending.wait(SLOW_PERIOD)  # a hung or gone node: nothing to slow
-                        continue
-                    # every process under the agent: the stand-ins torchrun started pass signals on to the
-                    # workers the fork server forked, but a SIGSTOP cannot be passed on
-                    workers = tree(node.proc.pid)[1:]
-                    pids |= {p.pid for p in workers}
-                    stopped = time.monotonic()
-                    _signal_all(workers, signal.SIGSTOP)
-                    self._ending.wait(SLOW_PERIOD - run_s)
-                    _signal_all(workers, signal.SIGCONT)
-                    held += time.monotonic() - stopped
-                    self._ending.wait(run_s)
-            finally:
-                _signal_all(workers, signal.SIGCONT)
-                record.extra.update(
-                    pids=sorted(pids), stopped_s=round(held, 2), ended_s=round(time.monotonic() - t0, 2)
-                )
+                out, err = driver.communicate(timeout=10)
+            except subprocess.TimeoutExpired:
+                driver.kill()
+                out, err = driver.communicate()
+            lines = out.strip().splitlines()
+            if driver.returncode == 0 and lines:
+                record.extra.update(json.loads(lines[-1]))
+            else:
+                record.extra["error"] = (err.strip().splitlines() or [f"exit {driver.returncode}"])[-1]
 
-        thread = threading.Thread(target=cycle, name=f"slow-node-{node.index}", daemon=True)
+        thread = threading.Thread(target=watch, name=f"slow-node-{node.index}", daemon=True)
         self._slowing.append(thread)
         thread.start()
 
@@ -720,13 +717,6 @@ def _signalled(record: FaultRecord) -> None:
     now = time.time()
     record.extra["tree_walk_s"] = round(now - (record.fired_at or now), 3)
     record.fired_at = now
-
-
-def _signal_all(procs: list[psutil.Process], sig: int) -> None:
-    """Send ``sig`` to each process that still runs (one that exited meanwhile is skipped)."""
-    for p in procs:
-        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
-            p.send_signal(sig)
 
 
 def _is_worker(p: psutil.Process) -> bool:

@@ -87,3 +87,20 @@ def test_a_process_the_agent_starts_while_slowed_is_held_from_its_first_period(t
         job._slow_node(FaultRecord(fault=parse_fault("slow-node", "0@step=1,factor=4")), node)
         share = stopped_share(children(node.proc.pid)[0], 0.5)  # its first half second
         assert 0.5 < share < 0.95, f"held {share:.0%} of its first half second, factor 4 holds it 75%"
+
+
+def test_a_slowed_node_that_hangs_stays_stopped_until_resumed(tmp_path, reaper) -> None:  # type: ignore[no-untyped-def]
+    """A slowed node that hangs (``hang-node``: the agent and every process under it stopped) is not
+    continued by its slowdown: a hung node's processes stay stopped until it is resumed, then are slowed
+    again."""
+    with slowable(tmp_path, reaper, NODE) as (job, node):
+        worker = children(node.proc.pid)[0]
+        slow = FaultRecord(fault=parse_fault("slow-node", "0@step=1,factor=4"))
+        job._slow_node(slow, node)
+        assert 0.5 < stopped_share(worker, 0.5) < 0.95
+        job._hang_node(FaultRecord(fault=parse_fault("hang-node", "0@step=1")), node)
+        assert stopped_share(worker, 1.0) == 1.0, "a hung node's worker ran"
+        job._resume_node(FaultRecord(fault=parse_fault("resume-node", "0@step=1")), node)
+        assert 0.5 < stopped_share(worker, 1.0) < 0.95
+    assert stopped_share(worker, 0.3) == 0.0  # continued when the job ended
+    assert slow.extra["pids"] == [worker.pid] and slow.extra["stopped_s"] > 0.5, slow.extra
