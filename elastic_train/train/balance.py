@@ -19,7 +19,10 @@ each between ``floor`` and ``cap`` times the even share. It adopts them only whe
 shorten the step by ``min_gain`` or more (hysteresis: noise on a healthy job moves nothing), then waits for
 a full ``window`` under the new shares and checks what they did: when the slowest rank's busy time did not
 fall by at least half of ``min_gain`` (a cost that does not scale with the samples: a per-step overhead on a
-slow node), the change is undone and the shares are left alone for ``hold`` steps, doubled at each undo.
+slow node), the change is undone and the shares are left alone for ``hold`` steps, doubled at each undo. A
+rank that became busier with fewer samples than it was before the change (by more than ``min_gain``) has
+slowed meanwhile (the window the change was decided on caught its slowdown only in part): no undo, the
+shares are decided afresh from the new window.
 Repeated, the rule converges on shares that equalise the ranks' busy times; a node that becomes fast again
 earns its share back the same way.
 
@@ -161,8 +164,9 @@ class ShareBalancer:
         """The current shares' weights (None: even)."""
         self._since = 0  # steps numbered below this were trained under other shares
         self._costs: list[deque[float]] = [deque(maxlen=window) for _ in range(world_size)]
-        #: After a change: the slowest busy seconds before it and the weights it replaced.
-        self._judge: tuple[float, tuple[float, ...] | None] | None = None
+        #: After a change: the slowest busy seconds before it, the rank that was that slowest, and the
+        #: weights the change replaced.
+        self._judge: tuple[float, int, tuple[float, ...] | None] | None = None
         self._undone = 0
 
     def counts(self, size: int) -> list[int]:
@@ -194,9 +198,12 @@ class ShareBalancer:
         before = max(c * n for c, n in zip(cost, old, strict=True))
         cost_ms = [round(c * 1000, 3) for c in cost]
         if self._judge is not None:
-            earlier, replaced = self._judge
+            earlier, relieved, replaced = self._judge
             self._judge = None
-            if before > earlier * (1.0 - self.min_gain / 2):
+            # busier with fewer samples: that rank's speed changed (the window the change was decided on
+            # caught a slowdown only in part), not a cost the split cannot move; decide afresh instead
+            slowed = cost[relieved] * old[relieved] > earlier * (1.0 + self.min_gain)
+            if before > earlier * (1.0 - self.min_gain / 2) and not slowed:
                 self.weights = replaced
                 self._undone += 1
                 self._restart(first, self.hold * 2 ** (self._undone - 1))
@@ -210,7 +217,8 @@ class ShareBalancer:
             return None
         if min(new) < 1 <= self.global_batch // self.world_size:
             return None  # a rank without samples could not be measured again
-        self._judge = (before, self.weights)
+        slowest = max(range(self.world_size), key=lambda r: cost[r] * old[r])
+        self._judge = (before, slowest, self.weights)
         self.weights = weights
         self._restart(first, 0)
         return ShareChange(step, old, new, cost_ms, (before, after))

@@ -89,8 +89,8 @@ def test_a_slow_node_trains_a_share_by_its_speed_and_the_weights_stay(tmp_path: 
     assert first["old"] == [8, 8, 8] and new[slow] == min(new) < 8 and sum(new) == G, first
     assert first["step"] > SLOW_STEP and first["why"] == "faster", first
     # slow for good: every change that is not an undo takes from it, and it ends with less than its share
-    assert all(c["new"][slow] < 8 for c in changes if c["why"] == "faster"), changes
-    assert changes[-1]["new"][slow] < 8, changes
+    assert all(c["new"][slow] < 8 for c in changes if c["why"] == "faster"), brief(changes)
+    assert changes[-1]["new"][slow] < 8, brief(changes)
 
     # the steps after the change are shorter than the slowed steps before it
     steps = [e for e in events if e["event"] == "step"]
@@ -101,6 +101,11 @@ def test_a_slow_node_trains_a_share_by_its_speed_and_the_weights_stay(tmp_path: 
         assert statistics.median(after) < statistics.median(before), (before, after)
 
     assert_same_weights(final_weights(tmp_path / "ckpt", "speed", STEPS), reference)
+
+
+def brief(changes: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
+    """The changes as (step, why, old, new, cost per sample in ms): what a failure message shows."""
+    return [(c["step"], c["why"], c["old"], c["new"], c["cost_ms_per_sample"]) for c in changes]
 
 
 def slowed_rank(changes: list[dict[str, Any]], where: str) -> int:

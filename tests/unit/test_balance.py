@@ -126,6 +126,18 @@ def test_a_cost_that_does_not_shrink_with_the_share_is_undone_and_held_off() -> 
     assert changes[3].step - changes[2].step == bal.window + 1  # judged on the first full window
 
 
+def test_a_change_decided_on_a_slowdown_caught_in_part_is_not_undone() -> None:
+    """Rank 2 slows 1.4x for a few steps, then 2x: the first change is decided on a window that caught the
+    slowdown only in part, and under the new shares rank 2 is busier than before with fewer samples. That
+    is a rank that slowed, not a cost the split cannot move: the shares are decided afresh, not undone."""
+    bal = ShareBalancer(3, G)
+    model: Model = lambda s, r, n: costs({2: 1.0 if s < 10 else 1.4 if s < 14 else 2.0})(s, r, n)  # noqa: E731
+    changes = drive(bal, 80, model)
+    assert [c.why for c in changes] == ["faster", "faster"], [c.fields() for c in changes]
+    assert changes[0].new == [9, 9, 6] and changes[1].new[2] == 5, [c.fields() for c in changes]
+    assert changes[1].step - changes[0].step <= bal.window + 2  # one window, no hold
+
+
 def test_a_very_slow_rank_keeps_the_floor_and_a_fast_one_the_cap() -> None:
     bal = ShareBalancer(3, G, floor=0.25, cap=2.0)
     drive(bal, 100, costs({2: 20.0}, overhead=0.0))
