@@ -153,6 +153,8 @@ class LocalJob:
         #: Set when the job ends: ``slow-node`` cycles continue their workers and stop.
         self._ending = threading.Event()
         self._slowing: list[threading.Thread] = []
+        #: The slow-node drivers of each node (by index): stopped while their node hangs.
+        self._drivers: dict[int, list[subprocess.Popen[str]]] = {}
         #: Nodes started by collision faults (same run id, other settings), with their fault.
         self.intruders: list[tuple[FaultRecord, Node]] = []
         #: What happened to each planned fault, in plan order.
@@ -289,12 +291,22 @@ class LocalJob:
             record.extra["pids"] = [workers[0].pid]
 
     def _hang_node(self, record: FaultRecord, node: Node) -> None:
+        """SIGSTOP the agent and everything under it; a slowdown of the node is stopped first, so that it
+        continues none of them while the node hangs."""
+        self._signal_drivers(node, signal.SIGSTOP)
         record.extra["pids"] = signal_tree(node.proc.pid, signal.SIGSTOP, walked=lambda: _signalled(record))
         node.stopped = True
 
     def _resume_node(self, record: FaultRecord, node: Node) -> None:
         record.extra["pids"] = signal_tree(node.proc.pid, signal.SIGCONT)
         node.stopped = False
+        self._signal_drivers(node, signal.SIGCONT)
+
+    def _signal_drivers(self, node: Node, sig: int) -> None:
+        for driver in self._drivers.get(node.index, []):
+            if driver.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    driver.send_signal(sig)
 
     def _partition_etcd(self, record: FaultRecord, node: Node) -> None:
         """Silence the node's links to etcd until the others trained without it for a while (at most
@@ -338,15 +350,21 @@ class LocalJob:
             sys.executable, "-m", "elastic_train.launch.slowdown", str(node.proc.pid),
             "--factor", str(factor), "--period", str(SLOW_PERIOD), *(["--for", str(span)] if span else []),
         ]  # fmt: skip
-        driver = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=die_with_parent
-        )
 
         def watch() -> None:
+            # started by this thread, which outlives it: the kernel's parent-death signal follows the thread
+            # that forked, not the process
+            driver = subprocess.Popen(
+                cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=die_with_parent
+            )
+            self._drivers.setdefault(node.index, []).append(driver)
+            if node.stopped:  # hung before its driver started
+                driver.send_signal(signal.SIGSTOP)
             while driver.poll() is None and not self._ending.wait(0.1):
                 pass
             if driver.poll() is None:
                 driver.terminate()  # it continues what it holds, then reports
+                driver.send_signal(signal.SIGCONT)  # (one stopped while its node hangs)
             try:
                 out, err = driver.communicate(timeout=10)
             except subprocess.TimeoutExpired:

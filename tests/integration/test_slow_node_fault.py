@@ -59,12 +59,21 @@ def children(pid: int) -> list[psutil.Process]:
     return found
 
 
+def held_once(proc: psutil.Process) -> None:
+    """Return once ``proc`` is seen stopped (within 20 s)."""
+    deadline = time.monotonic() + 20
+    while proc.status() != psutil.STATUS_STOPPED:
+        assert time.monotonic() < deadline, "the slowed process was never held"
+        time.sleep(0.002)
+
+
 def test_a_slowed_nodes_worker_is_held_for_its_share_and_runs_freely_after_the_span(tmp_path, reaper) -> None:  # type: ignore[no-untyped-def]
     with slowable(tmp_path, reaper, NODE) as (job, node):
         worker = children(node.proc.pid)[0]
         for_good = FaultRecord(fault=parse_fault("slow-node", "0@step=1,factor=4"))
         spanned = FaultRecord(fault=parse_fault("slow-node", "0@step=1,factor=4,for=1.5"))
         job._slow_node(spanned, node)
+        held_once(worker)  # its driver started
         share = stopped_share(worker, 1.0)
         assert 0.5 < share < 0.95, f"held {share:.0%} of the time, factor 4 holds it 75%"
         assert psutil.Process(node.proc.pid).status() != psutil.STATUS_STOPPED  # the agent is left alone
@@ -97,8 +106,10 @@ def test_a_slowed_node_that_hangs_stays_stopped_until_resumed(tmp_path, reaper) 
         worker = children(node.proc.pid)[0]
         slow = FaultRecord(fault=parse_fault("slow-node", "0@step=1,factor=4"))
         job._slow_node(slow, node)
+        held_once(worker)  # its driver started
         assert 0.5 < stopped_share(worker, 0.5) < 0.95
         job._hang_node(FaultRecord(fault=parse_fault("hang-node", "0@step=1")), node)
+        held_once(worker)  # a process waiting for a core stops once it runs
         assert stopped_share(worker, 1.0) == 1.0, "a hung node's worker ran"
         job._resume_node(FaultRecord(fault=parse_fault("resume-node", "0@step=1")), node)
         assert 0.5 < stopped_share(worker, 1.0) < 0.95
