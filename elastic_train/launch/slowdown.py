@@ -14,8 +14,9 @@ long before the next hold as the last walk took.
 
 It ends after ``--for`` seconds, when the agent is gone, or on SIGTERM/SIGINT, with every process it held
 continued, and prints one JSON line: ``pids`` (every process it held), ``stopped_s`` (the time they were
-held) and ``ended_s`` (the time it ran). While the agent itself is stopped (a hung node) it holds and
-continues nothing: a hung node's processes stay stopped.
+held; ``elastic-train local`` stops the driver while its node hangs, and a hang that began during a hold
+counts toward it) and ``ended_s`` (the time it ran). While the agent itself is stopped (a hung node) it
+holds and continues nothing: a hung node's processes stay stopped.
 """
 
 from __future__ import annotations
