@@ -25,10 +25,22 @@ _PR_SET_PDEATHSIG = 1
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
+def _libc_prctl() -> Callable[..., int] | None:
+    try:
+        return ctypes.CDLL("libc.so.6", use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+#: libc's ``prctl``, looked up at import: a ``preexec_fn`` runs in the fork of a process that may run other
+#: threads, where loading a library (which takes the loader's locks) is not safe.
+_PRCTL = _libc_prctl()
+
+
 def die_with_parent() -> None:
     """``preexec_fn`` for helper processes: the kernel sends SIGTERM when the parent dies (Linux)."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def running(pid: int) -> bool:
