@@ -35,7 +35,7 @@ STEPS = 260
 #: The spanned slowdown's run: 100 steps before it, its seconds, and enough steps after it for the node to
 #: rejoin (3 nodes: 0.08 s of device time a step; 2 nodes: 0.12 s), also when the machine's other load keeps
 #: its probe's rate below its healthy one for a while after the span.
-SPAN_STEPS = 550
+SPAN_STEPS = 650
 SPAN_S = 20.0
 
 
@@ -149,7 +149,7 @@ def test_a_node_slow_for_good_is_evicted_readmitted_on_trial_and_leaves(tmp_path
 def test_a_node_slowed_for_a_span_is_kept_out_by_its_probe_and_readmitted_once_healthy(  # type: ignore[no-untyped-def]
     tmp_path: Path, monkeypatch
 ) -> None:
-    """``slow-node 1@step=100,factor=8,for=20`` on the regression task with device time per sample
+    """``slow-node 1@step=200,factor=8,for=20`` on the regression task with device time per sample
     (benchmarks/straggler_task.py: a stopped process's device time does not advance): the node's healthy
     rate is measured before the slowdown; it is evicted once, its probe at eviction finds it slow, its probes
     keep it out (no trial while slow: one eviction, not two), and once the span ended a probe finds it
@@ -164,7 +164,10 @@ def test_a_node_slowed_for_a_span_is_kept_out_by_its_probe_and_readmitted_once_h
     ov = overrides(tmp_path, threshold=2.0)
     ov.update({"train.task": "straggler_task:build", "train.task_args": {"per_sample_s": 0.01},
                "train.steps": SPAN_STEPS})  # fmt: skip
-    job = local_job(tmp_path, ov, f"1@step=100,factor=8,for={SPAN_S:g}")
+    # from step 200: about 20 s into the job, after the node's second probe; from step 100 its only probe
+    # before the slowdown could run while all three nodes probed at once on the two cores and read half
+    # its neighbours' rate, and a probe at eviction 8x slowed then read it only 1.55x below that
+    job = local_job(tmp_path, ov, f"1@step=200,factor=8,for={SPAN_S:g}")
     summary, where = run_exactly_once(tmp_path, job, SPAN_STEPS)
 
     slow = job.nodes[1]
