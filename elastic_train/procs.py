@@ -78,6 +78,12 @@ def signal_tree(pid: int, sig: int, walked: Callable[[], None] | None = None) ->
         walked()
     if sig == signal.SIGSTOP:
         procs = list(reversed(procs))
+    return signal_all(procs, sig)
+
+
+def signal_all(procs: list[psutil.Process], sig: int) -> list[int]:
+    """Send ``sig`` to each of ``procs`` that still runs (one that exited meanwhile is skipped); returns
+    the PIDs signalled."""
     sent = []
     for p in procs:
         with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):

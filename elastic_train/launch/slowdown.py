@@ -22,7 +22,6 @@ holds and continues nothing: a hung node's processes stay stopped.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import signal
 import sys
@@ -32,7 +31,7 @@ from typing import Any
 
 import psutil
 
-from elastic_train.procs import tree
+from elastic_train.procs import signal_all, tree
 
 
 def agent_state(pid: int) -> str | None:
@@ -42,13 +41,6 @@ def agent_state(pid: int) -> str | None:
     except psutil.Error:
         return None
     return None if status == psutil.STATUS_ZOMBIE else status
-
-
-def signal_all(procs: list[psutil.Process], sig: int) -> None:
-    """Send ``sig`` to each process that still runs (one that exited meanwhile is skipped)."""
-    for p in procs:
-        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
-            p.send_signal(sig)
 
 
 def cycle(

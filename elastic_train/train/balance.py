@@ -195,7 +195,8 @@ class ShareBalancer:
             return None
         cost = [statistics.median(c) for c in self._costs]
         old = self.counts(self.global_batch)
-        before = max(c * n for c, n in zip(cost, old, strict=True))
+        slowest = max(range(self.world_size), key=lambda r: cost[r] * old[r])
+        before = cost[slowest] * old[slowest]
         cost_ms = [round(c * 1000, 3) for c in cost]
         if self._judge is not None:
             earlier, relieved, replaced = self._judge
@@ -217,7 +218,6 @@ class ShareBalancer:
             return None
         if min(new) < 1 <= self.global_batch // self.world_size:
             return None  # a rank without samples could not be measured again
-        slowest = max(range(self.world_size), key=lambda r: cost[r] * old[r])
         self._judge = (before, slowest, self.weights)
         self.weights = weights
         self._restart(first, 0)
