@@ -38,6 +38,9 @@ module ``torch._dynamo``                            preloaded by the fork server
 ``serialization._get_layout``
 ``distributed.tensor.debug.``                       DTensor's sharding-propagation caches, dropped when the
 ``_clear_sharding_prop_cache``                      group re-forms in-process (:func:`clear_sharding_caches`)
+``FSDPModule._get_fsdp_state``, its                 the all-gather and reduce-scatter a ``fully_shard``
+``_fsdp_param_groups`` and their                    module uses (torch has setters, no getters): slow-node
+``_all_gather_comm``, ``_reduce_scatter_comm``      timing wraps them (:func:`fsdp_comms`)
 ==================================================  ==========================================================
 
 Checked against torch 2.13.0 and 2.14.1 (``make compat`` runs the rendezvous, hot-path and checkpoint tests
@@ -244,6 +247,7 @@ def missing() -> list[str]:
         ("torch", "_foreach_copy_"),
         ("torch.distributed.checkpoint._fsspec_filesystem", "FsspecWriter"),
         ("torch.distributed.tensor.debug", "_clear_sharding_prop_cache"),
+        ("torch.distributed.fsdp", "FSDPModule._get_fsdp_state"),
         *sorted(DCP_METADATA_PRIVATE),
     ]
     locals_ = [
@@ -304,6 +308,19 @@ def clear_sharding_caches() -> None:
     _clear_sharding_prop_cache()
 
 
+def fsdp_comms(module: Any) -> tuple[Any, Any] | None:
+    """The all-gather and reduce-scatter communication objects of a ``fully_shard`` module (what
+    ``set_custom_all_gather`` / ``set_custom_reduce_scatter`` replace), or None: the module has no parameter
+    group of its own, several (those setters refuse them), or this torch keeps them elsewhere."""
+    try:
+        groups = module._get_fsdp_state()._fsdp_param_groups
+        if len(groups) != 1:
+            return None
+        return groups[0]._all_gather_comm, groups[0]._reduce_scatter_comm
+    except (AttributeError, TypeError):
+        return None
+
+
 def uncompiled(model: Any) -> Any | None:
     """The module a ``torch.compile`` wrapper holds, or None when ``model`` is not such a wrapper."""
     import torch
@@ -323,6 +340,7 @@ __all__: Sequence[str] = (
     "clear_sharding_caches",
     "dcp_fsspec_writer",
     "foreach_copy",
+    "fsdp_comms",
     "role_info_key",
     "torchrun_failures",
     "torchrun_nproc_per_node",

@@ -158,6 +158,7 @@ def main() -> None:
             resume_from=args.resume_from,
             config=config,
         ) as ckpt:
+            et.time_collectives(model, ckpt.clock)  # elastic: a rank's work told from its wait (slow nodes)
             ckpt.restore()  # elastic: the newest state anywhere, resharded to this world
             if ckpt.source is None:  # elastic: nothing saved anywhere, a first start
                 et.load_full(model, initial_weights())  # elastic: each rank takes its rows

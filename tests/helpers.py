@@ -187,6 +187,19 @@ def final_weights(root: Path, run_id: str, step: int) -> dict[str, torch.Tensor]
     return dict(restored.state["model"])
 
 
+def sharded_weights(root: Path, run_id: str, step: int) -> dict[str, torch.Tensor]:
+    """The model in the newest durable (DCP) checkpoint of ``run_id`` under ``root`` (a sharded model's),
+    which must be ``step``."""
+    from elastic_train.checkpoint import durable
+    from elastic_train.checkpoint.sharded.export import model_tensors
+    from elastic_train.checkpoint.storage import open_storage
+
+    storage = open_storage(str(root))
+    newest = durable.newest_valid(storage, storage.join(storage.root, run_id))
+    assert newest is not None and newest.step == step and newest.manifest is not None, newest
+    return model_tensors(storage, newest.path, newest.manifest)
+
+
 def assert_same_weights(
     weights: dict[str, torch.Tensor], reference: dict[str, torch.Tensor], dtype: torch.dtype | None = None
 ) -> None:

@@ -10,7 +10,16 @@ own) and, at each step boundary, returns the step's wall time less that wait: th
 slow-node detection compares across nodes (docs/stragglers.md). Without a timed hook the wait is unknown and
 the busy time is the step time, the same on every rank: nobody stands out and nobody is flagged.
 
-Costs two clock reads per bucket and one per step; no collective.
+A model sharded with FSDP2 has no gradient all-reduce to time: its collectives (an all-gather of each
+block's parameters before its forward and its backward, a reduce-scatter of its gradients after) run inside
+forward and backward, and a fast rank waits for the slowest in whichever it reaches first. There
+:func:`time_collectives` wraps each ``fully_shard`` module's all-gather and reduce-scatter (FSDP2's custom
+communication interface, around the communication FSDP2 would use) and the clock subtracts the time the
+rank spent blocked in them: a synchronous collective's call (gloo's, on the CPU), and the ``wait()`` of an
+asynchronous one (a prefetch). On CUDA, FSDP2 runs its collectives on streams of their own and the host
+does not block in them: nothing is subtracted and the busy time is the step time, as without the hook.
+
+Costs two clock reads per bucket or collective and one per step; no collective.
 
 The same hooks carry values of the clock's :attr:`StepClock.rider` (speed-weighted shares,
 :class:`elastic_train.train.balance.SpeedShares`): appended to the step's first gradient bucket, summed over
@@ -19,6 +28,7 @@ the ranks with it, and handed back to the clock (:meth:`StepClock.take_carried`)
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -36,12 +46,21 @@ class Rider(Protocol):
 
 
 class StepClock:
-    """One process's step clock (see the module docstring)."""
+    """One process's step clock (see the module docstring).
 
-    def __init__(self) -> None:
+    Args:
+        loop_carries: the training loop carries the rider's values in a collective of its own each step
+            when no gradient bucket did (the built-in loop's loss sum, for a sharded model, which has no
+            gradient all-reduce): speed-weighted shares then work for a sharded model too.
+    """
+
+    def __init__(self, *, loop_carries: bool = False) -> None:
+        self.loop_carries = loop_carries
         self._last: float | None = None
         self._launched = 0.0
         self._completed = 0.0
+        self._blocked = 0.0
+        self._blocked_lock = threading.Lock()  # FSDP2 reduces gradients from autograd's threads on CUDA
         self.rider: Rider | None = None
         """Values to carry with each step's first gradient bucket (None: nothing)."""
         self._carrying = False
@@ -60,11 +79,24 @@ class StepClock:
         """A bucket's all-reduce completed (any thread: the future's callback)."""
         self._completed = time.perf_counter()
 
+    def blocked(self, seconds: float) -> None:
+        """This rank was blocked ``seconds`` waiting for the others outside the gradient all-reduce: in a
+        collective of a sharded model, the built-in loop's loss sum, a snapshot's replica exchange (any
+        thread)."""
+        if seconds <= 0:
+            return
+        with self._blocked_lock:
+            self._blocked += seconds
+        self.timed = True
+
     def lap(self) -> float | None:
         """At a step boundary: the busy seconds of the step since the last boundary (None at the first)."""
         now = time.perf_counter()
         last, self._last = self._last, now
         wait = max(0.0, self._completed - self._launched) if self._launched else 0.0
+        with self._blocked_lock:
+            wait += self._blocked
+            self._blocked = 0.0
         self._launched = self._completed = 0.0
         self._carrying = False
         self.last_busy = None if last is None else max(0.0, now - last - wait)
@@ -87,15 +119,107 @@ class StepClock:
         return out
 
 
-def time_collectives(ddp: torch.nn.parallel.DistributedDataParallel, clock: StepClock) -> None:
-    """Register a DDP communication hook that behaves as DDP's default one (divide by the world size, then
-    sum, over the DDP model's process group) and reports each bucket's launch and completion to ``clock``.
+def time_collectives(model: torch.nn.Module, clock: StepClock) -> None:
+    """Time this rank's waits for the others in ``model``'s collectives on ``clock``.
 
-    For a DDP model of one's own (the built-in loop's hook already reports): call it once after wrapping,
-    with :attr:`elastic_train.Checkpointer.clock`, so that slow-node detection can tell this rank's work
-    from its wait for the others. A model with a communication hook of its own cannot take a second one.
+    For a model of one's own (the built-in loop times its own): call it once after wrapping the model in
+    DDP, or after sharding it with ``fully_shard``, with :attr:`elastic_train.Checkpointer.clock`, so that
+    slow-node detection can tell this rank's work from its wait for the others.
+
+    - A ``DistributedDataParallel`` model gets a communication hook that behaves as DDP's default one
+      (divide by the world size, then sum, over the DDP model's process group) and reports each bucket's
+      launch and completion. A model with a communication hook of its own cannot take a second one.
+    - A model sharded with FSDP2 (it or any of its submodules a ``fully_shard`` module): each such module's
+      all-gather and reduce-scatter are wrapped, around the ones it has (torch's, or custom ones set
+      before), and report the time the rank was blocked in them (see the module docstring). Set FSDP2's
+      own communication options (symmetric memory, custom communication) before this call, not after.
+
+    Raises:
+        TypeError: ``model`` is neither a DDP model nor one with ``fully_shard`` modules.
     """
-    ddp.register_comm_hook(_Timed(clock, ddp.process_group), _timed_allreduce)
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        model.register_comm_hook(_Timed(clock, model.process_group), _timed_allreduce)
+        return
+    from torch.distributed.fsdp import FSDPModule
+
+    sharded = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if not sharded:
+        raise TypeError(
+            f"time_collectives takes a DistributedDataParallel model or a model sharded with fully_shard "
+            f"(FSDP2); got a {type(model).__name__} with neither"
+        )
+    for module in sharded:
+        _time_fsdp(module, clock)
+
+
+def _time_fsdp(module: Any, clock: StepClock) -> None:
+    """Wrap one ``fully_shard`` module's all-gather and reduce-scatter (once: a second call re-targets the
+    clock). A module whose communication torch does not let us read (see torchcompat) is left untimed."""
+    from elastic_train.torchcompat import fsdp_comms
+
+    comms = fsdp_comms(module)
+    if comms is None:  # no parameters of its own, or several parameter groups
+        return
+    gather, scatter = (c.inner if isinstance(c, _TimedComm) else c for c in comms)
+    module.set_custom_all_gather(_TimedComm(gather, clock))
+    module.set_custom_reduce_scatter(_TimedComm(scatter, clock))
+
+
+class _TimedComm:
+    """FSDP2's all-gather or reduce-scatter ``inner``, with the time the caller is blocked in it reported.
+
+    It has the shape of FSDP2's ``AllGather`` / ``ReduceScatter`` interfaces (``allocate`` and a call),
+    delegating both: the collective, its buffers and its arguments are the inner one's."""
+
+    def __init__(self, inner: Any, clock: StepClock) -> None:
+        self.inner = inner
+        self.clock = clock
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return self.inner.allocate(size, dtype=dtype, device=device)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> dist.Work | None:
+        started = time.perf_counter()
+        work = self.inner(*args, **kwargs)
+        self.clock.blocked(time.perf_counter() - started)
+        return None if work is None else _TimedWork(work, self.clock)
+
+
+class _TimedWork(dist.Work):
+    """An asynchronous collective's ``Work`` whose ``wait()`` reports the time it blocked."""
+
+    def __init__(self, inner: dist.Work, clock: StepClock) -> None:
+        super().__init__()
+        self._inner = inner
+        self._clock = clock
+
+    def wait(self, timeout: Any = None) -> bool:
+        started = time.perf_counter()
+        try:
+            return self._inner.wait() if timeout is None else self._inner.wait(timeout)
+        finally:
+            self._clock.blocked(time.perf_counter() - started)
+
+    def is_completed(self) -> bool:
+        return self._inner.is_completed()
+
+    def is_success(self) -> bool:
+        return self._inner.is_success()
+
+    def exception(self) -> Any:
+        return self._inner.exception()
+
+    def source_rank(self) -> int:
+        return self._inner.source_rank()
+
+    def result(self) -> list[torch.Tensor]:
+        return self._inner.result()
+
+    def synchronize(self) -> None:
+        self._inner.synchronize()
+
+    def get_future(self) -> torch.futures.Future[Any]:
+        return self._inner.get_future()
 
 
 class _Timed:

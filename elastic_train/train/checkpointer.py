@@ -90,6 +90,15 @@ class Fenced(Protocol):
 
 
 @runtime_checkable
+class WaitsForPeers(Protocol):
+    """A manager whose snapshots can make the training thread wait for its peers."""
+
+    def take_peer_wait(self) -> float:
+        """Seconds the training thread waited for the peers since the last call."""
+        ...
+
+
+@runtime_checkable
 class Exchanges(Protocol):
     """A manager whose snapshots talk to peers off the training thread (the sharded replica exchange)."""
 
@@ -217,10 +226,11 @@ class Checkpointer:
             return None
         from elastic_train.checkpoint.sharded.local import is_sharded
 
-        if is_sharded(state.model):
+        if is_sharded(state.model) and not self.clock.loop_carries:
             raise ValueError(
-                "ElasticBatchSampler(shares='speed') needs DDP: the ranks' busy times ride in its gradient "
-                "all-reduce, and the model is sharded (FSDP2); use shares='even'"
+                "ElasticBatchSampler(shares='speed') needs DDP in a loop of your own: the ranks' busy times "
+                "ride in its gradient all-reduce, and the model is sharded (FSDP2); use shares='even' (the "
+                "built-in loop's train.shares: speed takes a sharded model)"
             )
         shares = SpeedShares(sampler, rank=self.world.rank, world_size=self.world.world_size)
         self.clock.rider = shares
@@ -353,6 +363,8 @@ class Checkpointer:
         started = time.perf_counter()
         self.manager.save(step, snapshot)
         saved_s = time.perf_counter() - started
+        if isinstance(self.manager, WaitsForPeers):  # counted in the next step's lap
+            self.clock.blocked(self.manager.take_peer_wait())
         self.link.live.set(self.state, step)
         self.link.mark_trained()  # once per round: a failure from now on is not one at start-up
         committed = self._report_commit()

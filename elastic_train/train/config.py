@@ -56,8 +56,3 @@ class TrainConfig:
         if self.backend not in ("auto", "gloo", "nccl"):
             raise ValueError(f"backend: {self.backend!r} is not one of auto, gloo, nccl")
         check_shares(self.shares)
-        if self.shares == "speed" and self.fsdp:
-            raise ValueError(
-                "shares: 'speed' needs DDP, and train.fsdp is on: the ranks' busy times ride in DDP's "
-                "gradient all-reduce"
-            )

@@ -27,7 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 from elastic_train.log import get_logger
 from elastic_train.train.api import Task
 from elastic_train.train.batching import loss_scale, micro_batches
-from elastic_train.train.busy import time_collectives
+from elastic_train.train.busy import StepClock, time_collectives
 from elastic_train.train.checkpointer import Checkpointer, Manager
 from elastic_train.train.config import TrainConfig
 from elastic_train.train.errors import TrainingError
@@ -144,7 +144,10 @@ class Trainer:
             run_id="",
             restart_count=0,
         )
-        self.ckpt = Checkpointer(self.train_state, manager=checkpointer, world=group_world, events=events)
+        self.ckpt = Checkpointer(
+            self.train_state, manager=checkpointer, world=group_world, events=events,
+            clock=StepClock(loop_carries=True),  # the loss sum carries the busy times of a sharded model
+        )  # fmt: skip
         self.ckpt.skip_restore()  # restore() is the worker's call; tests and benchmarks start fresh
         self.ddp: torch.nn.Module | None = None
         self._carrier: LossCarrier | None = None
@@ -188,6 +191,8 @@ class Trainer:
         and buffer at construction is skipped (``init_sync=False``): it would send the model a second time.
         """
         if self.sharded is not None:  # FSDP2 reduces the gradients itself
+            if self.world_size > 1:
+                time_collectives(self.model, self.ckpt.clock)  # its all-gathers and reduce-scatters
             self.ddp = self.model
             return self.model
         device_ids = [self.device.index] if self.device.type == "cuda" else None
@@ -261,6 +266,11 @@ class Trainer:
         carried = self._carrier.take() if self._carrier is not None else None
         work = None
         if self.world_size > 1 and carried is None:
+            # The speed shares' values, unless a gradient bucket carried them (DDP's hooks): a sharded
+            # model's ride with the loss sum, one collective for both.
+            slots = self.ckpt.clock.carry()
+            if slots is not None:
+                loss_sum = torch.cat([loss_sum.reshape(1), slots.reshape(-1).to(loss_sum)])
             work = dist.all_reduce(loss_sum, async_op=True)
         self.task.optimizer.step()
         self.task.optimizer.zero_grad(set_to_none=True)
@@ -268,7 +278,12 @@ class Trainer:
             self.task.scheduler.step()
         self.ckpt.advance()
         if work is not None:
-            work.wait()
+            waited = time.perf_counter()
+            work.wait()  # a wait for the slowest rank's optimizer step: not this rank's work
+            self.ckpt.clock.blocked(time.perf_counter() - waited)
+            if loss_sum.dim():  # the loss sum and the speed shares' values
+                self.ckpt.clock.landed(loss_sum[1:])
+                loss_sum = loss_sum[0]
         total_loss = carried[0].item() if carried is not None else loss_sum.item()
         return StepResult(
             step=step,

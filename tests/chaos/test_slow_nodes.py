@@ -37,6 +37,8 @@ STEPS = 260
 #: its probe's rate below its healthy one for a while after the span.
 SPAN_STEPS = 650
 SPAN_S = 20.0
+#: The sharded model's run (charlm under FSDP2: about 0.1 s a step at 3 nodes here).
+FSDP_STEPS = 200
 
 
 def events(log: Path) -> list[dict]:  # type: ignore[type-arg]
@@ -198,3 +200,35 @@ def test_a_node_slowed_for_a_span_is_kept_out_by_its_probe_and_readmitted_once_h
 
 def _ts(event: dict) -> float:  # type: ignore[type-arg]
     return datetime.fromisoformat(event["timestamp"].replace("Z", "+00:00")).timestamp()
+
+
+def test_a_slow_node_of_a_sharded_model_is_evicted_and_the_survivors_reshard_in_process(  # type: ignore[no-untyped-def]
+    tmp_path: Path,
+) -> None:
+    """``train.fsdp`` (the charlm task sharded with FSDP2, one replica of each shard): the slowed node is
+    found from the busy times the FSDP2 timing wrappers measure (its neighbours' waits in all-gathers and
+    reduce-scatters left out), evicted, and leaves (``max_trials: 1``); the survivors keep their processes
+    and re-shard the state from memory, and every sample is trained exactly once."""
+    ov = overrides(tmp_path, probe_patience=0.0, max_trials=1)
+    for key in ("train.task", "train.task_args"):
+        del ov[key]
+    ov.update({"train.fsdp": True, "checkpoint.shard_replicas": 1, "train.steps": FSDP_STEPS})
+    job = local_job(tmp_path, ov, "1@step=15,factor=3")
+    summary, where = run_exactly_once(tmp_path, job, FSDP_STEPS)
+    said = straggler_decisions(job)
+    fault = summary.faults[0]
+    assert fault.detected_at is not None and fault.extra["flagged_score"] >= 1.5, (said, where)
+    assert fault.steps_redone is not None and fault.steps_redone <= 1, where
+    slow = job.nodes[1]
+    slow_id = next(e["node"] for e in events(Path(slow.log_path)) if e["event"] == "straggler_evicted")
+    assert [e["node"] for e in decisions(job, "straggler_evict")] == [slow_id], said  # nobody else
+    assert slow.proc.returncode == 0, (slow.proc.returncode, where)
+    for n in (job.nodes[0], job.nodes[2]):  # the others kept their worker processes and re-sharded
+        log = Path(n.log_path).read_text(errors="replace")
+        assert '"hot_fallback"' not in log and n.proc.returncode == 0, (n.index, where)
+        resharded = [json.loads(line) for line in log.splitlines() if '"event": "resharded"' in line]
+        shrunk = [r for r in resharded if (r["from_world"], r["to_world"]) == (3, 2)]
+        assert shrunk and all(r["from_storage"] == 0 for r in shrunk), (n.index, resharded, where)
+    st = job.final_status
+    assert st is not None and (st.state, st.failures_used, st.leaves) == ("finished", 0, 1), st
+    assert [p["world_size"] for p in summary.world_size_timeline] == [3, 2], summary.world_size_timeline

@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor
 
 import elastic_train as et
 from elastic_train.checkpoint import CheckpointConfig
+from elastic_train.train.busy import StepClock
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -190,3 +191,22 @@ def test_two_gpus_reshard_in_process_from_a_replica(tmp_path: Path) -> None:
     for name, value in reference.items():
         rel = float((weights[name] - value).norm() / value.norm())
         assert rel < 1e-5, (name, rel)
+
+
+def test_timing_a_sharded_cuda_models_collectives_changes_no_gradient(world: et.World) -> None:
+    """``et.time_collectives`` on a CUDA model sharded with FSDP2 (NCCL): the wrapped all-gather and
+    reduce-scatter allocate and communicate as FSDP2's own do (the same gradients), and the clock is told."""
+    torch.manual_seed(0)
+    full = Net().state_dict()
+    plain, timed = et.shard_model(Net), et.shard_model(Net)
+    et.load_full(plain, full)
+    et.load_full(timed, full)
+    clock = StepClock()
+    et.time_collectives(timed, clock)
+    x = torch.randn(8, 16, device="cuda")
+    for model in (plain, timed):
+        model(x).pow(2).mean().backward()
+    torch.cuda.synchronize()
+    for a, b in zip(plain.parameters(), timed.parameters(), strict=True):
+        assert torch.equal(a.grad.to_local(), b.grad.to_local())  # type: ignore[union-attr]
+    assert clock.timed

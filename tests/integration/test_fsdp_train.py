@@ -34,7 +34,6 @@ import torch
 
 from elastic_train.checkpoint import durable
 from elastic_train.checkpoint.sharded.dcp import DcpReader
-from elastic_train.checkpoint.sharded.export import model_tensors
 from elastic_train.checkpoint.storage import open_storage
 from elastic_train.train.events import read_events
 from tests.helpers import (
@@ -45,6 +44,7 @@ from tests.helpers import (
     gated,
     made_once,
     script_env,
+    sharded_weights,
 )
 
 pytestmark = pytest.mark.slow
@@ -71,14 +71,6 @@ def run_example(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     return proc
-
-
-def sharded_weights(root: Path, run_id: str, step: int) -> dict[str, torch.Tensor]:
-    """The model in the newest durable (DCP) checkpoint of ``run_id``, which must be ``step``."""
-    storage = open_storage(str(root))
-    newest = durable.newest_valid(storage, storage.join(storage.root, run_id))
-    assert newest is not None and newest.step == step and newest.manifest is not None, newest
-    return model_tensors(storage, newest.path, newest.manifest)
 
 
 def log_events(logs: list[Path], name: str) -> list[dict[str, Any]]:

@@ -1,5 +1,6 @@
 """Speed-weighted shares on a job of 3 nodes with one node slowed 2x for good (``slow-node``: SIGSTOP and
-SIGCONT duty cycling): ``train.shares: speed`` in the built-in loop, and ``examples/own_loop.py --shares
+SIGCONT duty cycling): ``train.shares: speed`` in the built-in loop (with DDP, and with the model sharded
+by FSDP2), and ``examples/own_loop.py --shares
 speed`` (an ``ElasticBatchSampler(shares="speed")`` behind a DataLoader whose workers draw steps ahead), and
 ``examples/lightning_train.py --shares speed`` (``ElasticStrategy(shares="speed")``).
 
@@ -28,7 +29,7 @@ from elastic_train.launch.faults import parse_fault
 from elastic_train.launch.local import LocalJob, LocalOptions
 from elastic_train.train.audit import check_exactly_once
 from elastic_train.train.events import read_events
-from tests.helpers import assert_same_weights, final_weights, script_env
+from tests.helpers import assert_same_weights, final_weights, script_env, sharded_weights
 
 pytestmark = [pytest.mark.slow, pytest.mark.long, pytest.mark.timeout(300)]
 
@@ -38,8 +39,11 @@ G = 24
 SLOW_STEP = 10
 
 
-def run(tmp_path: Path, name: str, shares: str, per_sample_s: float, faults: list[str]) -> tuple[Path, str]:
+def run(
+    tmp_path: Path, name: str, shares: str, per_sample_s: float, faults: list[str], fsdp: bool = False
+) -> tuple[Path, str]:
     ov: dict[str, Any] = {
+        "train.fsdp": fsdp,
         "rendezvous.run_id": name,
         "rendezvous.min_nodes": 3,
         "rendezvous.max_nodes": 3,
@@ -76,6 +80,20 @@ def test_a_slow_node_trains_a_share_by_its_speed_and_the_weights_stay(tmp_path: 
     reference = final_weights(tmp_path / "ckpt", "even", STEPS)
 
     events_path, where = run(tmp_path, "speed", "speed", 0.016, [f"1@step={SLOW_STEP},factor=2"])
+    check_split_by_speed(events_path, where)
+    assert_same_weights(final_weights(tmp_path / "ckpt", "speed", STEPS), reference)
+
+    # The same model sharded with FSDP2 (train.fsdp): the busy times ride in the loop's loss sum (a sharded
+    # model has no gradient all-reduce), the fast ranks' waits in FSDP2's all-gathers and reduce-scatters
+    # are left out of theirs, and the update is the same mean-loss gradient as DDP's even one.
+    events_path, where = run(tmp_path, "fsdp", "speed", 0.016, [f"1@step={SLOW_STEP},factor=2"], fsdp=True)
+    check_split_by_speed(events_path, where)
+    assert_same_weights(sharded_weights(tmp_path / "ckpt", "fsdp", STEPS), reference)
+
+
+def check_split_by_speed(events_path: Path, where: str) -> None:
+    """The first change gives the slowed rank less than its even share, as every later one that is not an
+    undo does, and the steps after it are shorter than the slowed steps before it."""
     events = read_events(str(events_path))
     changes = [e for e in events if e["event"] == "shares"]
     assert changes, where
@@ -99,8 +117,6 @@ def test_a_slow_node_trains_a_share_by_its_speed_and_the_weights_stay(tmp_path: 
     after = [times[s] - times[s - 1] for s in range(first["step"] + 3, STEPS + 1) if s - 1 in times]
     if before:  # the slowdown may start later than its step (SIGSTOP duty cycles from the fault's firing)
         assert statistics.median(after) < statistics.median(before), (before, after)
-
-    assert_same_weights(final_weights(tmp_path / "ckpt", "speed", STEPS), reference)
 
 
 def brief(changes: list[dict[str, Any]]) -> list[tuple[Any, ...]]:

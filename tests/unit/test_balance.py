@@ -239,5 +239,4 @@ def test_speed_shares_setting() -> None:
     assert TrainConfig(shares="speed").shares == "speed"
     with pytest.raises(ValueError, match="shares: 'fast' is not one of even, speed"):
         TrainConfig(shares="fast")
-    with pytest.raises(ValueError, match="needs DDP"):
-        TrainConfig(shares="speed", fsdp=True)
+    assert TrainConfig(shares="speed", fsdp=True).fsdp  # the built-in loop's loss sum carries the times

@@ -253,6 +253,11 @@ class ShardedCheckpointManager(DurableWriting, Restoring):
             self.memory.own.fence(step=step)
         self.memory.raise_error()
 
+    def take_peer_wait(self) -> float:
+        """Seconds the training thread waited for the peers in snapshots since the last call (the replica
+        exchange: :meth:`ShardedMemory.take_peer_wait`)."""
+        return self.memory.take_peer_wait() if self.memory is not None else 0.0
+
     def _idle(self) -> None:
         if self.memory is not None:
             self.memory.own.wait_copied()

@@ -123,6 +123,14 @@ class ShardedMemory:
         #: Set while the copier thread exchanges a replica (the own slot sealed): what :meth:`stop` of a
         #: broken group need not wait for.
         self._exchanging = threading.Event()
+        #: The last snapshot's replica exchange was asked for; when it began and ended (``time.monotonic``,
+        #: set on the copier thread; read once the copier is idle).
+        self._exchange_asked = False
+        self._exchanged = (0.0, 0.0)
+        #: The thread that saves (the training thread): a small state's exchange runs on it, inline.
+        self._saving: int | None = None
+        #: Seconds the training thread waited for an exchange, a wait for the peers (:meth:`take_peer_wait`).
+        self._peer_wait = 0.0
 
     def slots(self) -> list[Slot]:
         """Every valid slot of both files, newest first per file."""
@@ -161,16 +169,37 @@ class ShardedMemory:
             def then(job: CopyJob) -> None:
                 self._exchange_off_thread(job, buddy=buddy, source=source, group=group)
 
+        if self._exchange_asked:  # the previous snapshot's exchange: what of the wait for it was the peers'
+            started = time.monotonic()
+            self.own.wait_idle()
+            ended = time.monotonic()
+            began, finished = self._exchanged
+            self._peer_wait += max(0.0, min(ended, finished) - max(started, began))
+        self._exchange_asked = then is not None
+        self._saving = threading.get_ident()
         return self.own.save(step, flat, defer=defer, unfenced=unfenced, then=then)
+
+    def take_peer_wait(self) -> float:
+        """Seconds the training thread waited, since the last call, for a replica exchange to end: its
+        buddy and source set the pace of an exchange (a slow peer's snapshot comes late), so that wait is
+        not this rank's work (slow-node detection's busy time leaves it out)."""
+        out, self._peer_wait = self._peer_wait, 0.0
+        return out
 
     def _exchange_off_thread(self, job: CopyJob, *, buddy: int, source: int, group: Any) -> None:
         self._exchanging.set()
+        began = time.monotonic()
+        self._exchanged = (began, began)
         try:
             self.exchange(job.step, job.slot, job.flat, buddy=buddy, source=source, group=group)
         except BaseException as exc:  # raised in the training thread by raise_error()
             log.error("shard_replica_failed", step=job.step, error=(str(exc).splitlines() or [""])[0])
             self.error = exc
         finally:
+            self._exchanged = (began, time.monotonic())
+            if threading.get_ident() == self._saving:  # inline: the training thread's own wait
+                self._peer_wait += self._exchanged[1] - began
+                self._exchanged = (0.0, 0.0)
             self._exchanging.clear()
 
     def exchange(self, step: int, slot: int, flat: Flat, *, buddy: int, source: int, group: Any) -> None:
