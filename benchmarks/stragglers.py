@@ -25,6 +25,11 @@ world).
     PYTHONPATH=. .venv/bin/python benchmarks/stragglers.py goodput --json goodput.json
     PYTHONPATH=. .venv/bin/python benchmarks/stragglers.py false-positives --minutes 10
     PYTHONPATH=. .venv/bin/python benchmarks/stragglers.py goodput --steps 150 --slow-for 4
+    PYTHONPATH=. .venv/bin/python benchmarks/stragglers.py goodput --fsdp --json goodput-fsdp.json
+
+``--fsdp`` runs the goodput jobs with the model sharded by FSDP2 (``train.fsdp``, one replica of each shard):
+the slow node found from the waits in FSDP2's collectives, evicted through the sharded hot path, or given a
+share by its speed (the busy times riding in the loop's loss sum).
 """
 
 from __future__ import annotations
@@ -69,8 +74,10 @@ def job(
     faults: list[str],
     per_sample_s: float,
     shares: str = "even",
+    fsdp: bool = False,
 ) -> dict[str, Any]:
-    """One ``elastic-train local`` job; its summary, events and the nodes' straggler events."""
+    """One ``elastic-train local`` job; its summary, events and the nodes' straggler events. ``fsdp``: the
+    model sharded with FSDP2 (``train.fsdp``), each shard with a replica (``shard_replicas: 1``)."""
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))
     ov: dict[str, Any] = {
         "rendezvous.run_id": f"stragglers-{policy}-{shares}",
@@ -86,6 +93,8 @@ def job(
         "checkpoint.url": str(work / "ckpt"),
         "checkpoint.every_steps": max(100, steps // 5),
     }
+    if fsdp:
+        ov.update({"train.fsdp": True, "checkpoint.shard_replicas": 1})
     parsed = [parse_fault(kind, spec) for kind, spec in (f.split(" ", 1) for f in faults)]
     local = LocalJob(
         load_job_config(None, ov),
@@ -141,12 +150,12 @@ def paces(steps: list[dict[str, Any]], start: float, end: float) -> dict[int, tu
 
 def goodput(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     fault = f"slow-node 1@step={args.slow_step},factor={args.factor:g},for={args.slow_for:g}"
-    out: dict[str, Any] = {"fault": fault, "steps": args.steps, "straggler": STRAGGLER}
+    out: dict[str, Any] = {"fault": fault, "steps": args.steps, "straggler": STRAGGLER, "fsdp": args.fsdp}
     for policy in args.policies.split(","):
         if policy == "speed":
-            r = job(tmp / policy, "report", args.steps, [fault], args.per_sample_s, shares="speed")
+            r = job(tmp / policy, "report", args.steps, [fault], args.per_sample_s, "speed", args.fsdp)
         else:
-            r = job(tmp / policy, policy, args.steps, [fault], args.per_sample_s)
+            r = job(tmp / policy, policy, args.steps, [fault], args.per_sample_s, fsdp=args.fsdp)
         f = r["summary"].faults[0]
         fired = f.fired_at or 0.0
         evicted = [d for d in r["decisions"] if d["event"] == "straggler_evicted"]
@@ -260,6 +269,11 @@ def main(argv: list[str] | None = None) -> int:
         "--policies", default="report,evict,speed", help="goodput: the jobs to run (report first for ratios)"
     )
     p.add_argument("--per-sample-s", type=float, default=0.008, help="simulated device seconds per sample")
+    p.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="goodput: the model sharded by FSDP2 (train.fsdp, shard_replicas 1)",
+    )
     p.add_argument("--json", metavar="FILE", help="write the results here")
     p.add_argument("--keep", metavar="DIR", help="keep the jobs' directories (logs, events) here")
     args = p.parse_args(argv)
