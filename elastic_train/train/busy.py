@@ -50,8 +50,8 @@ class StepClock:
 
     Args:
         loop_carries: the training loop carries the rider's values in a collective of its own each step
-            when no gradient bucket did (the built-in loop's loss sum, for a sharded model, which has no
-            gradient all-reduce): speed-weighted shares then work for a sharded model too.
+            when no gradient bucket did (the built-in loop's loss sum); a sharded model's reduce-scatters
+            then carry nothing (otherwise the step's first one does, :func:`time_collectives`).
     """
 
     def __init__(self, *, loop_carries: bool = False) -> None:
@@ -162,7 +162,7 @@ def _time_fsdp(module: Any, clock: StepClock) -> None:
         return
     gather, scatter = (c.inner if isinstance(c, _TimedComm) else c for c in comms)
     module.set_custom_all_gather(_TimedComm(gather, clock))
-    module.set_custom_reduce_scatter(_TimedComm(scatter, clock))
+    module.set_custom_reduce_scatter(_TimedReduceScatter(scatter, clock))
 
 
 class _TimedComm:
@@ -183,6 +183,41 @@ class _TimedComm:
         work = self.inner(*args, **kwargs)
         self.clock.blocked(time.perf_counter() - started)
         return None if work is None else _TimedWork(work, self.clock)
+
+
+class _TimedReduceScatter(_TimedComm):
+    """A timed reduce-scatter that also carries the clock's rider: the step's first gradient reduce-scatter
+    (unless the loop carries it, :attr:`StepClock.loop_carries`) appends the rider's values to each rank's
+    chunk of the input, so that every rank receives their sum with its own chunk.
+
+    FSDP2 may reduce with a sum, a mean or a pre-multiplied sum (a divide factor), and in the gradients'
+    dtype: a last slot of 1 in every chunk comes back as the factor applied to ``world`` ones, and the
+    values are scaled back by it. Every rank computes the same numbers from the same sums (each slot is one
+    rank's value and zeros: exact in any float dtype before the scaling), so the ranks agree. The cost is
+    one copy of that module's gradients into a buffer a few elements per rank larger, once a step."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> dist.Work | None:
+        if self.clock.rider is None or self.clock.loop_carries or args or kwargs.get("async_op"):
+            return super().__call__(*args, **kwargs)
+        slots = self.clock.carry()
+        if slots is None:
+            return super().__call__(*args, **kwargs)
+        out, grads, group = kwargs["output_tensor"], kwargs["input_tensor"], kwargs["group"]
+        world, n = dist.get_world_size(group), out.numel()
+        values = torch.cat([slots.reshape(-1).to(grads), grads.new_ones(1)])
+        row = n + values.numel()
+        rows = grads.new_empty((world, row))
+        rows[:, :n].copy_(grads.view(world, n))
+        rows[:, n:].copy_(values.expand(world, values.numel()))
+        got = grads.new_empty(row)
+        work = super().__call__(**{**kwargs, "output_tensor": got, "input_tensor": rows.view(-1)})
+        if work is not None:
+            work.wait()
+        out.copy_(got[:n])
+        summed = got[n:]
+        # On the device: read at the commit, after FSDP2 made the step's stream wait for this one.
+        self.clock.landed(summed[:-1].double() * (world / summed[-1].double()))
+        return None
 
 
 class _TimedWork(dist.Work):

@@ -224,14 +224,6 @@ class Checkpointer:
         sampler.reset_weights()
         if sampler.shares != "speed" or self.world.world_size < 2:
             return None
-        from elastic_train.checkpoint.sharded.local import is_sharded
-
-        if is_sharded(state.model) and not self.clock.loop_carries:
-            raise ValueError(
-                "ElasticBatchSampler(shares='speed') needs DDP in a loop of your own: the ranks' busy times "
-                "ride in its gradient all-reduce, and the model is sharded (FSDP2); use shares='even' (the "
-                "built-in loop's train.shares: speed takes a sharded model)"
-            )
         shares = SpeedShares(sampler, rank=self.world.rank, world_size=self.world.world_size)
         self.clock.rider = shares
         return shares
@@ -390,8 +382,8 @@ class Checkpointer:
         if self._share_commits == 3 and not self._share_carried and self.world.rank == 0:
             log.warning(
                 "shares_even",
-                reason="no gradient all-reduce carried the ranks' busy times: wrap the model in DDP and call "
-                "elastic_train.time_collectives(ddp, ckpt.clock)",
+                reason="no gradient collective carried the ranks' busy times: call "
+                "elastic_train.time_collectives(model, ckpt.clock) on the DDP (or FSDP2-sharded) model",
             )
         change = self.shares.decide(step, samples, carried)
         if change is None:

@@ -59,6 +59,19 @@ def _sharded(slow: bool) -> torch.nn.Module:
     return model
 
 
+class _Rider:
+    """A speed-shares rider's shape: one slot per rank, this rank's value in its own."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    def slots(self, busy: float | None) -> torch.Tensor:
+        values = torch.zeros(4, dtype=torch.float64)
+        values[self.rank] = 0.125 * (self.rank + 1)
+        values[2 + self.rank] = 3.0 + self.rank
+        return values
+
+
 def _busy(model: torch.nn.Module, clock: StepClock, rank: int) -> list[float]:
     out = []
     clock.lap()
@@ -96,6 +109,30 @@ def _rank(rank: int, port: int, out: str) -> None:
     waited = clock._blocked
     wrappers = [type(c).__name__ for c in fsdp_comms(timed.layers[0]) or ()]
     result = {"untimed": untimed, "busy": busy, "same": same, "timed": clock.timed, "waited": waited}
+    # The rider's values ride in the step's first reduce-scatter: every rank gets their sum, once a step,
+    # and the gradients are still FSDP2's own.
+    ridden, ridden_clock = _sharded(False), StepClock()
+    time_collectives(ridden, ridden_clock)
+    ridden_clock.rider = _Rider(rank)
+    reference = _sharded(False)
+    carried = []
+    for step in range(2):
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(100 * step + rank))
+        ridden_clock.lap()
+        for model in (ridden, reference):
+            model.zero_grad()
+            model(x).backward()
+        values = ridden_clock.take_carried()
+        carried.append(None if values is None else values.tolist())
+    rider_same = all(
+        torch.equal(a.grad.to_local(), b.grad.to_local())  # type: ignore[union-attr]
+        for a, b in zip(ridden.parameters(), reference.parameters(), strict=True)
+    )
+    loop = StepClock(loop_carries=True)  # the built-in loop's loss sum carries: the reduce-scatters do not
+    time_collectives(reference, loop)
+    loop.rider = _Rider(rank)
+    reference(x).backward()
+    result.update(carried=carried, rider_same=rider_same, loop_carried=loop.take_carried() is not None)
     torch.save({**result, "plain_timed": plain_clock.timed, "wrappers": wrappers}, f"{out}.{rank}")
     dist.destroy_process_group()
 
@@ -106,12 +143,18 @@ def test_a_sharded_models_busy_time_leaves_out_its_waits_in_fsdp_collectives(tmp
     fast, slow = torch.load(f"{out}.0"), torch.load(f"{out}.1")
     assert fast["same"] and slow["same"]  # the wrappers change no gradient
     assert fast["timed"] and not fast["plain_timed"]
-    assert fast["wrappers"] == ["_TimedComm", "_TimedComm"]
+    assert fast["wrappers"] == ["_TimedComm", "_TimedReduceScatter"]
     # Without the wrappers each rank's busy time is the step's, the sleep included on both.
     assert min(fast["untimed"][1:]) >= SLEEP_S * 0.9
     # With them the fast rank's waits are left out; the slow rank keeps its sleep (every step).
     assert min(slow["busy"]) >= SLEEP_S * 0.9
     assert sorted(fast["busy"])[1] <= SLEEP_S * 0.5, fast["busy"]
+    # The rider's values, summed over the ranks, on both ranks, each step; the gradients unchanged.
+    want = [0.125, 0.25, 3.0, 4.0]
+    assert fast["carried"] == [want, want], fast["carried"]
+    assert slow["carried"] == [want, want], slow["carried"]
+    assert fast["rider_same"] and slow["rider_same"]
+    assert not fast["loop_carried"] and not slow["loop_carried"]
     # The fast rank waited in the asynchronous all-gather's wait() for the slow one to join.
     assert fast["waited"] >= SLEEP_S * 0.7 and slow["waited"] < SLEEP_S * 0.7
 
