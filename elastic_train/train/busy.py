@@ -22,8 +22,9 @@ does not block in them: nothing is subtracted and the busy time is the step time
 Costs two clock reads per bucket or collective and one per step; no collective.
 
 The same hooks carry values of the clock's :attr:`StepClock.rider` (speed-weighted shares,
-:class:`elastic_train.train.balance.SpeedShares`): appended to the step's first gradient bucket, summed over
-the ranks with it, and handed back to the clock (:meth:`StepClock.take_carried`).
+:class:`elastic_train.train.balance.SpeedShares`): appended to the step's first gradient bucket (a sharded
+model's: to each rank's chunk of the step's first gradient reduce-scatter), summed over the ranks with it,
+and handed back to the clock (:meth:`StepClock.take_carried`).
 """
 
 from __future__ import annotations
