@@ -199,6 +199,8 @@ class Checkpointer:
             raise ValueError("Checkpointer: give either a manager or checkpoint settings, not both")
         self.manager: Manager = manager
         self._planned = isinstance(manager, Planned) and manager.planned_snapshots is True
+        #: The manager's waits for its peers in snapshots, left out of the busy time (checked once here).
+        self._peer_wait = manager.take_peer_wait if isinstance(manager, WaitsForPeers) else None
         self.hooks = list(hooks)
         #: Times each step's wait for the gradient all-reduce (reported by the DDP hook of
         #: :func:`elastic_train.train.busy.time_collectives`): slow-node detection compares busy times.
@@ -355,8 +357,8 @@ class Checkpointer:
         started = time.perf_counter()
         self.manager.save(step, snapshot)
         saved_s = time.perf_counter() - started
-        if isinstance(self.manager, WaitsForPeers):  # counted in the next step's lap
-            self.clock.blocked(self.manager.take_peer_wait())
+        if self._peer_wait is not None:  # counted in the next step's lap
+            self.clock.blocked(self._peer_wait())
         self.link.live.set(self.state, step)
         self.link.mark_trained()  # once per round: a failure from now on is not one at start-up
         committed = self._report_commit()

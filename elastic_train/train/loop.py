@@ -264,7 +264,7 @@ class Trainer:
                     self._carrier.arm(loss_sum)
                 (total * scale).backward()
         carried = self._carrier.take() if self._carrier is not None else None
-        work = None
+        work = slots = None
         if self.world_size > 1 and carried is None:
             # The speed shares' values, unless a gradient bucket carried them (DDP's hooks): a sharded
             # model's ride with the loss sum, one collective for both.
@@ -281,7 +281,7 @@ class Trainer:
             waited = time.perf_counter()
             work.wait()  # a wait for the slowest rank's optimizer step: not this rank's work
             self.ckpt.clock.blocked(time.perf_counter() - waited)
-            if loss_sum.dim():  # the loss sum and the speed shares' values
+            if slots is not None:  # the loss sum and the speed shares' values
                 self.ckpt.clock.landed(loss_sum[1:])
                 loss_sum = loss_sum[0]
         total_loss = carried[0].item() if carried is not None else loss_sum.item()

@@ -123,9 +123,8 @@ class ShardedMemory:
         #: Set while the copier thread exchanges a replica (the own slot sealed): what :meth:`stop` of a
         #: broken group need not wait for.
         self._exchanging = threading.Event()
-        #: The last snapshot's replica exchange was asked for; when it began and ended (``time.monotonic``,
-        #: set on the copier thread; read once the copier is idle).
-        self._exchange_asked = False
+        #: When the last replica exchange began and ended (``time.monotonic``, set on the copier thread;
+        #: read once the copier is idle).
         self._exchanged = (0.0, 0.0)
         #: The thread that saves (the training thread): a small state's exchange runs on it, inline.
         self._saving: int | None = None
@@ -169,13 +168,12 @@ class ShardedMemory:
             def then(job: CopyJob) -> None:
                 self._exchange_off_thread(job, buddy=buddy, source=source, group=group)
 
-        if self._exchange_asked:  # the previous snapshot's exchange: what of the wait for it was the peers'
-            started = time.monotonic()
-            self.own.wait_idle()
-            ended = time.monotonic()
-            began, finished = self._exchanged
-            self._peer_wait += max(0.0, min(ended, finished) - max(started, began))
-        self._exchange_asked = then is not None
+        # The wait for the previous snapshot (own.save waits for it first): what of it overlapped that
+        # snapshot's exchange was the peers' (an exchange that ended before, or ran inline, overlaps none).
+        started = time.monotonic()
+        self.own.wait_idle()
+        began, finished = self._exchanged
+        self._peer_wait += max(0.0, min(time.monotonic(), finished) - max(started, began))
         self._saving = threading.get_ident()
         return self.own.save(step, flat, defer=defer, unfenced=unfenced, then=then)
 
@@ -199,7 +197,6 @@ class ShardedMemory:
             self._exchanged = (began, time.monotonic())
             if threading.get_ident() == self._saving:  # inline: the training thread's own wait
                 self._peer_wait += self._exchanged[1] - began
-                self._exchanged = (0.0, 0.0)
             self._exchanging.clear()
 
     def exchange(self, step: int, slot: int, flat: Flat, *, buddy: int, source: int, group: Any) -> None:
