@@ -217,10 +217,14 @@ def test_a_slow_node_of_a_sharded_model_is_evicted_and_the_survivors_reshard_in_
     summary, where = run_exactly_once(tmp_path, job, FSDP_STEPS)
     said = straggler_decisions(job)
     fault = summary.faults[0]
-    assert fault.detected_at is not None and fault.extra["flagged_score"] >= 1.5, (said, where)
     assert fault.steps_redone is not None and fault.steps_redone <= 1, where
     slow = job.nodes[1]
     slow_id = next(e["node"] for e in events(Path(slow.log_path)) if e["event"] == "straggler_evicted")
+    # Flagged by the decider (with max_trials 1 the node leaves at once: its flag may be gone from etcd
+    # before the harness's status poll, which then leaves the fault's detected_at unset).
+    flagged = decisions(job, "straggler_flagged")
+    assert flagged and {e["node"] for e in flagged} == {slow_id}, said
+    assert all(e["score"] >= 1.5 for e in flagged), said
     assert [e["node"] for e in decisions(job, "straggler_evict")] == [slow_id], said  # nobody else
     assert slow.proc.returncode == 0, (slow.proc.returncode, where)
     for n in (job.nodes[0], job.nodes[2]):  # the others kept their worker processes and re-sharded
