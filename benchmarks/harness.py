@@ -362,13 +362,12 @@ class Job:
         with open(log_path, "ab") as logf:
             started = time.time()
             proc = subprocess.Popen(
-                self.command(),
+                procs.tied(self.command()),  # nothing outlives a crashed harness
                 stdout=logf,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 env=self.env(label),
                 start_new_session=True,
-                preexec_fn=procs.die_with_parent,  # nothing outlives a crashed harness
             )
         node = Node(label=label, proc=proc, log_path=log_path, started=started)
         self.nodes[label] = node

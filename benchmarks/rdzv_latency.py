@@ -70,13 +70,12 @@ CONFIG_NAMES = ("etcd3", "etcd-v2-tuned", "c10d-tuned")
 def _helper(cmd: list[str], ready: str, timeout: float = 60.0) -> subprocess.Popen[str]:
     """Start a helper process and wait for a line starting with ``ready`` on its stdout."""
     proc = subprocess.Popen(
-        cmd,
+        procs.tied(cmd),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL,
         text=True,
         start_new_session=True,
-        preexec_fn=procs.die_with_parent,
     )
     deadline = time.monotonic() + timeout
     assert proc.stdout is not None

@@ -14,6 +14,7 @@ import os
 import re
 import shutil
 import signal
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -32,15 +33,41 @@ def _libc_prctl() -> Callable[..., int] | None:
         return None
 
 
-#: libc's ``prctl``, looked up at import: a ``preexec_fn`` runs in the fork of a process that may run other
-#: threads, where loading a library (which takes the loader's locks) is not safe.
+#: libc's ``prctl``, looked up once at import.
 _PRCTL = _libc_prctl()
 
 
 def die_with_parent() -> None:
-    """``preexec_fn`` for helper processes: the kernel sends SIGTERM when the parent dies (Linux)."""
+    """Ask the kernel for SIGTERM when this process's parent dies (Linux; a no-op elsewhere).
+
+    Called by a helper itself, first thing (or by :func:`tied`'s launcher), never as a ``preexec_fn``: code
+    run between fork and exec in the child of a process with other threads (gRPC's, a watcher's) can
+    crash or deadlock on a lock another thread held at the fork, and a ``preexec_fn`` also makes
+    ``subprocess`` fork where it would otherwise use ``vfork``, running every at-fork handler."""
     if _PRCTL is not None:
         _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+#: The launcher of :func:`tied`: asks for the parent-death signal, ends if its parent is already gone (the
+#: signal would never come), then becomes the command. ``-S -I``: no site packages, no user paths; a few
+#: milliseconds.
+_TIED = """\
+import ctypes, os, sys
+try:
+    ctypes.CDLL("libc.so.6").prctl(1, 15)
+except (OSError, AttributeError):
+    pass
+if os.getppid() != int(sys.argv[1]):
+    sys.exit(1)
+os.execvp(sys.argv[2], sys.argv[2:])
+"""
+
+
+def tied(command: list[str]) -> list[str]:
+    """``command`` run so that it gets SIGTERM when the process starting it now dies: a launcher asks the
+    kernel for it, then execs the command (same PID). For helpers that cannot ask for it themselves (etcd);
+    see :func:`die_with_parent` for why not a ``preexec_fn``."""
+    return [sys.executable, "-S", "-I", "-c", _TIED, str(os.getpid()), *command]
 
 
 def running(pid: int) -> bool:

@@ -24,7 +24,7 @@ from pathlib import Path
 from elastic_train.etcd.errors import EtcdError
 from elastic_train.log import get_logger
 from elastic_train.net import free_port
-from elastic_train.procs import die_with_parent
+from elastic_train.procs import tied
 
 #: Environment variable naming an etcd binary to use instead of the bundled or PATH one.
 ENV_ETCD_BINARY = "ETCD_BINARY"
@@ -221,12 +221,11 @@ class EmbeddedEtcd:
         env.pop("ETCD_UNSUPPORTED_ARCH", None)
         with open(self._log_path, "ab") as logf:
             self.proc = subprocess.Popen(
-                self.command(),
+                tied(self.command()),
                 stdout=logf,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
-                preexec_fn=die_with_parent,
                 env=env,
             )
 

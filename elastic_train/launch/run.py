@@ -22,7 +22,7 @@ from elastic_train.config import JobConfig
 from elastic_train.envvars import ENV_NODE_ID, ENV_START_BARRIER
 from elastic_train.etcd.endpoints import parse_endpoints
 from elastic_train.log import get_logger
-from elastic_train.procs import die_with_parent, scratch_path
+from elastic_train.procs import die_with_parent, scratch_path, tied
 from elastic_train.rendezvous.config import RendezvousConfig
 
 log = get_logger(__name__)
@@ -295,11 +295,10 @@ class ForkServerSupervisor:
         return ForkedServer(pid)
 
     def _start(self) -> subprocess.Popen[bytes]:
+        command = [sys.executable, "-m", "elastic_train.worker.forkserver", "--socket", self.path]
         proc = subprocess.Popen(
-            [sys.executable, "-m", "elastic_train.worker.forkserver", "--socket", self.path]
-            + (["--preload", ",".join(self.preload)] if self.preload else []),
+            tied(command + (["--preload", ",".join(self.preload)] if self.preload else [])),
             stdin=subprocess.DEVNULL,
-            preexec_fn=die_with_parent,
         )
         self.environ[self._env_pid] = str(proc.pid)
         log.debug("forkserver_started", pid=proc.pid, socket=self.path)

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import subprocess
 import sys
 
 import psutil
 
-from elastic_train.procs import signal_tree
+from elastic_train.procs import signal_tree, tied
 
 
 def test_walked_is_called_after_the_walk_and_before_any_signal() -> None:
@@ -26,19 +27,22 @@ def test_walked_is_called_after_the_walk_and_before_any_signal() -> None:
             child.wait()
 
 
-#: A parent that starts a helper with ``die_with_parent`` from a second thread of its own (as the fork
-#: server's supervisor and the slow-node driver's watcher do), prints its PID and waits.
+#: A parent with other threads (as an agent with gRPC's and its watchers') that starts a helper through
+#: ``tied``, prints its PID once the helper runs its own command, and waits.
 PARENT = """
 import subprocess, sys, threading, time
-from elastic_train.procs import die_with_parent
-threading.Thread(target=time.sleep, args=(60,), daemon=True).start()  # a process with other threads
-child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], preexec_fn=die_with_parent)
+import psutil
+from elastic_train.procs import tied
+threading.Thread(target=time.sleep, args=(60,), daemon=True).start()
+child = subprocess.Popen(tied([sys.executable, "-c", "import time; time.sleep(60)"]))
+while "time.sleep(60)" not in " ".join(psutil.Process(child.pid).cmdline()):
+    time.sleep(0.01)
 print(child.pid, flush=True)
 time.sleep(60)
 """
 
 
-def test_a_helper_started_with_die_with_parent_ends_with_its_parent() -> None:
+def test_a_helper_started_tied_is_its_command_and_ends_with_its_parent() -> None:
     parent = subprocess.Popen([sys.executable, "-c", PARENT], stdout=subprocess.PIPE, text=True)
     child = None
     try:
@@ -52,3 +56,14 @@ def test_a_helper_started_with_die_with_parent_ends_with_its_parent() -> None:
             with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError):
                 if p is not None:
                     p.kill()
+
+
+def test_a_tied_helper_whose_parent_is_already_gone_never_runs_its_command(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The launcher finds another parent than the one that asked (the starter died before the kernel could
+    be asked): it ends at once, and the command, which nothing would end, never starts."""
+    marker = tmp_path / "ran"
+    command = tied(["touch", str(marker)])
+    command[command.index(str(os.getpid()))] = str(os.getpid() + 1_000_000)  # a parent that is not this one
+    assert subprocess.run(command, timeout=30).returncode == 1
+    assert not marker.exists()
+    assert subprocess.run(tied(["touch", str(marker)]), timeout=30).returncode == 0 and marker.exists()
