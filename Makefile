@@ -32,9 +32,12 @@ setup: $(VENV)/.installed
 test: setup
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal -m "not long" $(PYTEST_ARGS)
 
-# The longer fault scenarios (marker `long`): each beside one of its kind that make test runs. CI runs both.
+# The longer fault scenarios (marker `long`): each beside one of its kind that make test runs. Those that
+# measure the machine's speed (marker `solo`: slow-node detection) run after the others, one at a time, with
+# the cores to themselves: the other tests' load would be a slow node of its own to them.
 test-long: setup
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal -m long $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal -m "long and not solo" $(PYTEST_ARGS)
+	$(PY) -m pytest -m "long and solo" $(PYTEST_ARGS)
 
 demo: setup
 	$(VENV)/bin/elastic-train local $(DEMO_ARGS) --summary demo-summary.json

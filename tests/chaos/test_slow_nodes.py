@@ -28,7 +28,9 @@ from elastic_train.launch.faults import parse_fault
 from elastic_train.launch.local import LocalJob, LocalOptions
 from elastic_train.train.audit import check_exactly_once
 
-pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.long, pytest.mark.timeout(300)]
+pytestmark = [
+    pytest.mark.chaos, pytest.mark.slow, pytest.mark.long, pytest.mark.solo, pytest.mark.timeout(300)
+]  # fmt: skip
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 260
@@ -158,8 +160,8 @@ def test_a_node_slowed_for_a_span_is_kept_out_by_its_probe_and_readmitted_once_h
     healthy and it rejoins for good."""
     path = [str(ROOT), str(ROOT / "benchmarks"), os.environ.get("PYTHONPATH")]
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, path)))
-    # The tests beside this one load the 2 cores unevenly: the node's probes (at nice 10) then read at a
-    # fraction of its quiet rate, its healthy rate with them. Slowed 8x, the node scores near 8, but its
+    # Three nodes' workers and agents load the 2 cores unevenly: the node's probes (at nice 10) then read at
+    # a fraction of its quiet rate, its healthy rate with them. Slowed 8x, the node scores near 8, but its
     # probe at eviction may read it only 2.5x below a healthy rate measured under such load (2.46x seen):
     # a bar of 2. A healthy node's start-up reports (scores up to 2.2 seen while all three nodes start and
     # probe at once) are the detector's warm-up and flag nobody.
@@ -221,11 +223,17 @@ def test_a_slow_node_of_a_sharded_model_is_evicted_and_the_survivors_reshard_in_
     slow = job.nodes[1]
     slow_id = next(e["node"] for e in events(Path(slow.log_path)) if e["event"] == "straggler_evicted")
     # Flagged by the decider (with max_trials 1 the node leaves at once: its flag may be gone from etcd
-    # before the harness's status poll, which then leaves the fault's detected_at unset).
+    # before the harness's status poll, which then leaves the fault's detected_at unset). While the slowed
+    # node is in, it is the only one flagged. Once it left, the two survivors share the machine's cores with
+    # whatever else runs on it, and one of them may measure slower than the other (a real slowness, flagged
+    # as such): the job is at min_nodes then, so such a node is kept, never evicted.
     flagged = decisions(job, "straggler_flagged")
-    assert flagged and {e["node"] for e in flagged} == {slow_id}, said
-    assert all(e["score"] >= 1.5 for e in flagged), said
+    at_three = [e for e in flagged if e["nodes"] == 3]
+    assert at_three and {e["node"] for e in at_three} == {slow_id}, said
+    assert all(e["score"] >= 1.5 for e in at_three), said
     assert [e["node"] for e in decisions(job, "straggler_evict")] == [slow_id], said  # nobody else
+    kept = [e for e in decisions(job, "straggler_kept") if e["node"] != slow_id]
+    assert all(e["why"] == "min_nodes" for e in kept), said
     assert slow.proc.returncode == 0, (slow.proc.returncode, where)
     for n in (job.nodes[0], job.nodes[2]):  # the others kept their worker processes and re-sharded
         log = Path(n.log_path).read_text(errors="replace")
