@@ -31,7 +31,8 @@ the job still trains when the new node has started):
         --preload elastic_train.hf --entry examples/hf_train.py --epochs 12
 
 A node that dies costs at most the step it was in; each epoch trains every sample exactly once, with the same
-global batch at every world size.
+global batch at every world size. With ``--shares speed`` a slow node trains a smaller share of each step,
+by its measured speed (docs/stragglers.md).
 """
 
 from __future__ import annotations
@@ -82,6 +83,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--save-steps", type=int, default=10, help="the Trainer's own checkpoint every N steps")
     p.add_argument("--checkpoint-every", type=int, default=10, help="elastic checkpoint every N steps")
     p.add_argument("--float64", action="store_true", help="train in double precision")
+    p.add_argument(
+        "--shares",
+        choices=("even", "speed"),
+        default="even",
+        help="split each step evenly, or by the ranks' measured speeds (docs/stragglers.md)",
+    )
     return p.parse_args()
 
 
@@ -117,6 +124,7 @@ def main() -> None:
         train_dataset=Sequences(args.samples),
         global_batch=args.global_batch,  # elastic
         every_steps=args.checkpoint_every,  # elastic
+        shares=args.shares,  # elastic: even, or by the ranks' measured speeds
     )
     last = get_last_checkpoint(args.output_dir) if os.path.isdir(args.output_dir) else None
     trainer.train(resume_from_checkpoint=last)

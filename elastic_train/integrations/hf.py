@@ -15,6 +15,7 @@ A Trainer script keeps its model, ``TrainingArguments``, datasets, collator, cal
   once per epoch across resizes, ``global_batch`` samples per optimizer step at every world size, each rank's
   share in micro-batches of at most ``per_device_train_batch_size`` (``gradient_accumulation_steps`` is set
   for the round), each micro-batch's loss weighted so the update is the gradient of the mean over the step;
+  with ``shares="speed"``, each step split by the ranks' measured speeds (docs/stragglers.md);
 - a :class:`~elastic_train.Checkpointer` over the model, optimizer, LR scheduler, GradScaler, data position
   and the Trainer's ``state`` (global step, epoch, log history, best metric, stateful callbacks): a memory
   snapshot after every optimizer step, durable checkpoints in the project's format, and the newest state
@@ -70,6 +71,7 @@ from elastic_train.integrations.hf_data import (
 from elastic_train.log import get_logger
 from elastic_train.train.busy import time_collectives
 from elastic_train.train.checkpointer import StepHook
+from elastic_train.train.config import check_shares
 from elastic_train.train.errors import TrainingError
 from elastic_train.train.loop import step_seed
 from elastic_train.train.sampler import rebuild
@@ -108,6 +110,11 @@ class ElasticTrainer(Trainer):
         config: every other checkpoint setting (``keep_last``, ``memory_dir``, ``storage_options`` …).
         run_id: checkpoints go to ``checkpoint/run_id`` (default: torchrun's ``--rdzv-id``).
         hooks: called with the step number at every commit, before the state is saved.
+        shares: ``"even"`` or ``"speed"``: each step split by the ranks' measured speeds
+            (docs/stragglers.md); the busy times ride in the DDP model's communication hook (none when
+            accelerate was given a hook of its own: shares stay even). The number of micro-batches stays
+            that of even shares, so a rank with a larger share trains larger micro-batches: up to twice
+            ``per_device_train_batch_size`` samples.
 
     Raises:
         HFUnsupported: a setting it cannot keep its promises with (docs/huggingface.md).
@@ -124,8 +131,10 @@ class ElasticTrainer(Trainer):
         config: CheckpointConfig | None = None,
         run_id: str | None = None,
         hooks: Sequence[StepHook] = (),
+        shares: str = "even",
         **kwargs: Any,
     ) -> None:
+        check_shares(shares)
         if global_batch is not None and global_batch < 1:
             raise ValueError(f"global_batch: {global_batch} must be >= 1")
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
@@ -159,6 +168,7 @@ class ElasticTrainer(Trainer):
             self.args.per_device_train_batch_size, configured, et.current_world().local_world_size
         )
         self.seed = seed if seed is not None else (self.args.data_seed or self.args.seed)
+        self.shares = shares
         self._backend = backend if backend in ("gloo", "nccl") else "auto"
         self._ckpt_args: dict[str, Any] = {
             "url": checkpoint or os.path.join(str(self.args.output_dir), "elastic"),
@@ -246,7 +256,7 @@ class ElasticTrainer(Trainer):
         loader = super().get_train_dataloader()
         if self.sampler is None:
             self.sampler = MicroBatchSampler(
-                loader.dataset, self.global_batch, self._train_batch_size, seed=self.seed
+                loader.dataset, self.global_batch, self._train_batch_size, seed=self.seed, shares=self.shares
             )
         self.args.gradient_accumulation_steps = self.sampler.accumulation
         log.info(

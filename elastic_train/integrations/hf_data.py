@@ -7,7 +7,10 @@ its share in the same number of micro-batches, the Trainer's ``gradient_accumula
     m = ceil(ceil(n / W) / b)        b = per_device_train_batch_size
 
 so the largest share fits in ``m`` micro-batches of at most ``b`` samples (the memory the script was written
-for), and each share is split into ``m`` nearly equal chunks. DDP needs every rank's backward of every
+for), and each share is split into ``m`` nearly equal chunks. With speed-weighted shares (``shares="speed"``)
+``m`` stays that of even shares (the Trainer sizes its epoch by it), so a rank whose share grew trains
+micro-batches of up to twice ``b`` samples (a share is at most twice the even one), a slower one smaller
+ones. DDP needs every rank's backward of every
 micro-batch, so a chunk without a sample (a share smaller than ``m``, a world larger than the step) is one
 padding sample whose loss counts for nothing (:func:`micro_weights`; its labels are masked).
 
@@ -89,8 +92,8 @@ class MicroBatchSampler(ElasticBatchSampler):
         global_batch: samples per optimizer step over all ranks, at every world size.
         micro_batch: most samples per micro-batch (the per-device batch).
         seed: epoch ``e`` walks the permutation seeded ``seed + e``.
-        world_size, rank, audit_dir: as :class:`~elastic_train.train.sampler.ElasticBatchSampler` (the
-            default process group's by default).
+        world_size, rank, audit_dir, shares: as :class:`~elastic_train.train.sampler.ElasticBatchSampler`
+            (the default process group's world by default; even shares by default).
     """
 
     def __init__(
@@ -103,12 +106,14 @@ class MicroBatchSampler(ElasticBatchSampler):
         world_size: int | None = None,
         rank: int | None = None,
         audit_dir: str | None = None,
+        shares: str = "even",
     ) -> None:
         if micro_batch < 1:
             raise ValueError(f"micro_batch: {micro_batch} must be >= 1")
         super().__init__(
-            dataset, global_batch, seed=seed, world_size=world_size, rank=rank, audit_dir=audit_dir
-        )
+            dataset, global_batch, seed=seed, world_size=world_size, rank=rank, audit_dir=audit_dir,
+            shares=shares,
+        )  # fmt: skip
         self.micro_batch = micro_batch
 
     @property

@@ -2,7 +2,8 @@
 SIGCONT duty cycling): ``train.shares: speed`` in the built-in loop (with DDP, and with the model sharded
 by FSDP2), and ``examples/own_loop.py --shares
 speed`` (an ``ElasticBatchSampler(shares="speed")`` behind a DataLoader whose workers draw steps ahead), and
-``examples/lightning_train.py --shares speed`` (``ElasticStrategy(shares="speed")``).
+``examples/lightning_train.py --shares speed`` (``ElasticStrategy(shares="speed")``), and
+``examples/hf_train.py --shares speed`` (``ElasticTrainer(shares="speed")``).
 
 The slowed node's rank is seen by every rank as slower per sample and trains a smaller share: a ``shares``
 event names the change and the costs behind it, and the steps after it are shorter than with even shares.
@@ -141,23 +142,31 @@ ON_DEVICE = ROOT / "tests" / "integration" / "on_device.py"
 EPOCHS = 7
 
 
-def run_script(tmp_path: Path, script: str, *local: str) -> None:
-    """``elastic-train local --entry`` of an example with ``--shares speed`` on a simulated accelerator, node
-    1 slowed 2x: the slowed rank trains the smallest share, exactly-once, nothing redone, and float64 weights
-    within 1e-5 of the example's fault-free world-of-one run."""
+def run_script(
+    tmp_path: Path,
+    script: str,
+    *local: str,
+    steps_per_epoch: int = 15,
+    checkpoints: str = "checkpoints",
+    device_s: float = 0.016,
+) -> None:
+    """``elastic-train local --entry`` of an example with ``--shares speed`` on a simulated accelerator
+    (``device_s`` a row of the loss), node 1 slowed 2x: the slowed rank trains the smallest share,
+    exactly-once, nothing redone, and float64 weights within 1e-5 of the example's fault-free world-of-one
+    run (its checkpoints under ``checkpoints``)."""
     args = ["--float64", "--epochs", str(EPOCHS)]
-    steps = EPOCHS * 15
+    steps = EPOCHS * steps_per_epoch
     ref = tmp_path / "reference"
     ref.mkdir()
     cmd = [sys.executable, script, *args]
     done = subprocess.run(cmd, cwd=ref, env=script_env(), capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-2000:]
-    reference = final_weights(ref / "checkpoints", "default", steps)
+    reference = final_weights(ref / checkpoints, "default", steps)
 
     cmd = [
         sys.executable, "-m", "elastic_train", "local", "--nodes", "3", "--summary", "run.json", *local,
         "--slow-node", f"1@step={SLOW_STEP},factor=2",
-        "--entry", str(ON_DEVICE), script, "0.016", *args, "--shares", "speed",
+        "--entry", str(ON_DEVICE), script, str(device_s), *args, "--shares", "speed",
     ]  # fmt: skip
     proc = subprocess.run(cmd, cwd=tmp_path, env=script_env(), capture_output=True, text=True, timeout=280)
     where = f"{proc.stdout[-3000:]}\n{proc.stderr[-2000:]}"
@@ -172,7 +181,7 @@ def run_script(tmp_path: Path, script: str, *local: str) -> None:
     slow = slowed_rank(changes, where)
     assert changes[-1]["step"] > SLOW_STEP, changes
     assert changes[-1]["new"][slow] < min(n for r, n in enumerate(changes[-1]["new"]) if r != slow), changes
-    assert_same_weights(final_weights(tmp_path / "checkpoints", run_id, steps), reference)
+    assert_same_weights(final_weights(tmp_path / checkpoints, run_id, steps), reference)
 
 
 def test_an_own_loop_with_a_prefetching_dataloader_splits_by_speed(tmp_path: Path) -> None:
@@ -187,3 +196,16 @@ def test_a_lightning_script_splits_by_speed(tmp_path: Path) -> None:
     pytest.importorskip("lightning")
     script = str(ROOT / "examples" / "lightning_train.py")
     run_script(tmp_path, script, "--preload", "elastic_train.lightning")
+
+
+def test_a_hugging_face_trainer_splits_by_speed(tmp_path: Path) -> None:
+    """examples/hf_train.py: ``ElasticTrainer(shares="speed")``, its busy times in the timing hook on the DDP
+    model accelerate made; each rank trains its share in the accumulation of even shares (1 micro-batch a
+    step at world 3), so the fast ranks' micro-batches grow past the per-device batch of 8 and the slow
+    one's shrink. The GPT-2's loss is a cross entropy over 16 tokens a sample: 1 ms of device time each."""
+    pytest.importorskip("transformers")
+    script = str(ROOT / "examples" / "hf_train.py")
+    run_script(
+        tmp_path, script, "--preload", "elastic_train.hf",
+        steps_per_epoch=11, checkpoints="hf_output/elastic", device_s=0.001,
+    )  # fmt: skip

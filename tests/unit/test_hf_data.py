@@ -100,6 +100,29 @@ def test_sampler_yields_every_sample_once_per_epoch_across_resizes() -> None:
     assert seen == Counter(range(50))
 
 
+def test_speed_shares_keep_the_accumulation_and_resize_the_micro_batches() -> None:
+    """Shares of 1 : 2 : 1 from step 2 on (G = 24, per-device batch 4: 2 micro-batches of 4 at even shares):
+    every rank still trains 2 micro-batches a step, the fast one two of 6 (at most twice the per-device
+    batch), the others two of 3; the micro-batches are the share the step's plan gives, every sample once."""
+    samplers = [MicroBatchSampler(48, 24, 4, world_size=3, rank=r, shares="speed") for r in range(3)]
+    for s in samplers:
+        s.set_weights((1.0, 2.0, 1.0), first_step=2)
+    iters = [iter(s) for s in samplers]
+    seen: Counter[int] = Counter()
+    for step, want in ((1, [[4, 4], [4, 4], [4, 4]]), (2, [[3, 3], [6, 6], [3, 3]])):
+        for r, (s, batches) in enumerate(zip(samplers, iters, strict=True)):
+            size, counts = s.micro_counts()
+            assert (size, counts) == (24, want[r]), (step, r)
+            drawn = [next(batches) for _ in counts]
+            assert [len(b) for b in drawn] == counts
+            flat = [i for b in drawn for i in b]
+            assert flat == s.current().indices
+            seen.update(flat)
+            s.advance()
+        assert len(samplers[0]) == epoch_micro_batches(48, 24, 3, 4)  # the Trainer's epoch: unchanged
+    assert seen == Counter(range(48))
+
+
 def test_refused_arguments_are_one_line_each() -> None:
     ok = SimpleNamespace(train_sampling_strategy="random", average_tokens_across_devices=True)
     assert unsupported_arguments(ok) is None
