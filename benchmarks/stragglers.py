@@ -30,6 +30,13 @@ world).
 ``--fsdp`` runs the goodput jobs with the model sharded by FSDP2 (``train.fsdp``, one replica of each shard):
 the slow node found from the waits in FSDP2's collectives, evicted through the sharded hot path, or given a
 share by its speed (the busy times riding in the loop's loss sum).
+
+``--hf`` runs examples/hf_train.py (a Hugging Face Trainer script, ``ElasticTrainer``; ``--shares speed``
+for the ``speed`` job) under ``elastic-train local --entry`` on the same simulated accelerator
+(:mod:`on_device`: ``--per-sample-s`` over the 16 tokens of a sample, a token a row of the loss), 240
+samples an epoch (10 steps of 24), as many epochs as ``--steps`` asks for:
+
+    PYTHONPATH=. .venv/bin/python benchmarks/stragglers.py goodput --hf --per-sample-s 0.016 --steps 300
 """
 
 from __future__ import annotations
@@ -53,9 +60,13 @@ from elastic_train.launch.faults import parse_fault
 from elastic_train.launch.local import LocalJob, LocalOptions
 from elastic_train.train.audit import check_exactly_once
 from elastic_train.train.events import read_events
+from elastic_train.worker.forkserver import ENV_PRELOAD
 
 HERE = Path(__file__).resolve().parent
 GLOBAL_BATCH = 24
+#: examples/hf_train.py under --hf: samples an epoch (10 steps of GLOBAL_BATCH), tokens a sample.
+HF_SAMPLES = 240
+HF_TOKENS = 16
 #: Detection and probation settings of both jobs (the defaults, with reports every second and a probation
 #: that lets the slowed node back in after the slowdown).
 STRAGGLER = {
@@ -75,9 +86,11 @@ def job(
     per_sample_s: float,
     shares: str = "even",
     fsdp: bool = False,
+    hf: bool = False,
 ) -> dict[str, Any]:
     """One ``elastic-train local`` job; its summary, events and the nodes' straggler events. ``fsdp``: the
-    model sharded with FSDP2 (``train.fsdp``), each shard with a replica (``shard_replicas: 1``)."""
+    model sharded with FSDP2 (``train.fsdp``), each shard with a replica (``shard_replicas: 1``); ``hf``:
+    examples/hf_train.py as the entry (``steps`` a multiple of 10)."""
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))
     ov: dict[str, Any] = {
         "rendezvous.run_id": f"stragglers-{policy}-{shares}",
@@ -95,15 +108,35 @@ def job(
     }
     if fsdp:
         ov.update({"train.fsdp": True, "checkpoint.shard_replicas": 1})
+    entry = None
+    if hf:
+        for key in ("train.task", "train.task_args", "train.shares"):  # the script's own arguments say these
+            del ov[key]
+        entry = [
+            str(HERE / "on_device.py"), str(HERE.parent / "examples" / "hf_train.py"),
+            str(per_sample_s / HF_TOKENS),
+            "--epochs", str(steps * GLOBAL_BATCH // HF_SAMPLES), "--samples", str(HF_SAMPLES),
+            "--global-batch", str(GLOBAL_BATCH), "--shares", shares, "--output-dir", str(work / "hf_output"),
+            "--checkpoint-every", str(ov["checkpoint.every_steps"]),
+        ]  # fmt: skip
     parsed = [parse_fault(kind, spec) for kind, spec in (f.split(" ", 1) for f in faults)]
     local = LocalJob(
         load_job_config(None, ov),
         LocalOptions(
             config_path=None, overrides=ov, nodes=3, faults=parsed, workdir=str(work / "work"),
-            timeout=max(600.0, steps * 1.0), out=io.StringIO(),
+            timeout=max(600.0, steps * 1.0), out=io.StringIO(), entry=entry,
         ),
     )  # fmt: skip
-    summary = local.run()
+    preload = os.environ.get(ENV_PRELOAD)
+    if hf:
+        os.environ[ENV_PRELOAD] = "elastic_train.hf"  # the nodes' fork servers import transformers once
+    try:
+        summary = local.run()
+    finally:
+        if hf and preload is None:
+            os.environ.pop(ENV_PRELOAD, None)
+        elif hf:
+            os.environ[ENV_PRELOAD] = preload
     if not summary.succeeded:
         tail = local.opts.out.getvalue()[-2000:]  # type: ignore[attr-defined]
         raise RuntimeError(f"the {policy} job did not finish: {tail}")
@@ -150,12 +183,17 @@ def paces(steps: list[dict[str, Any]], start: float, end: float) -> dict[int, tu
 
 def goodput(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     fault = f"slow-node 1@step={args.slow_step},factor={args.factor:g},for={args.slow_for:g}"
-    out: dict[str, Any] = {"fault": fault, "steps": args.steps, "straggler": STRAGGLER, "fsdp": args.fsdp}
+    if args.hf and (args.fsdp or args.steps % (HF_SAMPLES // GLOBAL_BATCH)):
+        raise SystemExit("stragglers: --hf runs whole epochs (--steps a multiple of 10), without --fsdp")
+    out: dict[str, Any] = {
+        "fault": fault, "steps": args.steps, "straggler": STRAGGLER, "fsdp": args.fsdp, "hf": args.hf,
+    }  # fmt: skip
     for policy in args.policies.split(","):
-        if policy == "speed":
-            r = job(tmp / policy, "report", args.steps, [fault], args.per_sample_s, "speed", args.fsdp)
-        else:
-            r = job(tmp / policy, policy, args.steps, [fault], args.per_sample_s, fsdp=args.fsdp)
+        shares = "speed" if policy == "speed" else "even"
+        r = job(
+            tmp / policy, "report" if policy == "speed" else policy, args.steps, [fault], args.per_sample_s,
+            shares, fsdp=args.fsdp, hf=args.hf,
+        )  # fmt: skip
         f = r["summary"].faults[0]
         fired = f.fired_at or 0.0
         evicted = [d for d in r["decisions"] if d["event"] == "straggler_evicted"]
@@ -273,6 +311,11 @@ def main(argv: list[str] | None = None) -> int:
         "--fsdp",
         action="store_true",
         help="goodput: the model sharded by FSDP2 (train.fsdp, shard_replicas 1)",
+    )
+    p.add_argument(
+        "--hf",
+        action="store_true",
+        help="goodput: examples/hf_train.py (Hugging Face Trainer, ElasticTrainer) as the entry of each job",
     )
     p.add_argument("--json", metavar="FILE", help="write the results here")
     p.add_argument("--keep", metavar="DIR", help="keep the jobs' directories (logs, events) here")

@@ -137,7 +137,7 @@ def slowed_rank(changes: list[dict[str, Any]], where: str) -> int:
     return slow
 
 
-ON_DEVICE = ROOT / "tests" / "integration" / "on_device.py"
+ON_DEVICE = ROOT / "benchmarks" / "on_device.py"
 #: 7 epochs of the examples' 15 steps (240 samples, 16 a step).
 EPOCHS = 7
 

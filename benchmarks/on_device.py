@@ -1,9 +1,10 @@
 """A training script on a simulated accelerator: each rank's loss costs device time per row of its input.
 
-    python tests/integration/on_device.py SCRIPT PER_ROW_S [the script's arguments ...]
+    python benchmarks/on_device.py SCRIPT PER_ROW_S [the script's arguments ...]
 
 For examples/own_loop.py and examples/lightning_train.py (a loss of ``F.mse_loss``: a row is a sample) and
-examples/hf_train.py (a causal LM's loss, ``F.cross_entropy`` over its tokens: a row is a token).
+examples/hf_train.py (a causal LM's loss, ``F.cross_entropy`` over its tokens: a row is a token), in
+tests/integration/test_speed_shares.py and ``benchmarks/stragglers.py goodput --hf``.
 
 The wait (``device_time`` of benchmarks/straggler_task.py: it advances only while the process runs, so a
 node held stopped by the ``slow-node`` fault is slowed as a throttled device would be) is added where the
@@ -22,11 +23,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
 
 
 def main() -> None:
-    sys.path.insert(0, str(ROOT / "benchmarks"))
+    sys.path.insert(0, str(HERE))
     from straggler_task import device_time
 
     script = sys.argv.pop(1)
