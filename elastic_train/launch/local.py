@@ -40,7 +40,7 @@ from elastic_train.launch.netlink import SilentLink
 from elastic_train.launch.run import worker_overrides_argv
 from elastic_train.launch.summary import Summary, render_table, world_size_timeline
 from elastic_train.log import get_logger
-from elastic_train.procs import signal_tree, start_ms, terminate_tree, tree
+from elastic_train.procs import signal_tree, start_ms, terminate_tree, tied, tree
 
 if TYPE_CHECKING:
     from elastic_train.etcd.client import Etcd
@@ -349,13 +349,12 @@ class LocalJob:
         cmd = [
             sys.executable, "-m", "elastic_train.launch.slowdown", str(node.proc.pid),
             "--factor", str(factor), "--period", str(SLOW_PERIOD), *(["--for", str(span)] if span else []),
-            "--parent", str(os.getpid()),
         ]  # fmt: skip
 
         def watch() -> None:
-            # started by this thread, which outlives it: the kernel's parent-death signal (the driver asks
-            # for it itself) follows the thread that forked, not the process
-            driver = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            # started by this thread, which outlives it: the kernel's parent-death signal (asked for by the
+            # tied launcher) follows the thread that forked, not the process
+            driver = subprocess.Popen(tied(cmd), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             self._drivers.setdefault(node.index, []).append(driver)
             if node.stopped:  # hung before its driver started
                 driver.send_signal(signal.SIGSTOP)

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
 import sys
 import threading
@@ -32,7 +31,7 @@ from typing import Any
 
 import psutil
 
-from elastic_train.procs import die_with_parent, signal_all, tree
+from elastic_train.procs import signal_all, tree
 
 
 def agent_state(pid: int) -> str | None:
@@ -99,7 +98,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--for", dest="span", type=float, default=None, help="seconds to slow (default: until ended)"
     )
-    parser.add_argument("--parent", type=int, default=None, help="end once this PID is gone")
     args = parser.parse_args(argv)
     ending = threading.Event()
     # the signals are taken by a thread of their own: a handler that set the event could run while the main
@@ -112,13 +110,6 @@ def main(argv: list[str] | None = None) -> int:
         ending.set()
 
     threading.Thread(target=take_signals, daemon=True).start()
-    if args.parent is not None:
-        # The parent-death signal is asked for here, not in a preexec_fn: code between fork and exec in a
-        # child of a threaded starter can crash it (one did, with a segmentation fault). A starter gone
-        # before the request reparented this process: end then too.
-        die_with_parent()
-        if os.getppid() != args.parent:
-            ending.set()
     try:
         report = cycle(args.agent, args.factor, args.period, args.span, ending)
     except ValueError as e:
