@@ -54,6 +54,7 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 from elastic_train.config import load_job_config
 from elastic_train.launch.faults import parse_fault
@@ -127,16 +128,9 @@ def job(
             timeout=max(600.0, steps * 1.0), out=io.StringIO(), entry=entry,
         ),
     )  # fmt: skip
-    preload = os.environ.get(ENV_PRELOAD)
-    if hf:
-        os.environ[ENV_PRELOAD] = "elastic_train.hf"  # the nodes' fork servers import transformers once
-    try:
+    # with --hf, the nodes' fork servers import transformers once
+    with mock.patch.dict(os.environ, {ENV_PRELOAD: "elastic_train.hf"} if hf else {}):
         summary = local.run()
-    finally:
-        if hf and preload is None:
-            os.environ.pop(ENV_PRELOAD, None)
-        elif hf:
-            os.environ[ENV_PRELOAD] = preload
     if not summary.succeeded:
         tail = local.opts.out.getvalue()[-2000:]  # type: ignore[attr-defined]
         raise RuntimeError(f"the {policy} job did not finish: {tail}")
