@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import platform
+import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
@@ -366,6 +367,42 @@ def lineage_start(
     kept = [{"round": r, "base": b} for r, b in records if r < stamp]
     kept.append({"round": stamp, "base": base})
     return stamp, json.dumps(kept[-LINEAGE_KEEP:]).encode()
+
+
+class LineageWrite:
+    """Rank 0's record that its world starts from step ``base`` (:func:`lineage_start`), written by a thread
+    while the restore moves the state: on remote storage a write costs a round trip or more. :meth:`wait`
+    for it before the world trains a step.
+
+    A storage error writing it is logged (``lineage_not_recorded``) and not raised: the manifests' own round
+    and base still fence a stale writer later, so it is not worth a restart (an unreadable old record or
+    listing is :func:`lineage_start`'s to ignore). ``stamp`` is the round this world's checkpoints carry.
+    """
+
+    def __init__(
+        self, storage: Storage, run_path: str, round: int, base: int, *, again: int | None = None
+    ) -> None:
+        self._failed: list[BaseException] = []
+        self.stamp, record = lineage_start(storage, run_path, round, base, again=again)
+        path = storage.join(run_path, LINEAGE)
+
+        def write() -> None:
+            try:
+                storage.write_small(path, record)
+            except StorageError as exc:
+                log.warning("lineage_not_recorded", round=round, base=base, error=str(exc))
+            except BaseException as exc:  # raised by wait(), as if written there
+                self._failed.append(exc)
+
+        self._thread = threading.Thread(target=write, name="ckpt-lineage", daemon=True)
+        self._thread.start()
+
+    def wait(self, *, quiet: bool = False) -> None:
+        """Wait for the write; raise what it raised (other than a storage error) unless ``quiet`` (the
+        restore is already raising an error of its own)."""
+        self._thread.join()
+        if self._failed and not quiet:
+            raise self._failed[0]
 
 
 def step_names(storage: Storage, run_path: str) -> list[str]:

@@ -17,7 +17,6 @@ decides where it comes from and moves it.
 from __future__ import annotations
 
 import dataclasses
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -42,7 +41,6 @@ from elastic_train.checkpoint.errors import (
     CheckpointNotFound,
     CheckpointSetupError,
     ModelMismatch,
-    StorageError,
 )
 from elastic_train.checkpoint.groups import Groups
 from elastic_train.checkpoint.memory import MemorySnapshot
@@ -137,7 +135,7 @@ class Restorer:
         #: The step this process's live tensors hold (see :meth:`restore`'s ``live``), until they differ.
         self._live: int | None = None
         #: The lineage record's write in flight (rank 0), and what it raised.
-        self._lineage: tuple[threading.Thread, list[BaseException]] | None = None
+        self._lineage: durable.LineageWrite | None = None
 
     def restore(
         self,
@@ -358,38 +356,16 @@ class Restorer:
         """
         if self.agent.round is None:
             return None
-        round_, base = self.agent.round, decision.chosen.step if decision.chosen is not None else 0
-        try:
-            stamp, record = durable.lineage_start(self.storage, self.run_path, round_, base, again=again)
-        except StorageError as exc:  # the manifests' own records still fence later; not worth a restart
-            log.warning("lineage_not_recorded", round=round_, base=base, error=str(exc))
-            return round_
-        path = self.storage.join(self.run_path, durable.LINEAGE)
-        failed: list[BaseException] = []
-
-        def write() -> None:
-            try:
-                self.storage.write_small(path, record)
-            except StorageError as exc:  # as above: not worth a restart
-                log.warning("lineage_not_recorded", round=round_, base=base, error=str(exc))
-            except BaseException as exc:  # raised by the restore, as if written there
-                failed.append(exc)
-
-        thread = threading.Thread(target=write, name="ckpt-lineage", daemon=True)
-        thread.start()
-        self._lineage = (thread, failed)
-        return stamp
+        base = decision.chosen.step if decision.chosen is not None else 0
+        self._lineage = durable.LineageWrite(self.storage, self.run_path, self.agent.round, base, again=again)
+        return self._lineage.stamp
 
     def _lineage_written(self, *, quiet: bool = False) -> None:
         """Wait for the lineage record of :meth:`_record_start`; raise what its write raised (other than a
         storage error, which is logged) unless ``quiet``."""
         pending, self._lineage = self._lineage, None
-        if pending is None:
-            return
-        thread, failed = pending
-        thread.join()
-        if failed and not quiet:
-            raise failed[0]
+        if pending is not None:
+            pending.wait(quiet=quiet)
 
     def _list_durable(self) -> list[durable.Entry] | CheckpointError:
         """The run's durable checkpoints (:func:`durable.list_entries`), or the error listing them raised

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from elastic_train.checkpoint import durable
 from elastic_train.checkpoint.agent import Agent
 from elastic_train.checkpoint.config import CheckpointConfig
 from elastic_train.checkpoint.errors import CheckpointError
@@ -58,7 +59,7 @@ class ManagerBase:
     _closed: bool
     _writer: threading.Thread | None
     _fqns: tuple[Any, list[str]] | None
-    _lineage: tuple[threading.Thread, list[BaseException]] | None
+    _lineage: durable.LineageWrite | None
     _relayout: bool
 
     @property

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from elastic_train import net
+from elastic_train.checkpoint import durable
 from elastic_train.checkpoint.agent import Agent
 from elastic_train.checkpoint.attach import Attachments
 from elastic_train.checkpoint.codec import Flat, flatten
@@ -148,7 +149,7 @@ class ShardedCheckpointManager(DurableWriting, Restoring):
         self._busy = self._stop = self._closed = False
         self._writer: threading.Thread | None = None
         self._fqns: tuple[Any, list[str]] | None = None
-        self._lineage: tuple[threading.Thread, list[BaseException]] | None = None
+        self._lineage: durable.LineageWrite | None = None
         #: The next snapshot is the first after a restore (its slots are allocated anew for this world).
         self._relayout = False
         #: The snapshots (and the fence) that may wait long for a relayout in flight count as progress.

@@ -28,7 +28,6 @@ from elastic_train.checkpoint.errors import (
     CheckpointError,
     CheckpointSetupError,
     ModelMismatch,
-    StorageError,
 )
 from elastic_train.checkpoint.restore import Restored
 from elastic_train.checkpoint.sharded import dcp, move, reshard
@@ -125,10 +124,13 @@ class Restoring(ManagerBase):
         again: int | None = None
         try:
             for _attempt in range(self.world_size * 8 + 1):
+                # A failed attempt's own error is the one raised, not the lineage write's.
                 try:
                     result = self._restore_once(model, again, started)
-                finally:
-                    self._lineage_written()
+                except BaseException:
+                    self._lineage_written(quiet=True)
+                    raise
+                self._lineage_written()
                 if result is not _RETRY:
                     return result
                 again = self.stamp
@@ -502,38 +504,18 @@ class Restoring(ManagerBase):
         return bool(flag.item())
 
     def _record_start(self, decision: _Decision, again: int | None) -> int | None:
-        """Rank 0 records where this world starts (lineage, for the stale-writer rule), in a thread."""
+        """Rank 0 records where this world starts (lineage, for the stale-writer rule), in a thread
+        (:class:`durable.LineageWrite`); the round its checkpoints are stamped with."""
         if self.agent.round is None:
             return None
-        round_ = self.agent.round
         base = decision.choice.step if decision.choice is not None else 0
-        try:
-            stamp, record = durable.lineage_start(self.storage, self.run_path, round_, base, again=again)
-        except StorageError as exc:
-            log.warning("lineage_not_recorded", round=round_, base=base, error=str(exc))
-            return round_
-        path = self.storage.join(self.run_path, durable.LINEAGE)
-        failed: list[BaseException] = []
+        self._lineage = durable.LineageWrite(self.storage, self.run_path, self.agent.round, base, again=again)
+        return self._lineage.stamp
 
-        def write() -> None:
-            try:
-                self.storage.write_small(path, record)
-            except StorageError as exc:
-                log.warning("lineage_not_recorded", round=round_, base=base, error=str(exc))
-            except BaseException as exc:
-                failed.append(exc)
-
-        thread = threading.Thread(target=write, name="ckpt-lineage", daemon=True)
-        thread.start()
-        self._lineage = (thread, failed)
-        return stamp
-
-    def _lineage_written(self) -> None:
+    def _lineage_written(self, *, quiet: bool = False) -> None:
         pending, self._lineage = self._lineage, None
         if pending is not None:
-            pending[0].join()
-            if pending[1]:
-                raise pending[1][0]
+            pending.wait(quiet=quiet)
 
 
 def _replace(decision: _Decision, **changes: Any) -> _Decision:
