@@ -6,12 +6,13 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import json
 import os
 import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -19,6 +20,7 @@ import psutil
 import pytest
 
 from elastic_train.procs import kill_tree, tree
+from elastic_train.train.jsonl import parse_json_lines
 
 if TYPE_CHECKING:
     import torch
@@ -105,10 +107,35 @@ def wait_for_step(events: Path, world: int, min_step: int, timeout: float, logs:
     raise AssertionError(f"no step >= {min_step} at world {world}; logs in {logs}")
 
 
+def log_records(source: Path | str | Iterable[Path], event: str | None = None) -> list[dict[str, Any]]:
+    """The structured log records in ``source`` (a log file, several, or a log's text), in order: a JSON
+    object on a line of its own, or after the prefix a launcher puts before a worker's line (torchrun's
+    ``[rank0]:``). With ``event``: only the records of that event, or of the events it begins when it ends
+    with ``*``. A line that is not a whole record (a torn one, a person's message) is skipped."""
+    if isinstance(source, str):
+        texts = [source]
+    else:
+        paths = [source] if isinstance(source, Path) else list(source)
+        texts = [p.read_bytes().decode(errors="replace") for p in paths]
+    prefix = event[:-1] if event is not None and event.endswith("*") else None
+    needle = f'"{prefix if prefix is not None else event}' if event is not None else ""
+    lines = [
+        line[line.find("{") :]
+        for text in texts
+        for line in text.splitlines()
+        if "{" in line and needle in line
+    ]
+    return [
+        r
+        for r in parse_json_lines(lines)
+        if event is None
+        or r.get("event") == event
+        or (prefix is not None and str(r.get("event")).startswith(prefix))
+    ]
+
+
 def worker_lines(out: Path) -> list[dict[str, Any]]:
     """The JSON lines tests/integration/rdzv_worker.py appended to ``out`` (rank 0, one per step)."""
-    import json
-
     if not out.exists():
         return []
     return [json.loads(x) for x in out.read_text().splitlines() if x.strip()]

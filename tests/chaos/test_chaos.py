@@ -47,6 +47,7 @@ from elastic_train.train.events import read_events
 from tests.chaos.chaos_task import ENV_FLAG
 from tests.chaos.plan import PlanSpec, etcd_members, hot_recovery, make_plan
 from tests.chaos.report import recovery_path
+from tests.helpers import log_records
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -377,14 +378,8 @@ def agent_events(job: LocalJob, name: str) -> list[AgentEvent]:
     """(time, node index, record) of every ``name`` line the nodes' agents logged."""
     out = []
     for node in job.nodes:
-        for line in Path(node.log_path).read_text(errors="replace").splitlines():
-            if not line.startswith("{") or f'"{name}"' not in line:
-                continue
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue
-            if rec.get("event") == name and isinstance(rec.get("timestamp"), str):
+        for rec in log_records(Path(node.log_path), name):
+            if isinstance(rec.get("timestamp"), str):
                 when = datetime.fromisoformat(rec["timestamp"].replace("Z", "+00:00")).timestamp()
                 out.append((when, node.index, rec))
     return sorted(out, key=lambda x: x[0])

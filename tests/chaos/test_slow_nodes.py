@@ -15,7 +15,6 @@ redone per eviction, and the run records two leaves, two evictions and no failur
 from __future__ import annotations
 
 import io
-import json
 import os
 from datetime import datetime
 from pathlib import Path
@@ -27,6 +26,7 @@ from elastic_train.config import load_job_config
 from elastic_train.launch.faults import parse_fault
 from elastic_train.launch.local import LocalJob, LocalOptions
 from elastic_train.train.audit import check_exactly_once
+from tests.helpers import log_records
 
 pytestmark = [
     pytest.mark.chaos, pytest.mark.slow, pytest.mark.long, pytest.mark.solo, pytest.mark.timeout(300)
@@ -41,14 +41,6 @@ SPAN_STEPS = 650
 SPAN_S = 20.0
 #: The sharded model's run (charlm under FSDP2: about 0.1 s a step at 3 nodes here).
 FSDP_STEPS = 200
-
-
-def events(log: Path) -> list[dict]:  # type: ignore[type-arg]
-    out = []
-    for line in log.read_text(errors="replace").splitlines():
-        if line.startswith("{") and '"straggler_' in line:
-            out.append(json.loads(line))
-    return out
 
 
 def overrides(tmp_path: Path, **straggler: float) -> dict:  # type: ignore[type-arg]
@@ -104,7 +96,7 @@ def run_exactly_once(tmp_path: Path, job: LocalJob, steps: int) -> tuple[Any, st
 def decisions(job: LocalJob, event: str) -> list[dict]:  # type: ignore[type-arg]
     """The ``event`` decisions of every node, in the order they were made (the deciding agent, the rank-0
     node's, may change between two of them)."""
-    out = [e for n in job.nodes for e in events(Path(n.log_path)) if e["event"] == event]
+    out = [e for n in job.nodes for e in log_records(Path(n.log_path), event)]
     out.sort(key=lambda e: datetime.fromisoformat(e["timestamp"].replace("Z", "+00:00")))
     return out
 
@@ -115,7 +107,7 @@ def straggler_decisions(job: LocalJob) -> list[str]:
     keys = ("node", "step", "score", "why", "trial", "at", "verdict", "ratio")
     out = []
     for n in job.nodes:
-        for e in events(Path(n.log_path)):
+        for e in log_records(Path(n.log_path), "straggler_*"):
             if e["event"] == "straggler_probe" and e.get("at") == "healthy":
                 continue
             fields = " ".join(f"{k}={e[k]}" for k in keys if e.get(k) is not None)
@@ -132,7 +124,7 @@ def test_a_node_slow_for_good_is_evicted_readmitted_on_trial_and_leaves(tmp_path
     assert fault.steps_redone is not None and fault.steps_redone <= 1, where
 
     slow = job.nodes[1]
-    slow_id = next(e["node"] for e in events(Path(slow.log_path)) if e["event"] == "straggler_evicted")
+    slow_id = next(e["node"] for e in log_records(Path(slow.log_path), "straggler_evicted"))
     decided = decisions(job, "straggler_evict")
     assert [e["node"] for e in decided] == [slow_id, slow_id], decided  # no other node evicted
     assert all(e["score"] >= 1.5 and e["world"] == 3 for e in decided), decided
@@ -175,7 +167,7 @@ def test_a_node_slowed_for_a_span_is_kept_out_by_its_probe_and_readmitted_once_h
     summary, where = run_exactly_once(tmp_path, job, SPAN_STEPS)
 
     slow = job.nodes[1]
-    slow_events = events(Path(slow.log_path))
+    slow_events = log_records(Path(slow.log_path), "straggler_*")
     said = straggler_decisions(job)
     evicted = [e["node"] for e in slow_events if e["event"] == "straggler_evicted"]
     assert evicted, (said, where)
@@ -221,7 +213,7 @@ def test_a_slow_node_of_a_sharded_model_is_evicted_and_the_survivors_reshard_in_
     fault = summary.faults[0]
     assert fault.steps_redone is not None and fault.steps_redone <= 1, where
     slow = job.nodes[1]
-    slow_id = next(e["node"] for e in events(Path(slow.log_path)) if e["event"] == "straggler_evicted")
+    slow_id = next(e["node"] for e in log_records(Path(slow.log_path), "straggler_evicted"))
     # Flagged by the decider (with max_trials 1 the node leaves at once: its flag may be gone from etcd
     # before the harness's status poll, which then leaves the fault's detected_at unset). While the slowed
     # node is in, it is the only one flagged. Once it left, the two survivors share the machine's cores with
@@ -238,7 +230,7 @@ def test_a_slow_node_of_a_sharded_model_is_evicted_and_the_survivors_reshard_in_
     for n in (job.nodes[0], job.nodes[2]):  # the others kept their worker processes and re-sharded
         log = Path(n.log_path).read_text(errors="replace")
         assert '"hot_fallback"' not in log and n.proc.returncode == 0, (n.index, where)
-        resharded = [json.loads(line) for line in log.splitlines() if '"event": "resharded"' in line]
+        resharded = log_records(log, "resharded")
         shrunk = [r for r in resharded if (r["from_world"], r["to_world"]) == (3, 2)]
         assert shrunk and all(r["from_storage"] == 0 for r in shrunk), (n.index, resharded, where)
     st = job.final_status

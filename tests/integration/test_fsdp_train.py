@@ -42,6 +42,7 @@ from tests.helpers import (
     assert_resumed_once_each,
     assert_same_weights,
     gated,
+    log_records,
     made_once,
     script_env,
     sharded_weights,
@@ -71,22 +72,6 @@ def run_example(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     return proc
-
-
-def log_events(logs: list[Path], name: str) -> list[dict[str, Any]]:
-    """Every structured log line ``name`` in the given worker/agent logs."""
-    out = []
-    for path in logs:
-        for line in path.read_text(errors="replace").splitlines():
-            i = line.find("{")
-            if i >= 0 and f'"{name}"' in line:
-                try:
-                    record = json.loads(line[i:])
-                except ValueError:
-                    continue
-                if record.get("event") == name:
-                    out.append(record)
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +109,7 @@ def test_local_entry_kill_and_join(tmp_path: Path) -> None:
     assert "Traceback" not in proc.stdout + proc.stderr
     # Each rank of each reshard received exactly the rows it lacked, and the join moved some.
     logs = sorted((tmp_path / "runs" / summary["run_id"]).glob("node-*.log"))
-    resharded = log_events(logs, "resharded")
+    resharded = log_records(logs, "resharded")
     assert {(r["from_world"], r["to_world"]) for r in resharded} >= {(3, 2), (2, 3)}, resharded
     assert all(r["received"] == r["minimum"] and r["from_storage"] == 0 for r in resharded), resharded
     assert any(r["received"] > 0 for r in resharded if r["to_world"] == 3)
@@ -248,8 +233,8 @@ def test_builtin_loop_a_dead_node_without_replicas_and_a_join(tmp_path: Path) ->
     assert join["source"] == "memory" and join["resumed_world_size"] == 3, join
     assert join["steps_redone"] is not None and join["steps_redone"] <= 1, join
     logs = sorted((tmp_path / "runs" / summary["run_id"]).glob("node-*.log"))
-    lost = log_events(logs, "sharded_state_lost")
+    lost = log_records(logs, "sharded_state_lost")
     assert len(lost) == 1 and lost[0]["restored_step"] == 10 and lost[0]["world_size"] == 3, lost
-    resharded = [r for r in log_events(logs, "resharded") if (r["from_world"], r["to_world"]) == (2, 3)]
+    resharded = [r for r in log_records(logs, "resharded") if (r["from_world"], r["to_world"]) == (2, 3)]
     assert resharded and all(r["received"] == r["minimum"] and r["from_storage"] == 0 for r in resharded)
     assert any(r["received"] > 0 for r in resharded)

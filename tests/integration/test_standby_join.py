@@ -14,7 +14,6 @@ job keeps training at its old size, and are admitted at a step boundary (real to
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import time
@@ -29,7 +28,7 @@ import torch
 from elastic_train.train.audit import check_exactly_once
 from elastic_train.train.events import read_events
 from tests.fault_task import BUILD_DELAY, BUILD_FAIL
-from tests.helpers import TorchrunAgents, assert_same_weights, final_weights
+from tests.helpers import TorchrunAgents, assert_same_weights, final_weights, log_records
 from tests.integration import test_own_loop as own
 from tests.integration.test_hot_recovery import HOT_STEPS, events_of, final_model, hot_job
 from tests.integration.test_hot_recovery import reference as world1_reference
@@ -51,17 +50,6 @@ def wait_workers(agents: list[subprocess.Popen], timeout: float = 60.0) -> dict[
     return hot_wait_workers(agents, timeout, recursive=False)
 
 
-def log_events(path: Path, name: str) -> list[dict[str, Any]]:
-    """The structlog JSON lines called ``name`` in an agent's log (its workers' lines included)."""
-    out = []
-    for line in path.read_bytes().decode(errors="replace").splitlines():
-        if line.startswith("{") and f'"{name}"' in line:
-            with_event = json.loads(line)
-            if with_event.get("event") == name:
-                out.append(with_event)
-    return out
-
-
 def stamp(e: dict[str, Any]) -> float:
     return datetime.fromisoformat(e["timestamp"].replace("Z", "+00:00")).timestamp()
 
@@ -71,7 +59,7 @@ def standby_build(log: Path, steps: list[dict[str, Any]], spawned: float) -> tup
     world-2 steps the job made meanwhile (from a second after the worker was spawned), and the time of the
     first step at world 3."""
     assert b"standby_start" in log.read_bytes(), f"no standby start; logs in {log.parent}"
-    built = [stamp(e) for e in log_events(log, "model_built") if e.get("standby")]
+    built = [stamp(e) for e in log_records(log, "model_built") if e.get("standby")]
     assert len(built) == 1, f"one standby worker on the joiner; logs in {log.parent}"
     assert spawned < built[0]
     during = [e for e in steps if e["world_size"] == 2 and spawned + 1.0 < e["time"] < built[0]]

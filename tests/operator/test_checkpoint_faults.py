@@ -25,7 +25,7 @@ import torch
 
 from elastic_train.checkpoint import CheckpointConfig, CheckpointManager, durable
 from elastic_train.checkpoint.storage import open_storage
-from tests.helpers import QUIET, cli, made_once, one_line, tree_digest
+from tests.helpers import QUIET, cli, log_records, made_once, one_line, tree_digest
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -151,7 +151,7 @@ def test_worker_resumes_from_the_previous_checkpoint_past_a_tampered_one(root: P
         capture_output=True, text=True, timeout=240, stdin=subprocess.DEVNULL,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    events = [json.loads(line) for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("{")]
+    events = log_records(proc.stdout + proc.stderr)
     skipped = [e for e in events if e.get("event") == "checkpoint_skipped"]
     assert skipped and "not a plain file name" in skipped[0]["reason"]
     (resumed,) = [e for e in events if e.get("event") == "training_resumed"]

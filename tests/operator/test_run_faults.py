@@ -22,7 +22,7 @@ from elastic_train.checkpoint.storage import open_storage
 from elastic_train.etcd.client import Etcd
 from elastic_train.procs import signal_tree
 from elastic_train.rendezvous.status import read_status
-from elastic_train.train.jsonl import parse_json_lines
+from tests.helpers import log_records
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
@@ -75,10 +75,6 @@ def one_line(stderr: str) -> str:
     lines = error_lines(stderr)
     assert len(lines) == 1, stderr
     return lines[0]
-
-
-def log_events(stderr: str) -> list[dict[str, Any]]:
-    return parse_json_lines(stderr.splitlines())
 
 
 class Runs:
@@ -203,7 +199,7 @@ def test_a_node_with_other_settings_waits_then_is_refused_and_the_job_never_noti
     expected = f"run job-42 is training with {theirs}; this node has {ours}".format(a=a, b=b)
     assert line == f"elastic-train: error: {expected}", line
     assert waited >= IDENTITY_WAIT
-    assert any(e.get("event") == "run_identity_differs" for e in log_events(err)), err
+    assert any(e.get("event") == "run_identity_differs" for e in log_records(err)), err
     assert read_status(etcd, "job-42").state == "running"  # nothing of the intruder reached the run
 
     _, err = job.communicate(timeout=240)
@@ -275,7 +271,7 @@ def test_after_all_members_are_gone_a_new_node_range_takes_the_run_over(
     _, err = new.communicate(timeout=300)
     assert new.returncode == 0, err[-3000:]
     assert "Traceback" not in err
-    events = log_events(err)
+    events = log_records(err)
     takeover = [e for e in events if e.get("event") == "run_taken_over"]
     assert takeover and "rendezvous.max_nodes=1" in takeover[0]["previous"], err[-3000:]
     resumed = [e for e in events if e.get("event") == "training_resumed"]
