@@ -20,11 +20,9 @@ later save; the pool never holds more bytes than the newest checkpoint and is em
 from __future__ import annotations
 
 import json
-import platform
 import threading
-import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,7 +41,6 @@ from elastic_train.checkpoint.policy import (
 from elastic_train.checkpoint.sharded import manifest as sharded_manifest
 from elastic_train.checkpoint.storage import Storage
 from elastic_train.log import get_logger
-from elastic_train.version import __version__
 
 log = get_logger(__name__)
 
@@ -195,22 +192,17 @@ def build_manifest(
     stale-writer rule (:func:`elastic_train.checkpoint.policy.off_line`) reads them.
     """
     fingerprint = fingerprint_from_specs(list(specs))
-    lineage = {} if round is None else {"round": round, "base": base or 0}
     return {
-        "kind": KIND,
-        "format": FORMAT,
-        "run_id": run_id,
-        "step": step,
-        **lineage,
-        "world_size": world_size,
-        "time": time.time(),
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "versions": {
-            "elastic_train": __version__,
-            "torch": torch.__version__,
-            "python": platform.python_version(),
-        },
-        "sampler": _plain(sampler),
+        **schema.head(
+            kind=KIND,
+            format=FORMAT,
+            run_id=run_id,
+            step=step,
+            world_size=world_size,
+            round=round,
+            base=base or 0,
+            sampler=sampler,
+        ),
         "model": {"params": fingerprint, "count": len(fingerprint)},
         "bytes": sum(s.size for s in shares),
         "layout_bytes": nbytes,
@@ -228,13 +220,6 @@ def build_manifest(
         "tensors": [spec.to_json() for spec in specs],
         "skeleton": skeleton,
     }
-
-
-def _plain(v: Any) -> Any:
-    """The scalar entries of the sampler's state (epoch, cursor, seed …), for people reading the manifest."""
-    if isinstance(v, Mapping):
-        return {str(k): x for k, x in v.items() if isinstance(x, (type(None), bool, int, float, str))}
-    return None
 
 
 def commit(

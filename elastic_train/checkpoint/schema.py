@@ -18,13 +18,51 @@ from __future__ import annotations
 import base64
 import binascii
 import math
+import platform
 import re
+import time
+from collections.abc import Mapping
 from typing import Annotated, Any
 
+import torch
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError, model_validator
 from pydantic import field_validator as _field_validator
 
 from elastic_train.checkpoint.codec import DTYPE_SIZES, MARKERS, NUMPY_DTYPES, TensorSpec
+from elastic_train.version import __version__
+
+
+def head(
+    *, kind: str, format: int | str, run_id: str, step: int, world_size: int, round: int | None, base: int,
+    sampler: Any,
+) -> dict[str, Any]:  # fmt: skip
+    """The fields every manifest (replicated or sharded) begins with: what it is, the run and step, the
+    writing world's round and base (only in a rendezvous round: the stale-writer rule reads them), when and
+    by which versions it was written, and the sampler's scalar entries (epoch, cursor, seed …) for people
+    reading it."""
+    lineage = {} if round is None else {"round": round, "base": base}
+    plain = (type(None), bool, int, float, str)
+    return {
+        "kind": kind,
+        "format": format,
+        "run_id": run_id,
+        "step": step,
+        **lineage,
+        "world_size": world_size,
+        "time": time.time(),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "versions": {
+            "elastic_train": __version__,
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+        },
+        "sampler": (
+            {str(k): v for k, v in sampler.items() if isinstance(v, plain)}
+            if isinstance(sampler, Mapping)
+            else None
+        ),
+    }
+
 
 #: Deepest nesting of a skeleton (real states nest a handful of levels; this keeps every walk bounded).
 MAX_DEPTH = 100

@@ -321,3 +321,17 @@ def test_object_store_root_refused_only_when_writes_are_denied(monkeypatch):
     check_root("etreadonly://bucket/ckpt", probe_remote=False)  # the worker does not write
     monkeypatch.setattr(_ReadOnlyMemory, "error", OSError)
     check_root("etreadonly://bucket/ckpt")  # an outage at start-up is not a reason to end the job
+
+
+def test_every_manifest_begins_with_the_same_head() -> None:
+    sampler = {"epoch": 1, "cursor": None, "order": [3, 1, 2], 7: "seven"}
+    outside = schema.head(
+        kind="k", format=3, run_id="r", step=5, world_size=2, round=None, base=0, sampler=sampler
+    )
+    assert "round" not in outside and "base" not in outside  # no rendezvous round: no lineage
+    assert outside["sampler"] == {"epoch": 1, "cursor": None, "7": "seven"}  # scalars only, for people
+    assert set(outside["versions"]) == {"elastic_train", "torch", "python"}
+    inside = schema.head(
+        kind="k", format="dcp-1", run_id="r", step=5, world_size=2, round=4, base=3, sampler=[1]
+    )
+    assert (inside["round"], inside["base"], inside["sampler"]) == (4, 3, None)

@@ -12,12 +12,9 @@ names is read.
 from __future__ import annotations
 
 import hashlib
-import platform
-import time
 from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, Literal
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError, model_validator
 from pydantic import field_validator as _field_validator
 
@@ -25,7 +22,6 @@ from elastic_train.checkpoint import digest, schema
 from elastic_train.checkpoint.codec import DTYPE_SIZES
 from elastic_train.checkpoint.sharded.dcp import DATA_FILE, METADATA
 from elastic_train.checkpoint.sharded.shardmap import ShardMap
-from elastic_train.version import __version__
 
 #: The manifest format of a sharded (DCP) checkpoint.
 FORMAT = "dcp-1"
@@ -153,25 +149,18 @@ def build(
 ) -> dict[str, Any]:
     """The manifest of a DCP directory whose files (``{name: (size, sha256 tree, pieces, rank)}``) are
     durable."""
-    lineage = {} if round is None else {"round": round, "base": base}
     return {
-        "kind": KIND,
-        "format": FORMAT,
-        "run_id": run_id,
-        "step": step,
-        **lineage,
-        "world_size": world_size,
-        "time": time.time(),
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "versions": {
-            "elastic_train": __version__,
-            "torch": torch.__version__,
-            "python": platform.python_version(),
-        },
+        **schema.head(
+            kind=KIND,
+            format=FORMAT,
+            run_id=run_id,
+            step=step,
+            world_size=world_size,
+            round=round,
+            base=base,
+            sampler=sampler,
+        ),
         "layout": "torch.distributed.checkpoint",
-        "sampler": {str(k): v for k, v in sampler.items() if isinstance(v, (bool, int, float, str))}
-        if isinstance(sampler, Mapping)
-        else None,
         "model": {"params": model, "count": len(model)},
         "bytes": sum(f[0] for f in files.values()),
         "files": [
