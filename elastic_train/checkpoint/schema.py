@@ -11,6 +11,8 @@ checksum does not match.
 pydantic (v2) rather than JSON Schema: the rules that matter most here relate fields to each other (shape and
 dtype to ``nbytes``, tensors to files, files to the layout), which are plain validators on typed models,
 and its errors carry the location of the offending value, which goes into the reason.
+
+:func:`head` builds the fields both kinds of manifest (replicated, sharded) begin with.
 """
 
 from __future__ import annotations
