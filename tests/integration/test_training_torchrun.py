@@ -7,6 +7,7 @@ import glob
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -119,9 +120,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
     def run(tmp: Path) -> None:
         reaper = Reaper()
-        try:
-            for n in (1, 2, 3):
-                torchrun(reaper, tmp, f"world{n}", n)
+        try:  # three independent jobs (each torchrun --standalone picks its own port): side by side
+            with ThreadPoolExecutor(3) as pool:
+                for job in [pool.submit(torchrun, reaper, tmp, f"world{n}", n) for n in (1, 2, 3)]:
+                    job.result()
         finally:
             reaper.reap()
 
