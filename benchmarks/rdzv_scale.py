@@ -482,10 +482,16 @@ def hot_exchange(n: int) -> dict:
     server = dist.TCPStore(
         "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=120)
     )
-    stores = [server] + [
-        dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=120))
-        for _ in range(n - 1)
-    ]
+
+    def client(_: int) -> Any:
+        return dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=120))
+
+    # Each TCPStore connection looks up the peer's name on both sides (a DNS PTR query for ::ffff:127.0.0.1,
+    # which /etc/hosts does not list); a resolver that drops some of a burst of queries stalls that
+    # connection for glibc's 5 s timeout. Made one after another, the 1,023 clients took 200 s here (one
+    # query in about 25 dropped); 64 at a time, 10 s. Setup only: the exchange is timed below.
+    with ThreadPoolExecutor(64) as pool:
+        stores = [server, *pool.map(client, range(n - 1))]
     barrier = threading.Barrier(n)
     keys = [f"role/{i}" for i in range(n)]
 
