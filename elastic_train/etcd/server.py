@@ -239,16 +239,27 @@ class EmbeddedEtcd:
         self.start_signal = None
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                code, self.proc = self.proc.returncode, None
-                self.start_signal = -code if code < 0 else None
-                raise EtcdError(f"etcd exited at start with code {code}: {self.log_tail()}")
-            if self.healthy():
-                log.debug("etcd_started", endpoint=self.endpoint, pid=self.proc.pid)
+            if self.started():
                 return
             time.sleep(0.05)
         self.stop()
         raise EtcdError(f"etcd at {self.endpoint} did not become healthy within {timeout:.0f}s")
+
+    def started(self) -> bool:
+        """One look at a server being started: True once it answers its health check.
+
+        Raises:
+            EtcdError: it exited (its log's tail in the message; ``start_signal`` set when a signal ended it).
+        """
+        assert self.proc is not None, "etcd not started"
+        if self.proc.poll() is not None:
+            code, self.proc = self.proc.returncode, None
+            self.start_signal = -code if code < 0 else None
+            raise EtcdError(f"etcd exited at start with code {code}: {self.log_tail()}")
+        if self.healthy():
+            log.debug("etcd_started", endpoint=self.endpoint, pid=self.proc.pid)
+            return True
+        return False
 
     def healthy(self) -> bool:
         """True when the server answers ``/health`` with a healthy status."""
@@ -420,9 +431,7 @@ class EtcdCluster:
             try:
                 for m in self.members:
                     m.start(wait=False)
-                deadline = time.monotonic() + timeout
-                for m in self.members:
-                    m.wait_healthy(max(1.0, deadline - time.monotonic()))
+                self._wait_started(timeout)
                 return self
             except EtcdError as exc:
                 for m in self.members:
@@ -435,6 +444,25 @@ class EtcdCluster:
                     shutil.rmtree(m.data_dir, ignore_errors=True)
                 self._build([0] * len(self.members))
         return self
+
+    def _wait_started(self, timeout: float) -> None:
+        """Wait until every member answers its health check, looking at all of them each time: a member that
+        exits at start (a port taken) fails the start at once, not after the others elected a leader.
+
+        Raises:
+            EtcdError: a member exited, or the cluster was not healthy within ``timeout`` seconds.
+        """
+        for m in self.members:
+            m.start_signal = None
+        deadline = time.monotonic() + timeout
+        waiting = list(self.members)
+        while True:
+            waiting = [m for m in waiting if not m.started()]
+            if not waiting:
+                return
+            if time.monotonic() > deadline:
+                raise EtcdError(f"etcd at {waiting[0].endpoint} did not become healthy within {timeout:.0f}s")
+            time.sleep(0.05)
 
     def leader(self, timeout: float = 30.0) -> int:
         """Index of the current leader among the members, waiting up to ``timeout`` for an election.
