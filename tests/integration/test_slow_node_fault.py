@@ -112,6 +112,10 @@ def test_a_slowed_node_that_hangs_stays_stopped_until_resumed(tmp_path, reaper) 
         held_once(worker)  # a process waiting for a core stops once it runs
         assert stopped_share(worker, 1.0) == 1.0, "a hung node's worker ran"
         job._resume_node(FaultRecord(fault=parse_fault("resume-node", "0@step=1")), node)
-        assert 0.5 < stopped_share(worker, 1.0) < 0.95
+        # Slowed again: neither left running free (0) nor left hung (1). The bound is looser than factor 4's
+        # 75% above: right after the resume the whole tree runs again at once, and beside other tests on two
+        # cores the driver, woken late for its holds, measured 44% in a one-second window once.
+        share = stopped_share(worker, 2.0)
+        assert 0.3 < share < 0.95, f"held {share:.0%} of the time after the resume"
     assert stopped_share(worker, 0.3) == 0.0  # continued when the job ended
     assert slow.extra["pids"] == [worker.pid] and slow.extra["stopped_s"] > 0.5, slow.extra
