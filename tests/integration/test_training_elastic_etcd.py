@@ -86,6 +86,7 @@ class ElasticJob:
         return wait_for_step(self.events, world, min_step, timeout, self.tmp)
 
 
+@pytest.mark.long  # make test keeps the restart path's rendezvous (test_rendezvous_torchrun) and restore
 def test_kill_and_join_keep_weights_and_exactly_once(tmp_path: Path, etcd_server: Any, reaper: Any) -> None:
     # world-1 reference: the same job in one plain process
     ref = tmp_path / "ref"
