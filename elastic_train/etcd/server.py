@@ -19,6 +19,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 
 from elastic_train.etcd.errors import EtcdError
@@ -236,14 +237,12 @@ class EmbeddedEtcd:
             EtcdError: it exited or did not become healthy within ``timeout`` seconds (then it is stopped).
         """
         assert self.proc is not None, "etcd not started"
-        self.start_signal = None
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.started():
-                return
-            time.sleep(0.05)
-        self.stop()
-        raise EtcdError(f"etcd at {self.endpoint} did not become healthy within {timeout:.0f}s")
+        try:
+            wait_started([self], timeout)
+        except EtcdError:
+            if self.proc is not None:  # not an exit (that left no process): the time ran out
+                self.stop()
+            raise
 
     def started(self) -> bool:
         """One look at a server being started: True once it answers its health check.
@@ -341,6 +340,28 @@ class EmbeddedEtcd:
         self.stop()
 
 
+def wait_started(servers: Sequence[EmbeddedEtcd], timeout: float) -> None:
+    """Wait until every one of ``servers`` (started, not yet waited for) answers its health check, looking at
+    all of them each time: one that exits at start (a port taken) fails the wait at once, not after the
+    others elected a leader.
+
+    Raises:
+        EtcdError: a server exited (its ``start_signal`` set when a signal ended it), or one was not healthy
+            within ``timeout`` seconds.
+    """
+    for m in servers:
+        m.start_signal = None
+    deadline = time.monotonic() + timeout
+    waiting = list(servers)
+    while True:
+        waiting = [m for m in waiting if not m.started()]
+        if not waiting:
+            return
+        if time.monotonic() > deadline:
+            raise EtcdError(f"etcd at {waiting[0].endpoint} did not become healthy within {timeout:.0f}s")
+        time.sleep(0.05)
+
+
 class EtcdCluster:
     """A multi-member etcd on loopback, owned by this process (development and tests only).
 
@@ -431,7 +452,7 @@ class EtcdCluster:
             try:
                 for m in self.members:
                     m.start(wait=False)
-                self._wait_started(timeout)
+                wait_started(self.members, timeout)
                 return self
             except EtcdError as exc:
                 for m in self.members:
@@ -444,25 +465,6 @@ class EtcdCluster:
                     shutil.rmtree(m.data_dir, ignore_errors=True)
                 self._build([0] * len(self.members))
         return self
-
-    def _wait_started(self, timeout: float) -> None:
-        """Wait until every member answers its health check, looking at all of them each time: a member that
-        exits at start (a port taken) fails the start at once, not after the others elected a leader.
-
-        Raises:
-            EtcdError: a member exited, or the cluster was not healthy within ``timeout`` seconds.
-        """
-        for m in self.members:
-            m.start_signal = None
-        deadline = time.monotonic() + timeout
-        waiting = list(self.members)
-        while True:
-            waiting = [m for m in waiting if not m.started()]
-            if not waiting:
-                return
-            if time.monotonic() > deadline:
-                raise EtcdError(f"etcd at {waiting[0].endpoint} did not become healthy within {timeout:.0f}s")
-            time.sleep(0.05)
 
     def leader(self, timeout: float = 30.0) -> int:
         """Index of the current leader among the members, waiting up to ``timeout`` for an election.
