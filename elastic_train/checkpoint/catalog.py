@@ -16,16 +16,16 @@ import re
 import sys
 import tempfile
 import time
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from elastic_train.checkpoint import durable
-from elastic_train.checkpoint.codec import tensor_at, unflatten
 from elastic_train.checkpoint.errors import CheckpointError, CheckpointNotFound
 from elastic_train.checkpoint.policy import parse_step_dir
 from elastic_train.checkpoint.sharded import manifest as sharded_manifest
 from elastic_train.checkpoint.storage import LocalStorage, Storage, open_storage
+
+if TYPE_CHECKING:
+    import torch
 
 #: What a step directory may hold to be removed by ``rm``: share files, the manifest, a manifest being
 #: written (a local disk's atomic replace), a sharded checkpoint's DCP files.
@@ -208,6 +208,10 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def _replicated_model(storage: Storage, e: durable.Entry) -> dict[str, torch.Tensor]:
+    import torch
+
+    from elastic_train.checkpoint.codec import tensor_at, unflatten
+
     buf, specs = durable.load(storage, e)
     assert e.manifest is not None
     state = unflatten(e.manifest["skeleton"], [tensor_at(buf, s) for s in specs])
@@ -242,6 +246,8 @@ def _check_target(storage: Storage, path: str, target: str, args: argparse.Names
 def _write_new(target: str, obj: Any, args: argparse.Namespace) -> None:
     """``torch.save`` into a temporary file next to ``target``, then put it in place: with ``--force`` over
     whatever is there, otherwise only if ``target`` still does not exist. Nothing is left on failure."""
+    import torch
+
     parent, name = os.path.split(target)
     tmp = None
     try:

@@ -10,7 +10,6 @@ broadcast at restore; :func:`unflatten` rebuilds the state from a skeleton, spec
 from __future__ import annotations
 
 import base64
-import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -19,79 +18,26 @@ import numpy as np
 import torch
 
 from elastic_train.checkpoint.errors import CheckpointCorrupt, CheckpointError
+from elastic_train.checkpoint.specs import (
+    BYTES,
+    DICT,
+    DTYPE_SIZES,
+    MARKERS,
+    NDARRAY,
+    TENSOR,
+    TUPLE,
+    TensorSpec,
+    layout_key,
+)
 
 ALIGN = 64
-_TENSOR, _NDARRAY, _DICT, _TUPLE, _BYTES = "__tensor__", "__ndarray__", "__dict__", "__tuple__", "__bytes__"
-MARKERS = frozenset((_TENSOR, _NDARRAY, _DICT, _TUPLE, _BYTES))
-"""Keys of the one-key dicts that stand for a tensor, a numpy array, a dict, a tuple or bytes."""
 PLAIN = frozenset({int, float, str, bool, type(None)})
 """The exact types stored as they are; a list or tuple of only these is stored without a per-element walk."""
 STR = frozenset({str})
 """The key types of a dict that is walked as it is (``STR.issuperset(map(type, d))``: its keys are str)."""
 
-_DTYPES: dict[str, torch.dtype] = {
-    str(d).removeprefix("torch."): d
-    for d in (
-        torch.float64,
-        torch.float32,
-        torch.float16,
-        torch.bfloat16,
-        torch.complex64,
-        torch.complex128,
-        torch.int64,
-        torch.int32,
-        torch.int16,
-        torch.int8,
-        torch.uint8,
-        torch.bool,
-        *(
-            getattr(torch, n)
-            for n in ("float8_e4m3fn", "float8_e5m2", "uint16", "uint32", "uint64")
-            if hasattr(torch, n)
-        ),
-    )
-}
-
-DTYPE_SIZES: dict[str, int] = {name: d.itemsize for name, d in _DTYPES.items()}
-"""Bytes per element of every dtype a checkpoint may hold."""
-NUMPY_DTYPES = frozenset(n for n in _DTYPES if n != "bfloat16" and not n.startswith("float8"))
-"""Dtypes a tensor can be handed out in as a numpy array."""
-
-
+_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_SIZES}
 _NAMES = {d: n for n, d in _DTYPES.items()}
-
-
-@dataclass(frozen=True, slots=True)
-class TensorSpec:
-    """Where tensor ``i`` of a state lives in the flat buffer."""
-
-    path: str
-    """Human-readable location in the state, e.g. ``model/fc.weight``."""
-    dtype: str
-    """torch dtype name without the ``torch.`` prefix."""
-    shape: tuple[int, ...]
-    offset: int
-    """Byte offset in the flat buffer (64-byte aligned)."""
-    nbytes: int
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "path": self.path,
-            "dtype": self.dtype,
-            "shape": list(self.shape),
-            "offset": self.offset,
-            "nbytes": self.nbytes,
-        }
-
-    @staticmethod
-    def from_json(d: Mapping[str, Any]) -> TensorSpec:
-        return TensorSpec(
-            str(d["path"]),
-            str(d["dtype"]),
-            tuple(int(x) for x in d["shape"]),
-            int(d["offset"]),
-            int(d["nbytes"]),
-        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,13 +55,6 @@ class Flat:
     def layout_key(self) -> str:
         """Digest of the tensor layout; equal keys mean one pre-allocated buffer fits both states."""
         return self.layout or layout_key(self.specs)
-
-
-def layout_key(specs: tuple[TensorSpec, ...] | list[TensorSpec]) -> str:
-    h = hashlib.sha256()
-    for s in specs:
-        h.update(f"{s.path}|{s.dtype}|{s.shape}|{s.offset}|{s.nbytes};".encode())
-    return h.hexdigest()[:32]
 
 
 def dtype_of(name: str) -> torch.dtype:
@@ -180,20 +119,20 @@ class Walker:
         if kind is dict and STR.issuperset(map(type, v)) and MARKERS.isdisjoint(v):
             return {k: self.enc(x, f"{path}/{k}") for k, x in v.items()}
         if isinstance(v, torch.Tensor):
-            return {_TENSOR: self.add(v, path)}
+            return {TENSOR: self.add(v, path)}
         if isinstance(v, np.ndarray):
-            return {_NDARRAY: self.add(torch.from_numpy(np.ascontiguousarray(v)), path)}
+            return {NDARRAY: self.add(torch.from_numpy(np.ascontiguousarray(v)), path)}
         if isinstance(v, np.generic):
             return v.item()
         if v is None or isinstance(v, (bool, int, float, str)):
             return v
         if isinstance(v, (bytes, bytearray)):
-            return {_BYTES: base64.b64encode(bytes(v)).decode()}
+            return {BYTES: base64.b64encode(bytes(v)).decode()}
         enc = self.enc
         if isinstance(v, tuple):
             if PLAIN.issuperset(map(type, v)):  # e.g. Python's RNG state: 625 ints, every step
-                return {_TUPLE: list(v)}
-            return {_TUPLE: [enc(x, f"{path}/{i}") for i, x in enumerate(v)]}
+                return {TUPLE: list(v)}
+            return {TUPLE: [enc(x, f"{path}/{i}") for i, x in enumerate(v)]}
         if isinstance(v, list):
             if PLAIN.issuperset(map(type, v)):
                 return list(v)
@@ -206,7 +145,7 @@ class Walker:
                 if not (k is None or isinstance(k, (bool, int, float, str, tuple))):
                     raise CheckpointError(f"state at {path or '/'}: dict key {k!r} is not JSON-able")
                 pairs.append([enc(k, path), enc(x, f"{path}/{k}")])
-            return {_DICT: pairs}
+            return {DICT: pairs}
         return self.other(v, path)
 
     def other(self, v: Any, path: str) -> Any:
@@ -257,15 +196,15 @@ def unflatten(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
         if isinstance(v, dict):
             if len(v) == 1:
                 ((k, x),) = v.items()
-                if k == _TENSOR:
+                if k == TENSOR:
                     return tensors[x]
-                if k == _NDARRAY:
+                if k == NDARRAY:
                     return tensors[x].numpy()
-                if k == _TUPLE:
+                if k == TUPLE:
                     return tuple(dec(y) for y in x)
-                if k == _DICT:
+                if k == DICT:
                     return {dec(a): dec(b) for a, b in x}
-                if k == _BYTES:
+                if k == BYTES:
                     return base64.b64decode(x)
             return {k: dec(x) for k, x in v.items()}
         return v
@@ -283,30 +222,3 @@ def model_fingerprint(state: Any) -> list[list[Any]] | None:
         if isinstance(t, torch.Tensor):
             out.append([str(name), str(t.dtype).removeprefix("torch."), list(t.shape)])
     return sorted(out)
-
-
-def fingerprint_from_specs(specs: tuple[TensorSpec, ...] | list[TensorSpec]) -> list[list[Any]]:
-    """The model fingerprint of a flattened state, from the specs under ``model/``."""
-    out = [[s.path[len("/model/") :], s.dtype, list(s.shape)] for s in specs if s.path.startswith("/model/")]
-    return sorted(out)
-
-
-def describe_mismatch(saved: list[list[Any]], current: list[list[Any]]) -> str | None:
-    """One line naming how two model fingerprints differ, or None when they match."""
-    a = {n: (d, tuple(s)) for n, d, s in saved}
-    b = {n: (d, tuple(s)) for n, d, s in current}
-    if a == b:
-        return None
-    missing = sorted(set(b) - set(a))
-    extra = sorted(set(a) - set(b))
-    parts = []
-    if missing:
-        parts.append(f"{len(missing)} parameter(s) missing (e.g. {missing[0]!r})")
-    if extra:
-        parts.append(f"{len(extra)} unexpected (e.g. {extra[0]!r})")
-    for n in sorted(set(a) & set(b)):
-        if a[n] != b[n]:
-            (d1, s1), (d2, s2) = a[n], b[n]
-            parts.append(f"{n!r} is {d1}{list(s1)} in the checkpoint but {d2}{list(s2)} in the model")
-            break
-    return "; ".join(parts)

@@ -24,12 +24,9 @@ import threading
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from elastic_train.checkpoint import digest, schema
-from elastic_train.checkpoint.codec import TensorSpec, fingerprint_from_specs
 from elastic_train.checkpoint.errors import CheckpointCorrupt, CheckpointNotFound, StorageError
 from elastic_train.checkpoint.policy import (
     off_line,
@@ -39,8 +36,12 @@ from elastic_train.checkpoint.policy import (
     step_dir_round,
 )
 from elastic_train.checkpoint.sharded import manifest as sharded_manifest
+from elastic_train.checkpoint.specs import TensorSpec, fingerprint_from_specs
 from elastic_train.checkpoint.storage import Storage
 from elastic_train.log import get_logger
+
+if TYPE_CHECKING:
+    import torch
 
 log = get_logger(__name__)
 
@@ -427,6 +428,8 @@ def load(storage: Storage, entry: Entry) -> tuple[torch.Tensor, list[TensorSpec]
             f"{entry.path}: a sharded checkpoint (torch.distributed.checkpoint); it loads into a sharded "
             "(FSDP2) model, or through elastic-train ckpt export"
         )
+    import torch  # listing and verifying checkpoints does without it
+
     specs = [TensorSpec.from_json(t) for t in m["tensors"]]
     nbytes = int(m.get("layout_bytes") or 0) or max((s.offset + s.nbytes for s in specs), default=0)
     buf = torch.empty(nbytes, dtype=torch.uint8)

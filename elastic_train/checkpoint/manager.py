@@ -25,7 +25,7 @@ import torch
 from elastic_train.checkpoint import durable
 from elastic_train.checkpoint.agent import Agent
 from elastic_train.checkpoint.attach import Attachments
-from elastic_train.checkpoint.codec import Flat, TensorSpec, flatten
+from elastic_train.checkpoint.codec import Flat, flatten
 from elastic_train.checkpoint.config import CheckpointConfig
 from elastic_train.checkpoint.errors import CheckpointError
 from elastic_train.checkpoint.groups import Groups
@@ -34,6 +34,7 @@ from elastic_train.checkpoint.plan import Planned
 from elastic_train.checkpoint.policy import durable_due
 from elastic_train.checkpoint.restore import Origin, Restored, Restorer
 from elastic_train.checkpoint.shmfiles import release_siblings, sweep_stale
+from elastic_train.checkpoint.specs import TensorSpec
 from elastic_train.checkpoint.storage import Storage, open_storage
 from elastic_train.checkpoint.writer import Committed, DurableWriter
 from elastic_train.log import get_logger

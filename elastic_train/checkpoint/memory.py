@@ -27,13 +27,14 @@ import torch
 
 from elastic_train.checkpoint import drain, schema
 from elastic_train.checkpoint.capacity import check_node_room
-from elastic_train.checkpoint.codec import Flat, TensorSpec, destinations
+from elastic_train.checkpoint.codec import Flat, destinations
 from elastic_train.checkpoint.copier import Copier, CopyJob, DeviceCopies
 from elastic_train.checkpoint.errors import CheckpointError
 from elastic_train.checkpoint.plan import Planned
 from elastic_train.checkpoint.shmfiles import snapshot_path
 from elastic_train.checkpoint.slotmeta import SlotMeta
 from elastic_train.checkpoint.slots import SLOTS, Held, SlotFile, SlotReader, checksum, sizes
+from elastic_train.checkpoint.specs import TensorSpec
 from elastic_train.log import get_logger
 from elastic_train.torchcompat import foreach_copy_op
 

@@ -25,7 +25,8 @@ from typing import Any
 
 import torch
 
-from elastic_train.checkpoint.codec import MARKERS, PLAIN, STR, Flat, TensorSpec, Walker, layout_key
+from elastic_train.checkpoint.codec import PLAIN, STR, Flat, Walker
+from elastic_train.checkpoint.specs import MARKERS, TensorSpec, layout_key
 from elastic_train.log import get_logger
 
 log = get_logger(__name__)

@@ -27,14 +27,7 @@ import torch.distributed as dist
 
 from elastic_train.checkpoint import durable, transfer
 from elastic_train.checkpoint.agent import Agent
-from elastic_train.checkpoint.codec import (
-    TensorSpec,
-    describe_mismatch,
-    fingerprint_from_specs,
-    model_fingerprint,
-    tensor_at,
-    unflatten,
-)
+from elastic_train.checkpoint.codec import model_fingerprint, tensor_at, unflatten
 from elastic_train.checkpoint.config import CheckpointConfig
 from elastic_train.checkpoint.errors import (
     CheckpointError,
@@ -48,6 +41,7 @@ from elastic_train.checkpoint.policy import Candidate, restore_order
 from elastic_train.checkpoint.preflight import check_resume_source
 from elastic_train.checkpoint.probe import SharedStorageCheck
 from elastic_train.checkpoint.slots import SLOTS, DataCheck, Held
+from elastic_train.checkpoint.specs import TensorSpec, describe_mismatch, fingerprint_from_specs
 from elastic_train.checkpoint.storage import Storage, open_storage
 from elastic_train.log import get_logger
 

@@ -26,11 +26,10 @@ import time
 from collections.abc import Mapping
 from typing import Annotated, Any
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError, model_validator
 from pydantic import field_validator as _field_validator
 
-from elastic_train.checkpoint.codec import DTYPE_SIZES, MARKERS, NUMPY_DTYPES, TensorSpec
+from elastic_train.checkpoint.specs import DTYPE_SIZES, MARKERS, NUMPY_DTYPES, TensorSpec
 from elastic_train.version import __version__
 
 
@@ -42,6 +41,8 @@ def head(
     writing world's round and base (only in a rendezvous round: the stale-writer rule reads them), when and
     by which versions it was written, and the sampler's scalar entries (epoch, cursor, seed …) for people
     reading it."""
+    import torch  # loaded wherever a state is saved; reading manifests does without it
+
     lineage = {} if round is None else {"round": round, "base": base}
     plain = (type(None), bool, int, float, str)
     return {

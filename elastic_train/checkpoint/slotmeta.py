@@ -11,7 +11,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from elastic_train.checkpoint.codec import PLAIN, Flat, TensorSpec
+from elastic_train.checkpoint.codec import PLAIN, Flat
+from elastic_train.checkpoint.specs import TensorSpec
 
 #: One encoder for every step's skeleton pieces: ``json.dumps`` with non-default settings builds a new
 #: encoder per call, which costs more than encoding the small values of a step.

@@ -25,8 +25,8 @@ from typing import Any
 import torch
 import xxhash
 
-from elastic_train.checkpoint.codec import TensorSpec
 from elastic_train.checkpoint.errors import CheckpointError
+from elastic_train.checkpoint.specs import TensorSpec
 from elastic_train.log import get_logger
 
 log = get_logger(__name__)

@@ -31,7 +31,8 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from elastic_train.checkpoint.codec import ALIGN, TensorSpec, dtype_of, tensor_at
+from elastic_train.checkpoint.codec import ALIGN, dtype_of, tensor_at
+from elastic_train.checkpoint.specs import TensorSpec
 
 #: Bytes per message (chain hop) of a restored state's small tensors at most (they travel through reused
 #: bounce buffers of this size), and messages in flight at once.

@@ -20,12 +20,13 @@ import torch.distributed as dist
 
 from elastic_train.checkpoint import durable
 from elastic_train.checkpoint.agent import Agent
-from elastic_train.checkpoint.codec import Flat, aligned_zeros, copy_into, layout_key
+from elastic_train.checkpoint.codec import Flat, aligned_zeros, copy_into
 from elastic_train.checkpoint.config import CheckpointConfig
 from elastic_train.checkpoint.errors import CheckpointError, WriteFailed
 from elastic_train.checkpoint.groups import Groups
 from elastic_train.checkpoint.memory import MemorySnapshot
 from elastic_train.checkpoint.policy import SHARE_ALIGN, share_ranges, step_dir
+from elastic_train.checkpoint.specs import layout_key
 from elastic_train.checkpoint.storage import Storage
 from elastic_train.log import get_logger
 

@@ -18,7 +18,7 @@ from elastic_train.train.errors import NotStateful, StateMismatch
 from elastic_train.train.sampler import ElasticBatchSampler, ElasticSampler
 
 if TYPE_CHECKING:
-    from elastic_train.checkpoint.codec import TensorSpec
+    from elastic_train.checkpoint.specs import TensorSpec
 
 log = get_logger(__name__)
 

@@ -350,6 +350,23 @@ def test_ls_of_the_checkpoint_root_lists_runs_with_their_newest_valid_step(root:
     assert run.returncode == 0 and "invalid: no manifest.json" in run.stdout
 
 
+def test_listing_showing_and_verifying_do_not_load_torch(root: Path) -> None:
+    """Reading manifests and checking digests needs no torch (an interpreter importing it takes seconds);
+    only ``export`` writes tensors."""
+    run, step = root / "job", root / "job" / STEPS[-1]
+    script = (
+        "import sys\n"
+        "from elastic_train.cli.main import main\n"
+        "for argv in sys.argv[1:]:\n"
+        "    assert main(argv.split('|')) == 0, argv\n"
+        "print('torch loaded' if 'torch' in sys.modules else 'no torch')\n"
+    )
+    argvs = [f"ckpt|ls|{root}", f"ckpt|ls|{run}", f"ckpt|verify|{run}", f"ckpt|show|{step}"]
+    proc = subprocess.run([sys.executable, "-c", script, *argvs], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[-1] == "no torch", proc.stdout
+
+
 def test_ls_verify_show_of_a_missing_path_say_it_does_not_exist(tmp_path: Path) -> None:
     for verb in ("ls", "verify", "show"):
         line = one_line(cli("ckpt", verb, str(tmp_path / "nowhere")))

@@ -9,15 +9,7 @@ import pytest
 import torch
 
 from elastic_train.checkpoint import CheckpointError
-from elastic_train.checkpoint.codec import (
-    copy_into,
-    describe_mismatch,
-    fingerprint_from_specs,
-    flatten,
-    model_fingerprint,
-    tensor_at,
-    unflatten,
-)
+from elastic_train.checkpoint.codec import copy_into, flatten, model_fingerprint, tensor_at, unflatten
 from elastic_train.checkpoint.policy import (
     SHARE_ALIGN,
     Candidate,
@@ -28,6 +20,7 @@ from elastic_train.checkpoint.policy import (
     share_ranges,
     step_dir,
 )
+from elastic_train.checkpoint.specs import DTYPE_SIZES, describe_mismatch, fingerprint_from_specs
 
 
 def roundtrip(state):
@@ -142,3 +135,8 @@ def test_restore_order_prefers_newest_and_memory_on_ties():
         Candidate("durable", 2),
     ]
     assert restore_order([None], []) == []
+
+
+def test_the_dtype_table_read_without_torch_agrees_with_torch() -> None:
+    for name, size in DTYPE_SIZES.items():
+        assert getattr(torch, name).itemsize == size, name

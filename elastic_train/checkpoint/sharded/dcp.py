@@ -20,7 +20,6 @@ import io
 import math
 import os
 import pickle
-import re
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -31,11 +30,8 @@ import torch
 from elastic_train import torchcompat
 from elastic_train.checkpoint import digest
 from elastic_train.checkpoint.errors import CheckpointCorrupt, StorageError
+from elastic_train.checkpoint.sharded.manifest import DATA_FILE, METADATA
 from elastic_train.checkpoint.storage import LocalStorage, Storage
-
-METADATA = ".metadata"
-#: Names of DCP's data files (one or more per writing rank).
-DATA_FILE = re.compile(r"^__\d{1,7}_\d{1,7}\.distcp$")
 
 _META = "torch.distributed.checkpoint.metadata"
 #: (module, name) a DCP ``.metadata`` pickle may name; anything else is refused.

@@ -12,6 +12,7 @@ names is read.
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, Literal
 
@@ -19,13 +20,15 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, Validat
 from pydantic import field_validator as _field_validator
 
 from elastic_train.checkpoint import digest, schema
-from elastic_train.checkpoint.codec import DTYPE_SIZES
-from elastic_train.checkpoint.sharded.dcp import DATA_FILE, METADATA
 from elastic_train.checkpoint.sharded.shardmap import ShardMap
+from elastic_train.checkpoint.specs import DTYPE_SIZES
 
 #: The manifest format of a sharded (DCP) checkpoint.
 FORMAT = "dcp-1"
 KIND = "elastic_train.checkpoint"
+#: DCP's metadata file, and the names of its data files (one or more per writing rank).
+METADATA = ".metadata"
+DATA_FILE = re.compile(r"^__\d{1,7}_\d{1,7}\.distcp$")
 
 Count = Annotated[StrictInt, Field(ge=0)]
 _Hex64 = Annotated[StrictStr, Field(pattern=r"^[0-9a-f]{64}$")]

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from elastic_train.checkpoint import durable, transfer
-from elastic_train.checkpoint.codec import TensorSpec, describe_mismatch, dtype_of, unflatten
+from elastic_train.checkpoint.codec import dtype_of, unflatten
 from elastic_train.checkpoint.errors import (
     CheckpointError,
     CheckpointSetupError,
@@ -38,6 +38,7 @@ from elastic_train.checkpoint.sharded.layout import read_like as _read_like
 from elastic_train.checkpoint.sharded.local import join, live_shards
 from elastic_train.checkpoint.sharded.shardmap import ShardMap
 from elastic_train.checkpoint.sharded.slots import INFO, Slot
+from elastic_train.checkpoint.specs import TensorSpec, describe_mismatch
 from elastic_train.checkpoint.storage import open_storage
 from elastic_train.log import get_logger
 

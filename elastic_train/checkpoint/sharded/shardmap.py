@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from elastic_train.checkpoint.codec import DTYPE_SIZES
+from elastic_train.checkpoint.specs import DTYPE_SIZES
 
 #: A run of dim-0 rows: (first row, number of rows).
 Rows = tuple[int, int]

@@ -30,11 +30,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from elastic_train.checkpoint.codec import ALIGN, Flat, TensorSpec, tensor_at
+from elastic_train.checkpoint.codec import ALIGN, Flat, tensor_at
 from elastic_train.checkpoint.copier import CopyJob
 from elastic_train.checkpoint.memory import MemorySnapshot
 from elastic_train.checkpoint.sharded.shardmap import ShardMap
 from elastic_train.checkpoint.slots import DataCheck, Held
+from elastic_train.checkpoint.specs import TensorSpec
 from elastic_train.log import get_logger
 
 log = get_logger(__name__)
