@@ -10,7 +10,6 @@ outcome is broadcast so every rank reports the same. At most one write is in fli
 
 from __future__ import annotations
 
-import threading
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -20,6 +19,7 @@ import torch.distributed as dist
 
 from elastic_train.checkpoint import durable
 from elastic_train.checkpoint.agent import Agent
+from elastic_train.checkpoint.background import OneJob
 from elastic_train.checkpoint.codec import Flat, aligned_zeros, copy_into
 from elastic_train.checkpoint.config import CheckpointConfig
 from elastic_train.checkpoint.errors import CheckpointError, WriteFailed
@@ -37,10 +37,16 @@ log = get_logger(__name__)
 
 #: Attempts for the final checkpoint (whatever ``on_error`` says): it is the job's result.
 FINAL_ATTEMPTS = 8
-#: Seconds between heartbeats while :meth:`DurableWriter.wait` waits for the write in flight.
-_BEAT_WHILE_WAITING = 0.25
 #: A durable write's outcome when the publish gate kept it from being published (not an error).
 _UNPUBLISHED = "(not published: the publish gate said no)"
+
+
+def write_attempts(cfg: CheckpointConfig, final: bool) -> int:
+    """Attempts at one durable write: ``retries`` with ``on_error: retry``, else one; the final checkpoint
+    (the job's result, never lost silently) always gets at least :data:`FINAL_ATTEMPTS`."""
+    if cfg.on_error == "retry" or final:
+        return max(cfg.retries, FINAL_ATTEMPTS if final else 1)
+    return 1
 
 
 def retry_delay(attempt: int) -> float:
@@ -110,11 +116,7 @@ class DurableWriter:
         self._staging: torch.Tensor | None = None
         #: The failure of an earlier write, raised once by :meth:`raise_failure`.
         self.failure: CheckpointError | None = None
-        self._cond = threading.Condition()
-        self._job: _Write | None = None
-        self._busy = False
-        self._stop = False
-        self._thread: threading.Thread | None = None
+        self._jobs: OneJob[_Write] = OneJob(self._run, "ckpt-writer")
 
     def submit(self, step: int, flat: Flat, slot: int | None, *, final: bool = False) -> None:
         """Write ``step`` (its slot pinned until the write ends, or ``flat`` copied into the staging buffer);
@@ -131,16 +133,10 @@ class DurableWriter:
         job = _Write(step, flat, slot, time.monotonic(), final)
         self.submitted_at = time.monotonic()
         self.submitted_step = step
-        if not self.cfg.async_write:
+        if self.cfg.async_write:
+            self._jobs.submit(job)
+        else:
             self._run(job)
-            return
-        with self._cond:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name="ckpt-writer", daemon=True)
-                self._thread.start()
-            self._job = job
-            self._busy = True
-            self._cond.notify_all()
 
     def wait(self) -> None:
         """Block until no write is in flight (its failure is raised by :meth:`raise_failure`).
@@ -148,10 +144,7 @@ class DurableWriter:
         While it waits the worker still counts as making progress for its agent: it waits for its own
         writer (held up, say, by the publish gate during an etcd outage), not for peers that left.
         """
-        with self._cond:
-            while self._busy:
-                if not self._cond.wait(timeout=_BEAT_WHILE_WAITING):
-                    self.agent.beat()
+        self._jobs.wait(self.agent.beat)
 
     def raise_failure(self) -> None:
         """Raise the failure of an earlier write, once."""
@@ -161,28 +154,7 @@ class DurableWriter:
 
     def stop(self, timeout: float | None) -> bool:
         """Stop the thread (a write in flight finishes first, up to ``timeout`` seconds); whether it ended."""
-        with self._cond:
-            self._stop = True
-            self._cond.notify_all()
-        if self._thread is not None:
-            self._thread.join(timeout)
-        return self._thread is None or not self._thread.is_alive()
-
-    def _loop(self) -> None:
-        while True:
-            with self._cond:
-                while self._job is None and not self._stop:
-                    self._cond.wait()
-                if self._job is None:
-                    return
-                job = self._job
-            try:
-                self._run(job)
-            finally:
-                with self._cond:
-                    self._job = None
-                    self._busy = False
-                    self._cond.notify_all()
+        return self._jobs.stop(timeout)
 
     def _run(self, job: _Write) -> None:
         """Write one durable checkpoint (all ranks in step), retrying per ``on_error``; never raises."""
@@ -200,9 +172,7 @@ class DurableWriter:
             else:
                 assert self._staging is not None
                 source = self._staging[:n]
-            # The final checkpoint is the result of the job: it is always retried, and never lost silently.
-            retrying = self.cfg.on_error == "retry" or job.final
-            attempts = max(self.cfg.retries, FINAL_ATTEMPTS if job.final else 1) if retrying else 1
+            attempts = write_attempts(self.cfg, job.final)
             error = None
             for attempt in range(1, attempts + 1):
                 error = self._attempt(job, source)

@@ -7,7 +7,6 @@ class over this base, and the manager's ``__init__`` sets every attribute declar
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import torch
@@ -15,6 +14,7 @@ import torch.distributed as dist
 
 from elastic_train.checkpoint import durable
 from elastic_train.checkpoint.agent import Agent
+from elastic_train.checkpoint.background import OneJob
 from elastic_train.checkpoint.config import CheckpointConfig
 from elastic_train.checkpoint.errors import CheckpointError
 from elastic_train.checkpoint.sharded.slots import ShardedMemory
@@ -52,12 +52,8 @@ class ManagerBase:
     _last_durable_step: int | None
     _durable_ok_step: int | None
     _failure: CheckpointError | None
-    _cond: threading.Condition
-    _job: Any
-    _busy: bool
-    _stop: bool
+    _jobs: OneJob[Any]
     _closed: bool
-    _writer: threading.Thread | None
     _fqns: tuple[Any, list[str]] | None
     _lineage: durable.LineageWrite | None
     _relayout: bool
@@ -71,10 +67,7 @@ class ManagerBase:
 
     def wait(self) -> None:
         """Block until no durable write is in flight."""
-        with self._cond:
-            while self._busy:
-                if not self._cond.wait(timeout=0.25):
-                    self.agent.beat()
+        self._jobs.wait(self.agent.beat)
 
     def _raise_pending(self) -> None:
         if self._failure is not None:

@@ -21,7 +21,6 @@ the restore's on another (``ctl``), and replicas travel on a third (``rep``).
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -33,6 +32,7 @@ from elastic_train import net
 from elastic_train.checkpoint import durable
 from elastic_train.checkpoint.agent import Agent
 from elastic_train.checkpoint.attach import Attachments
+from elastic_train.checkpoint.background import OneJob
 from elastic_train.checkpoint.codec import Flat, flatten
 from elastic_train.checkpoint.config import CheckpointConfig
 from elastic_train.checkpoint.errors import CheckpointError
@@ -144,10 +144,8 @@ class ShardedCheckpointManager(DurableWriting, Restoring):
         self._last_durable_step: int | None = None
         self._durable_ok_step: int | None = None
         self._failure: CheckpointError | None = None
-        self._cond = threading.Condition()
-        self._job: _Job | None = None
-        self._busy = self._stop = self._closed = False
-        self._writer: threading.Thread | None = None
+        self._jobs: OneJob[_Job] = OneJob(self._run_job, "ckpt-dcp-writer")
+        self._closed = False
         self._fqns: tuple[Any, list[str]] | None = None
         self._lineage: durable.LineageWrite | None = None
         #: The next snapshot is the first after a restore (its slots are allocated anew for this world).
@@ -323,12 +321,7 @@ class ShardedCheckpointManager(DurableWriting, Restoring):
     def _shutdown(self, *, release_memory: bool, timeout: float | None = None, broken: bool = False) -> None:
         self._closed = True
         self._attached.remove_all()
-        with self._cond:
-            self._stop = True
-            self._cond.notify_all()
-        if self._writer is not None:
-            self._writer.join(timeout)
-        done = self._writer is None or not self._writer.is_alive()
+        done = self._jobs.stop(timeout)
         if self.memory is not None:
             # A replica's exchange in flight may wait on a peer that failed: bounded, like the writer.
             if self.memory.stop(timeout, broken=broken):

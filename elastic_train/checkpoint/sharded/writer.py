@@ -10,7 +10,6 @@ write is in flight; ``on_error`` decides what a failed one does, as for a replic
 
 from __future__ import annotations
 
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -30,13 +29,10 @@ from elastic_train.checkpoint.sharded.layout import fingerprint as _fingerprint
 from elastic_train.checkpoint.sharded.layout import manifest_tensors as _manifest_tensors
 from elastic_train.checkpoint.sharded.shardmap import ShardMap
 from elastic_train.checkpoint.sharded.slots import INFO
-from elastic_train.checkpoint.writer import Committed
+from elastic_train.checkpoint.writer import Committed, write_attempts
 from elastic_train.log import get_logger
 
 log = get_logger(__name__)
-
-#: Attempts for the final checkpoint, whatever ``on_error`` says (it is the job's result).
-FINAL_ATTEMPTS = 8
 
 
 @dataclass(slots=True)
@@ -70,27 +66,7 @@ class DurableWriting(ManagerBase):
             self._run_job(job)
             self._raise_pending()
             return
-        with self._cond:
-            if self._writer is None:
-                self._writer = threading.Thread(target=self._writer_loop, name="ckpt-dcp-writer", daemon=True)
-                self._writer.start()
-            self._job, self._busy = job, True
-            self._cond.notify_all()
-
-    def _writer_loop(self) -> None:
-        while True:
-            with self._cond:
-                while self._job is None and not self._stop:
-                    self._cond.wait()
-                if self._job is None:
-                    return
-                job = self._job
-            try:
-                self._run_job(job)
-            finally:
-                with self._cond:
-                    self._job, self._busy = None, False
-                    self._cond.notify_all()
+        self._jobs.submit(job)
 
     def _run_job(self, job: _Job) -> None:
         """One durable checkpoint (all ranks in step), retried per ``on_error``; never raises."""
@@ -100,8 +76,7 @@ class DurableWriting(ManagerBase):
                 if job.slot is not None and self.memory is not None
                 else self._staging[: job.flat.nbytes]  # type: ignore[index]
             )
-            retrying = self.cfg.on_error == "retry" or job.final
-            attempts = max(self.cfg.retries, FINAL_ATTEMPTS if job.final else 1) if retrying else 1
+            attempts = write_attempts(self.cfg, job.final)
             error: str | None = None
             for attempt in range(1, attempts + 1):
                 error = self._write_once(job, data)
