@@ -208,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     bandwidth = loopback_bandwidth()
     print(f"loopback TCP: {bandwidth / 1e6:.0f} MB/s, load {os.getloadavg()[0]:.1f}", flush=True)
     runs: list[dict[str, Any]] = []
+    if args.keep:
+        os.makedirs(args.keep, exist_ok=True)
     keep = (
         contextlib.nullcontext(args.keep) if args.keep else tempfile.TemporaryDirectory(prefix="et-sharded-")
     )
