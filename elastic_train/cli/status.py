@@ -15,6 +15,7 @@ from elastic_train.etcd.config import DEFAULT_PASSWORD_ENV
 from elastic_train.rendezvous.config import RendezvousConfig
 
 if TYPE_CHECKING:
+    from elastic_train.etcd.client import Etcd
     from elastic_train.rendezvous.status import JobStatus
 
 
@@ -70,8 +71,11 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--watch {args.watch:g}: the refresh interval must be > 0 seconds")
     with open_etcd(cfg, timeout=args.timeout, connect_timeout=args.timeout) as etcd:
         if args.watch is not None:
+            warn_of_release(etcd)
             return watch(lambda: read_status(etcd, args.run_id), args.watch, as_json=args.json)
         st = read_status(etcd, args.run_id)
+        if st.exists:  # a run id etcd does not know is the one error line
+            warn_of_release(etcd)
     if not st.exists:
         if args.json:
             print(json.dumps(st.to_json(), indent=2))
@@ -83,6 +87,21 @@ def run(args: argparse.Namespace) -> int:
     for line in render(st):
         print(line)
     return 0
+
+
+def warn_of_release(etcd: Etcd, err: TextIO | None = None) -> None:
+    """One ``elastic-train: warning:`` line on stderr when the etcd read runs a release that loses data in
+    crashes (below etcd's production minimum); nothing when it does not, or does not say. Shown with a
+    run's view, not with the error of a run id etcd does not know."""
+    from elastic_train.etcd.errors import EtcdError
+    from elastic_train.etcd.releases import release_warning
+
+    try:
+        line = release_warning(etcd.server_version(), etcd.member)
+    except EtcdError:
+        return  # the view that follows reports an etcd that stopped answering
+    if line is not None:
+        (err or sys.stderr).write(f"elastic-train: warning: {line}\n")
 
 
 def watch(

@@ -293,6 +293,15 @@ class Etcd:
         """
         return self._call(lambda: method(request, self.raw.timeout, **self._md()), idempotent=idempotent)
 
+    def server_version(self) -> str:
+        """The etcd release of the member requests go to (``"3.5.1"``).
+
+        Raises:
+            EtcdError: the member did not answer.
+        """
+        status = self.unary(self.raw.maintenancestub.Status, etcdrpc.StatusRequest())
+        return str(status.version)
+
     def get_prefix(self, prefix: str) -> tuple[list[KeyValue], int]:
         """All keys under ``prefix`` and the store revision they were read at."""
         self.counts.reads += 1

@@ -14,7 +14,9 @@ import pytest
 from elastic_train.etcd.client import connect, grpc_options
 from elastic_train.etcd.endpoints import format_endpoints, parse_endpoints
 from elastic_train.etcd.errors import EtcdError
+from elastic_train.etcd.releases import below_production_minimum
 from elastic_train.etcd.server import EmbeddedEtcd, EtcdCluster, find_etcd_binary
+from elastic_train.rendezvous.config import run_prefix
 
 
 def test_put_get_lease_round_trip(any_etcd: EmbeddedEtcd) -> None:
@@ -51,6 +53,24 @@ def test_restart_keeps_data(etcd_server: EmbeddedEtcd) -> None:
     etcd_server.restart(down_for=0.2)
     with connect(etcd_server.endpoint) as etcd:
         assert etcd.get("/t/durable").value == b"yes"  # type: ignore[union-attr]
+
+
+def test_a_member_says_its_release_and_status_warns_of_a_lossy_one(etcd_server: EmbeddedEtcd) -> None:
+    with connect(etcd_server.endpoint) as etcd:
+        assert etcd.server_version() == etcd_server.version
+        etcd.put(run_prefix("seen") + "config", b"{}")  # a run etcd knows (its config unreadable)
+    proc = subprocess.run(
+        [sys.executable, "-m", "elastic_train", "status", "--endpoint", etcd_server.endpoint,
+         "--run-id", "seen"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0 and proc.stdout.startswith("run seen: "), proc.stdout + proc.stderr
+    warned = [line for line in proc.stderr.splitlines() if line.startswith("elastic-train: warning: etcd ")]
+    minimum = below_production_minimum(etcd_server.version)
+    if minimum is None:
+        assert warned == [], warned
+    else:
+        assert len(warned) == 1 and f"is older than {minimum}" in warned[0], warned
 
 
 def test_missing_binary_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
