@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def warn_of_release(etcd: Etcd, err: TextIO | None = None) -> None:
+def warn_of_release(etcd: Etcd) -> None:
     """One ``elastic-train: warning:`` line on stderr when the etcd read runs a release that loses data in
     crashes (below etcd's production minimum); nothing when it does not, or does not say. Shown with a
     run's view, not with the error of a run id etcd does not know."""
@@ -101,7 +101,7 @@ def warn_of_release(etcd: Etcd, err: TextIO | None = None) -> None:
     except EtcdError:
         return  # the view that follows reports an etcd that stopped answering
     if line is not None:
-        (err or sys.stderr).write(f"elastic-train: warning: {line}\n")
+        sys.stderr.write(f"elastic-train: warning: {line}\n")
 
 
 def watch(
