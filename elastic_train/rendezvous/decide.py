@@ -23,9 +23,6 @@ from elastic_train.torchcompat import WorkerExit
 REASONS = ("start", "failure", "lost", "scale", "excluded", "rejoin")
 FAILURE_REASONS = frozenset({"failure", "lost"})
 
-#: Quiet window used instead of ``settle`` when every live node joined a round that follows an earlier one.
-ALL_JOINED_SETTLE = 0.05
-
 
 @dataclass(frozen=True, slots=True)
 class Joiner:
@@ -77,10 +74,11 @@ def decide_close(
     Rules, in order:
       1. ``max_nodes`` joiners: close at once.
       2. fewer than ``min_nodes``: wait.
-      3. every live node joined and there was an earlier round (membership is known): close after a short
-         quiet window (:data:`ALL_JOINED_SETTLE`, at most ``settle``), so a recovery or scale-up does not pay
-         the whole settle window. A node known to be gone (its agent no longer accepts connections although
-         its lease has not expired yet) does not count as live.
+      3. every live node joined and there was an earlier round (membership is known): close at once, so a
+         recovery or scale-up does not pay the settle window. A node not registered yet has nothing to wait
+         for here: it joins the next round, as it would after any quiet window. A node known to be gone (its
+         agent no longer accepts connections although its lease has not expired yet) does not count as
+         live.
       4. there was an earlier round and ``join_window`` seconds passed since the first node asked for this
          round: close; a live node that has not asked by then is left for the next round.
       5. otherwise close once no node joined or left for ``settle`` seconds. A node that is alive but does not
@@ -100,9 +98,9 @@ def decide_close(
         return Decision(True, 0.0, "max_nodes")
     if n < min_nodes:
         return Decision(False, settle or 0.5, "below_min_nodes")
-    window = settle
     if has_previous_round and set(live) - set(gone) <= joined_set:
-        window = min(settle, ALL_JOINED_SETTLE)
+        return Decision(True, 0.0, "all_joined")
+    window = settle
     if quiet_for >= window:
         return Decision(True, 0.0, "settled")
     if has_previous_round and join_window is not None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from elastic_train.rendezvous.decide import (
-    ALL_JOINED_SETTLE,
     Joiner,
     assign_ranks,
     count_waiting,
@@ -44,20 +43,22 @@ def test_waits_for_settle_window_while_a_live_node_has_not_joined():
     assert close(["a", "b"], ["a", "b", "c"], quiet=1.0).close
 
 
-def test_all_live_joined_uses_short_window_only_after_a_first_round():
-    assert close(["a", "b"], ["a", "b"], quiet=ALL_JOINED_SETTLE).close
-    first = close(["a", "b"], ["a", "b"], quiet=ALL_JOINED_SETTLE, prev=False)
-    assert not first.close and first.wait == pytest.approx(1.0 - ALL_JOINED_SETTLE)
+def test_all_live_joined_closes_at_once_only_after_a_first_round():
+    d = close(["a", "b"], ["a", "b"], quiet=0.0)
+    assert d.close and d.why == "all_joined"
+    # the first round of a job waits for the settle window: agents start with a spread
+    first = close(["a", "b"], ["a", "b"], quiet=0.3, prev=False)
+    assert not first.close and first.wait == pytest.approx(0.7)
 
 
 def test_a_member_known_gone_is_not_waited_for():
-    # c's lease is still alive but its agent refuses connections: the survivors close after the short window
-    assert not close(["a", "b"], ["a", "b", "c"], quiet=ALL_JOINED_SETTLE).close
+    # c's lease is still alive but its agent refuses connections: the survivors close at once
+    assert not close(["a", "b"], ["a", "b", "c"], quiet=0.0).close
     d = decide_close(
         joined=["a", "b"], live=["a", "b", "c"], min_nodes=2, max_nodes=4, settle=1.0,
-        quiet_for=ALL_JOINED_SETTLE, has_previous_round=True, gone=["c"],
+        quiet_for=0.0, has_previous_round=True, gone=["c"],
     )  # fmt: skip
-    assert d.close and d.why == "settled"
+    assert d.close and d.why == "all_joined"
 
 
 def test_join_window_counts_from_the_first_join_not_from_the_last_change():
