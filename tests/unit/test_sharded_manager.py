@@ -418,6 +418,50 @@ def test_closing_a_broken_group_leaves_an_exchange_waiting_on_a_stopped_peer_beh
     assert memory.replica is not None and memory.replica.valid_slots() == []  # nothing written after
 
 
+def test_a_replica_that_arrived_whole_is_kept_when_the_own_send_fails(
+    tmp_path: Path, background: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The group broke while this rank's own send was in flight (its buddy failed, or cut its links), after
+    its source's replica had arrived: that replica is kept (it may be the only copy of a failed rank's
+    shards), and the send's error still reaches the training thread."""
+    import pickle
+    from types import SimpleNamespace
+
+    from elastic_train.checkpoint.sharded import slots
+
+    source = ShardedMemory(str(tmp_path), "source", 0, 0)
+    theirs = flatten({"w": torch.arange(1 << 12, dtype=torch.float32)})
+    source.save(3, theirs)
+    assert source.wait_idle(10)
+    held = source.own.valid_slots()[0]
+    meta = pickle.dumps((theirs.skeleton, [s.to_json() for s in theirs.specs]))
+    payload = {
+        slots._HEADER_TAG: torch.tensor([len(meta), theirs.nbytes], dtype=torch.int64),
+        1: torch.frombuffer(bytearray(meta), dtype=torch.uint8),
+        2: source.own.data(held.slot, theirs.nbytes).clone(),
+    }
+
+    class Failed:
+        def wait(self) -> None:
+            raise RuntimeError("Connection closed by peer [127.0.0.1]:1")
+
+    def recv(tensor: torch.Tensor, src: int, group: object, tag: int) -> None:
+        tensor.copy_(payload[tag])
+
+    monkeypatch.setattr(slots, "dist", SimpleNamespace(isend=lambda *a, **k: Failed(), recv=recv))
+    memory = ShardedMemory(str(tmp_path), "receiver", 0, 1)
+    memory.save(3, flatten({"w": torch.ones(1 << 10)}), replica=(1, 1, None))
+    assert memory.wait_idle(10)
+    assert isinstance(memory.error, RuntimeError) and "closed by peer" in str(memory.error)
+    assert memory.replica is not None
+    kept = memory.replica.valid_slots()
+    assert [h.step for h in kept] == [3] and kept[0].nbytes == theirs.nbytes
+    assert torch.equal(memory.replica.data(kept[0].slot, theirs.nbytes), payload[2])
+    source.own.release()
+    memory.own.release()
+    memory.replica.release()
+
+
 def test_a_broken_close_still_waits_for_the_own_slots_copy(
     tmp_path: Path, background: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
