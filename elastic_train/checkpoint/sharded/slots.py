@@ -50,8 +50,8 @@ _HEADER_TAG = 1 << 27
 #: Seconds closing after the group broke waits for a replica's exchange in flight (it may wait forever on a
 #: peer that stopped, and gloo may leave it pending after its links were cut). The restore that follows
 #: needs only the replicas of the failed ranks' shards, and what a failed peer sent whole is kept as soon as
-#: it arrived (:meth:`ShardedMemory.exchange`): the wait only lets an exchange about to end end, while the
-#: survivor's next round waits for it (0.25 s here cost a survivor's 100 MB hot recovery 0.2 s).
+#: it arrived (:meth:`ShardedMemory.exchange`). The wait only lets an exchange that is about to finish do
+#: so; the survivor's next round waits for it (a 0.25 s bound cost a 100 MB hot recovery 0.2 s here).
 BROKEN_EXCHANGE_WAIT = 0.05
 #: Seconds between the looks of such a close at the copier (error path only).
 _POLL = 0.01
