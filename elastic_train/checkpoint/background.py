@@ -28,32 +28,31 @@ class OneJob(Generic[J]):
         self._run = run
         self._name = name
         self._cond = threading.Condition()
-        self._job: tuple[J] | None = None  # boxed: a job may be any value, None included
-        self._busy = False
+        #: The job in flight, boxed (a job may be any value, None included); None once it ended.
+        self._job: tuple[J] | None = None
         self._stop = False
         self._thread: threading.Thread | None = None
 
     @property
     def busy(self) -> bool:
         """A job is in flight."""
-        return self._busy
+        return self._job is not None
 
     def submit(self, job: J) -> None:
         """Start ``job`` in the background (the previous one has ended: the caller waited for it)."""
         with self._cond:
-            assert not self._busy, "a job is in flight: wait() first"
+            assert self._job is None, "a job is in flight: wait() first"
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
                 self._thread.start()
             self._job = (job,)
-            self._busy = True
             self._cond.notify_all()
 
     def wait(self, beat: Callable[[], None]) -> None:
         """Block until no job is in flight, calling ``beat`` every :data:`BEAT_WHILE_WAITING` seconds (the
         waiter still makes progress: it waits for its own job, not for a peer)."""
         with self._cond:
-            while self._busy:
+            while self._job is not None:
                 if not self._cond.wait(timeout=BEAT_WHILE_WAITING):
                     beat()
 
@@ -82,5 +81,4 @@ class OneJob(Generic[J]):
             finally:
                 with self._cond:
                     self._job = None
-                    self._busy = False
                     self._cond.notify_all()
