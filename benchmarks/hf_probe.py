@@ -47,10 +47,9 @@ def plain(delay: float, audit_dir: str) -> None:
     from transformers import set_seed as seed_all
     from transformers.trainer_utils import get_last_checkpoint
 
-    from elastic_train.node import WorkerChannel
     from elastic_train.train.audit import AuditWriter
-    from elastic_train.train.env import WorkerEnv
     from elastic_train.train.events import EventWriter
+    from elastic_train.train.link import worker_env
 
     sys.path.insert(0, str(EXAMPLE.parent))
     from hf_train import Sequences, parse_args
@@ -78,8 +77,7 @@ def plain(delay: float, audit_dir: str) -> None:
         def on_train_begin(self, targs: Any, state: Any, control: Any, **kwargs: Any) -> None:
             # The round of the agent's assignment: it grows with every re-formation, a join's included
             # (torchrun's restart count grows only with failures).
-            channel = WorkerChannel.from_environ(os.environ)
-            env = WorkerEnv.from_environ(os.environ, channel.assignment() if channel is not None else None)
+            env = worker_env()
             rank, world = targs.process_index, targs.world_size
             self.events = EventWriter.from_env(rank=rank, round=env.round, world_size=world)
             self.audit = AuditWriter(audit_dir, rank=rank, world_size=world, round=env.round)

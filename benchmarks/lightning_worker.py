@@ -50,10 +50,9 @@ def plain(delay: float, audit_dir: str) -> None:
     from lightning.pytorch.callbacks import Callback, ModelCheckpoint
     from torch.utils.data import DataLoader, Dataset
 
-    from elastic_train.node import WorkerChannel
     from elastic_train.train.audit import AuditWriter
-    from elastic_train.train.env import WorkerEnv
     from elastic_train.train.events import EventWriter
+    from elastic_train.train.link import worker_env
 
     sys.path.insert(0, str(EXAMPLE.parent))
     from lightning_train import Regressor, Waves, parse_args
@@ -83,8 +82,7 @@ def plain(delay: float, audit_dir: str) -> None:
         def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
             # The round of the agent's assignment: it grows with every re-formation, a join's included
             # (torchrun's restart count grows only with failures).
-            channel = WorkerChannel.from_environ(os.environ)
-            env = WorkerEnv.from_environ(os.environ, channel.assignment() if channel is not None else None)
+            env = worker_env()
             rank, world = trainer.global_rank, trainer.world_size
             self.events = EventWriter.from_env(rank=rank, round=env.round, world_size=world)
             self.audit = AuditWriter(audit_dir, rank=rank, world_size=world, round=env.round)
