@@ -22,6 +22,7 @@ import binascii
 import random
 import threading
 import time
+import uuid
 from base64 import b64decode, b64encode
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -29,7 +30,7 @@ from typing import Any, TypeVar
 
 import grpc
 from etcd3 import etcdrpc
-from torch.distributed import DistNetworkError, DistStoreError, Store
+from torch.distributed import DistNetworkError, DistStoreError, QueueEmptyError, Store
 from torch.distributed.elastic.rendezvous.api import (
     RendezvousConnectionError,
     RendezvousParameters,
@@ -56,6 +57,14 @@ DEFAULT_READ_TIMEOUT = 60.0
 MAX_TXN_OPS = 128
 #: Longest pause between two polls of a blocking store read.
 POLL_MAX = 0.05
+#: What a store's queues live under, beside its keys: ``<store prefix without its "/">`` + this.
+QUEUES_SUFFIX = "@queues/"
+
+
+def queues_prefix(store_prefix: str) -> str:
+    """The etcd prefix of the queues of the store at ``store_prefix`` (beside its keys, so that ``num_keys``
+    and ``list_keys`` count keys only, as TCPStore's)."""
+    return store_prefix.rstrip("/") + QUEUES_SUFFIX
 
 
 def _is_lease_lost(exc: EtcdError) -> bool:
@@ -127,8 +136,8 @@ class Etcd3RendezvousBackend(RendezvousBackend):
             backend). Ignored when ``lease`` is given.
         lease: the node's lease, shared with its :class:`Etcd3Store` so both expire together.
         store_prefix: the run's store prefix: the write that creates the state (a new run, or the first after
-            the old state expired) deletes any store key left under it in the same transaction, so a run id
-            used again never reads a former job's store keys.
+            the old state expired) deletes any store key and queue left under it in the same transaction, so
+            a run id used again never reads a former job's store keys.
 
     Raises (every method):
         RendezvousConnectionError: etcd failed.
@@ -181,7 +190,11 @@ class Etcd3RendezvousBackend(RendezvousBackend):
         else:
             creates, compare = True, cmp_version(self._key, 0)
         value = b64encode(state)
-        cleanup = [_op_delete_prefix(self._store_prefix)] if creates and self._store_prefix else []
+        cleanup = (
+            [_op_delete_prefix(self._store_prefix), _op_delete_prefix(queues_prefix(self._store_prefix))]
+            if creates and self._store_prefix
+            else []
+        )
         try:
             ok, resp = self._lease.write(
                 lambda lease: self._etcd.txn(
@@ -211,6 +224,12 @@ def _op_delete_prefix(prefix: str) -> Any:
     )
 
 
+def _count(prefix: str) -> Any:
+    return etcdrpc.RequestOp(
+        request_range=etcdrpc.RangeRequest(key=prefix.encode(), range_end=range_end(prefix), count_only=True)
+    )
+
+
 def _bytes(value: str | bytes | Sequence[int]) -> bytes:
     if isinstance(value, str):
         return value.encode()
@@ -225,8 +244,15 @@ class Etcd3Store(Store):
     ``PrefixStore``) and then raise ``DistStoreError``; ``add`` and ``append`` are compare-and-set loops on
     the key's mod revision (concurrent callers never lose an update); ``compare_set`` with an empty expected
     value creates a missing key; ``multi_set`` is one transaction per 128 keys. An etcd failure raises
-    ``DistNetworkError`` (a ``RuntimeError``, as a TCPStore whose server is gone). Queues (``queue_push`` and
-    friends) and ``list_keys`` are not supported: they raise ``NotImplementedError``, as torch's default.
+    ``DistNetworkError`` (a ``RuntimeError``, as a TCPStore whose server is gone).
+
+    Queues, as TCPStore's: ``queue_push`` appends, ``queue_pop`` takes the oldest item (FIFO by etcd's create
+    revision; concurrent poppers each get a different item), waiting up to the store timeout when the queue
+    is empty (``DistStoreError``) or raising ``QueueEmptyError`` at once with ``block=False``; ``check`` and
+    ``wait`` count a key whose queue holds an item as present. Items live beside the keys
+    (:func:`queues_prefix`), so ``num_keys`` and ``list_keys`` count keys only. torch's ``PrefixStore`` does
+    not forward queues or ``list_keys`` to a store written in Python (they raise torch's
+    ``NotImplementedError`` through it); called on this object they work.
 
     Args:
         etcd: a connected client (thread-safe; clones share it).
@@ -281,10 +307,11 @@ class Etcd3Store(Store):
             raise DistNetworkError(f"etcd store at {self._prefix}: {exc}") from exc
 
     def _write(self, pairs: Sequence[tuple[str, bytes]], compare: Sequence[Any] = ()) -> bool:
-        """Put ``pairs`` in one transaction (if ``compare`` holds) with the node lease; whether it applied."""
+        """Put ``pairs`` (etcd keys, values) in one transaction (if ``compare`` holds) with the node lease;
+        whether it applied."""
 
         def run(lease: int) -> bool:
-            ok, _ = self._etcd.txn(list(compare), [op_put(self._k(k), v, lease) for k, v in pairs])
+            ok, _ = self._etcd.txn(list(compare), [op_put(k, v, lease) for k, v in pairs])
             return ok
 
         if self._lease is None:
@@ -303,24 +330,82 @@ class Etcd3Store(Store):
                     found[key] = r.response_range.kvs[0]
         return found
 
-    def _wait_values(self, keys: Sequence[str], timeout: timedelta) -> list[bytes]:
+    def _poll(self, look: Callable[[], list[str]], timeout: timedelta) -> None:
+        """Call ``look()`` (the keys it still waits for) until it returns none, backing off from 2 ms to
+        :data:`POLL_MAX` between looks.
+
+        Raises:
+            DistStoreError: keys still missing after ``timeout`` (torch's message: "wait timeout after ...").
+        """
         deadline = time.monotonic() + timeout.total_seconds()
-        found: dict[str, bytes] = {}
         delay = 0.002
-        while True:
-            for key, kv in self._read([k for k in keys if k not in found]).items():
-                found[key] = kv.value
-            if len(found) == len(set(keys)):
-                return [found[k] for k in keys]
+        while missing := look():
             left = deadline - time.monotonic()
             if left <= 0:
-                missing = [k for k in keys if k not in found]
                 raise DistStoreError(
                     f"wait timeout after {timeout.total_seconds() * 1000:.0f}ms, keys: {missing} "
                     f"(etcd store at {self._prefix})"
                 )
             time.sleep(min(delay, left))
             delay = min(delay * 2, POLL_MAX)
+
+    def _wait_values(self, keys: Sequence[str], timeout: timedelta) -> list[bytes]:
+        found: dict[str, bytes] = {}
+
+        def look() -> list[str]:
+            for key, kv in self._read([k for k in keys if k not in found]).items():
+                found[key] = kv.value
+            return [k for k in keys if k not in found]
+
+        self._poll(look, timeout)
+        return [found[k] for k in keys]
+
+    def _queue(self, key: str) -> str:
+        """The etcd prefix of ``key``'s queue items (the key hex-encoded: no queue's range holds another)."""
+        return queues_prefix(self._prefix) + key.encode().hex() + "/"
+
+    def _queued(self, keys: Sequence[str]) -> set[str]:
+        """The keys of ``keys`` whose queue holds an item now."""
+        out: set[str] = set()
+        unique = list(dict.fromkeys(keys))
+        for i in range(0, len(unique), MAX_TXN_OPS):
+            chunk = unique[i : i + MAX_TXN_OPS]
+            _, resp = self._call(self._etcd.txn, [], [_count(self._queue(k)) for k in chunk])
+            out.update(k for k, r in zip(chunk, resp.responses, strict=True) if r.response_range.count)
+        return out
+
+    def _missing(self, keys: Sequence[str]) -> list[str]:
+        """The keys of ``keys`` that neither exist nor have a queue item (what ``check`` and ``wait`` see)."""
+        present = self._read(keys)
+        absent = [k for k in dict.fromkeys(keys) if k not in present]
+        if not absent:
+            return []
+        queued = self._queued(absent)
+        return [k for k in absent if k not in queued]
+
+    def _pop(self, key: str) -> bytes | None:
+        """Take the oldest item of ``key``'s queue, or ``None`` when it is empty (a concurrent popper that
+        took the same item first makes this look again)."""
+        prefix = self._queue(key)
+        oldest = etcdrpc.RequestOp(
+            request_range=etcdrpc.RangeRequest(
+                key=prefix.encode(),
+                range_end=range_end(prefix),
+                limit=1,
+                sort_order=etcdrpc.RangeRequest.ASCEND,
+                sort_target=etcdrpc.RangeRequest.CREATE,
+            )
+        )
+        while True:
+            _, resp = self._call(self._etcd.txn, [], [oldest])
+            kvs = resp.responses[0].response_range.kvs
+            if not kvs:
+                return None
+            item = kvs[0]
+            name = item.key.decode()
+            taken, _ = self._call(self._etcd.txn, [cmp_mod(name, int(item.mod_revision))], [op_delete(name)])
+            if taken:
+                return bytes(item.value)
 
     def _cas_loop(self, key: str, update: Callable[[bytes | None], bytes | None]) -> bytes | None:
         """Apply ``update(current value or None)`` atomically; ``None`` from ``update`` writes nothing.
@@ -333,14 +418,14 @@ class Etcd3Store(Store):
             new = update(kv.value if kv is not None else None)
             if new is None:
                 return None
-            if self._write([(key, new)], [cmp_mod(k, kv.mod_revision if kv is not None else 0)]):
+            if self._write([(k, new)], [cmp_mod(k, kv.mod_revision if kv is not None else 0)]):
                 return new
             time.sleep(random.uniform(0, 0.005))  # another writer won: back off a little before re-reading
 
     # -- c10d Store ------------------------------------------------------------------------------------------
 
     def set(self, key: str, value: str | bytes) -> None:
-        self._write([(key, _bytes(value))])
+        self._write([(self._k(key), _bytes(value))])
 
     def get(self, key: str) -> bytes:
         return self._wait_values([key], self._timeout)[0]
@@ -387,7 +472,7 @@ class Etcd3Store(Store):
     def multi_set(self, keys: Sequence[str], values: Sequence[str | bytes]) -> None:
         if len(keys) != len(values):
             raise ValueError(f"etcd store: multi_set: {len(keys)} keys but {len(values)} values")
-        pairs = [(k, _bytes(v)) for k, v in zip(keys, values, strict=True)]
+        pairs = [(self._k(k), _bytes(v)) for k, v in zip(keys, values, strict=True)]
         for i in range(0, len(pairs), MAX_TXN_OPS):
             self._write(pairs[i : i + MAX_TXN_OPS])
 
@@ -395,11 +480,51 @@ class Etcd3Store(Store):
         return self._wait_values(list(keys), self._timeout)
 
     def check(self, keys: Sequence[str]) -> bool:
-        """Whether every key exists now (never waits)."""
-        return len(self._read(keys)) == len(set(keys))
+        """Whether every key exists, or has an item in its queue, now (never waits)."""
+        return not self._missing(list(keys))
 
     def wait(self, keys: Sequence[str], timeout: timedelta | None = None) -> None:
-        self._wait_values(list(keys), self._timeout if timeout is None else timeout)
+        """Wait until every key exists or has an item in its queue."""
+        keys = list(keys)
+        self._poll(lambda: self._missing(keys), self._timeout if timeout is None else timeout)
+
+    def list_keys(self) -> list[str]:
+        """Every key of the store (under its prefix; queues are not keys)."""
+        kvs, _ = self._call(self._etcd.get_prefix, self._prefix)
+        return [kv.key[len(self._prefix) :] for kv in kvs]
+
+    def queue_push(self, key: str, value: str | bytes) -> None:
+        """Append ``value`` to ``key``'s queue."""
+        self._write([(self._queue(key) + uuid.uuid4().hex, _bytes(value))])
+
+    def queue_pop(self, key: str, block: bool = True) -> bytes:
+        """Take the oldest item of ``key``'s queue, waiting up to the store timeout for one.
+
+        Raises:
+            QueueEmptyError: ``block`` is False and the queue is empty.
+            DistStoreError: still empty after the store timeout.
+        """
+        if not block:
+            value = self._pop(key)
+            if value is None:
+                raise QueueEmptyError(f"queue is empty: {key!r} (etcd store at {self._prefix})")
+            return value
+        got: list[bytes] = []
+
+        def look() -> list[str]:
+            value = self._pop(key)
+            if value is None:
+                return [key]
+            got.append(value)
+            return []
+
+        self._poll(look, self._timeout)
+        return got[0]
+
+    def queue_len(self, key: str) -> int:
+        """The number of items in ``key``'s queue (0 when it has none)."""
+        _, resp = self._call(self._etcd.txn, [], [_count(self._queue(key))])
+        return int(resp.responses[0].response_range.count)
 
     # PrefixStore forwards num_keys/delete_key to these C++ names (pybind11 looks them up on this class).
 
@@ -410,12 +535,7 @@ class Etcd3Store(Store):
 
     def getNumKeys(self) -> int:
         """The number of keys in the store (every key under its prefix)."""
-        count = etcdrpc.RequestOp(
-            request_range=etcdrpc.RangeRequest(
-                key=self._prefix.encode(), range_end=range_end(self._prefix), count_only=True
-            )
-        )
-        _, resp = self._call(self._etcd.txn, [], [count])
+        _, resp = self._call(self._etcd.txn, [], [_count(self._prefix)])
         return int(resp.responses[0].response_range.count)
 
     delete_key = deleteKey

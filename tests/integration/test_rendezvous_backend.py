@@ -29,7 +29,7 @@ from elastic_train.errors import ConfigError
 from elastic_train.etcd.client import connect
 from elastic_train.etcd.server import EmbeddedEtcd
 from elastic_train.rendezvous import create_backend
-from elastic_train.rendezvous.backend import Etcd3RendezvousBackend, NodeLease
+from elastic_train.rendezvous.backend import Etcd3RendezvousBackend, Etcd3Store, NodeLease
 from elastic_train.rendezvous.registry import create_etcd3_dynamic_handler
 from tests.helpers import make_ca, make_server_cert, needs_openssl
 
@@ -174,15 +174,20 @@ def test_store_keys_expire_with_the_state_and_a_new_state_clears_them(etcd_serve
     prefix = "/elastic_train/exp/dynamic/store/"
     backend.set_state(b"s")
     store.set("round0/key", "v")
+    store.queue_push("round0/queue", "item")
     assert etcd.get(prefix + "round0/key").lease == etcd.get(STATE.format("exp")).lease != 0
+    queued = etcd.get_prefix("/elastic_train/exp/dynamic/store@queues/")[0]
+    assert [kv.lease for kv in queued] == [etcd.get(STATE.format("exp")).lease]
     deadline = time.monotonic() + 15
     while etcd.get_prefix("/elastic_train/exp/")[0] and time.monotonic() < deadline:
         time.sleep(0.2)
     assert etcd.get_prefix("/elastic_train/exp/")[0] == [], "state and store keys outlived the TTL"
 
     etcd.put(prefix + "torch.rendezvous.exp.0/0", b"left over")  # e.g. written without a lease
+    Etcd3Store(etcd, prefix).queue_push("q", "left over")
     backend.set_state(b"new generation")
     assert etcd.get_prefix(prefix)[0] == [], "creating the state clears the run's old store keys"
+    assert store.queue_len("q") == 0, "creating the state clears the run's old queues"
     etcd.close()
 
 
