@@ -168,6 +168,12 @@ class JoinState:
         self.probed = {}
         self.reprobe = {}
 
+    def reprobe_in(self, now: float) -> float | None:
+        """Seconds until a member whose port accepted is due to be probed again (0 when one is due now), or
+        ``None`` when none is pending: the closing node waits no longer than that for a change."""
+        due = [t for node, t in self.reprobe.items() if not self.probed.get(node)]
+        return max(0.0, min(due) - now) if due else None
+
 
 class Participant:
     """One node of a run: keeps its lease, joins rounds, reports who waits.
@@ -539,7 +545,11 @@ class Participant:
         wait = self.view.cond.wait if closer else self.view.wait_record
         if not decision.close:
             state.close_due = None
-            wait(max(0.01, min(decision.wait, state.deadline - now)))
+            pause = min(decision.wait, state.deadline - now)
+            # a member whose port accepted (a killed agent's, while the kernel tears it down) is probed
+            # again when due, not when its lease expires or the run next changes
+            due = state.reprobe_in(now) if closer else None
+            wait(max(0.01, pause if due is None else min(pause, due)))
             return None
         state.close_due = state.close_due or now
         if closer or stepping_in:  # a follower steps in on a fresh picture only (``stepping_in``)
@@ -558,8 +568,9 @@ class Participant:
         refuses connections to its store port: the process is gone (kill -9, a crash), only its lease has not
         expired yet (``view.cond`` held; a refused connection answers within a round trip). A member whose
         port accepted is probed again every :data:`REPROBE_INTERVAL` (a killed agent's port may accept while
-        its process is torn down); one whose probe got no answer in time (:mod:`.probe`) is probed once per
-        target round and counts as alive: a stopped or unreachable node is left to the lease."""
+        its process is torn down; the closing node's wait ends when one is due, :meth:`JoinState.reprobe_in`);
+        one whose probe got no answer in time (:mod:`.probe`) is probed once per target round and counts as
+        alive: a stopped or unreachable node is left to the lease."""
         if rec is None:
             return set()
         now = time.monotonic()
@@ -572,6 +583,8 @@ class Participant:
             state.probed[node] = answer == "refused"
             if answer == "accepted":
                 state.reprobe[node] = now + REPROBE_INTERVAL
+            else:  # gone, or no answer: not probed again in this round
+                state.reprobe.pop(node, None)
             if state.probed[node]:
                 log.info("rendezvous_member_gone", node=node, round=state.target, by=self.node_id)
         return {n for n, gone in state.probed.items() if gone and n in live and n not in joins}

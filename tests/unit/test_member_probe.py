@@ -46,3 +46,25 @@ def test_an_accepting_port_is_probed_again_until_it_refuses(monkeypatch: pytest.
     assert p._known_gone(state, rec, live, {}) == {"dying"} and calls.count("dying") == 3  # gone stays gone
     state.missed(3)  # a new target round probes afresh
     assert not state.probed and not state.reprobe
+
+
+def test_the_closer_waits_no_longer_than_the_next_reprobe(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(protocol, "REPROBE_INTERVAL", 0.5)
+    calls: list[str] = []
+    p = participant({"dying": ["accepted", "accepted", "unknown"], "gone": ["refused"]}, calls)
+    state = JoinState(target=3, reason="lost", deadline=time.monotonic() + 60)
+    rec = RoundRecord(2, ["me", "dying", "gone"])
+    live = {"me", "dying", "gone"}
+    assert state.reprobe_in(time.monotonic()) is None  # nothing probed yet
+    assert p._known_gone(state, rec, live, {}) == {"gone"}
+    now = time.monotonic()
+    due = state.reprobe_in(now)
+    assert due is not None and 0.4 < due <= 0.5  # "dying" accepted: due again within the interval
+    assert state.reprobe_in(now + 0.6) == 0.0  # overdue: at once
+    state.reprobe["dying"] = now  # due now: probed again, accepts again, due again an interval later
+    assert p._known_gone(state, rec, live, {}) == {"gone"} and calls.count("dying") == 2
+    assert 0.4 < (state.reprobe_in(time.monotonic()) or 0.0) <= 0.5
+    state.reprobe["dying"] = time.monotonic()  # due: no answer this time, left to its lease
+    assert p._known_gone(state, rec, live, {}) == {"gone"} and calls.count("dying") == 3
+    assert state.reprobe_in(time.monotonic()) is None
+    assert p._known_gone(state, rec, live, {}) == {"gone"} and calls.count("dying") == 3  # not probed again
