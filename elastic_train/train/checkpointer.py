@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from elastic_train.checkpoint.config import CheckpointConfig
 from elastic_train.log import get_logger
+from elastic_train.train import hot
 from elastic_train.train.balance import SpeedShares
 from elastic_train.train.busy import StepClock
 from elastic_train.train.errors import NotStateful, TrainingError
@@ -459,5 +460,7 @@ class Checkpointer:
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
         if kind is not None:
+            if exc is not None:  # the agent joins the next round while this closes
+                hot.request_next_round(exc)
             # an announced change leaves at a step boundary with the group whole: its exchanges complete
             self.close(broken=not isinstance(exc, GroupChanged))

@@ -145,6 +145,23 @@ def _first_line(text: str) -> str:
     return stripped.splitlines()[0][:300] if stripped else ""
 
 
+def request_next_round(exc: BaseException) -> None:
+    """Ask this worker's agent for the next round now when ``exc`` is a failure (or an announced change) of
+    the group this process re-forms in-process; nothing otherwise.
+
+    For the way out of the training function: what closes there (the checkpointer waits for the memory
+    snapshot in flight, 0.03-0.05 s after a failure) then overlaps the agent's join of the next round
+    instead of preceding it. :meth:`Reformer.reform` writes the same request again (the agent reads the
+    latest per worker).
+    """
+    link = process_link()
+    if not link.registered or link.channel is None or link.round is None:
+        return
+    failure = classify_failure(exc)
+    if failure is not None and failure.reform:
+        link.channel.request(link.round, failure.reason)
+
+
 def group_failure(exc: BaseException) -> str | None:
     """Why ``exc`` means the process group broke (a reason to re-form in-process), or None when it does not
     (a user error, a CUDA error that poisons the context: those take the restart path; the latter says why

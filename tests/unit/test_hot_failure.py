@@ -28,6 +28,7 @@ from elastic_train.train.hot import (
     RunEnded,
     classify_failure,
     group_failure,
+    request_next_round,
     run,
 )
 from elastic_train.train.link import ProcessLink, use_process_link
@@ -247,3 +248,26 @@ def test_a_standby_worker_exits_0_when_its_run_ended_before_admission(tmp_path: 
         use_process_link(None)
     assert ended.value.code == 0 and ended.value.message == "run r finished" and called == []
     assert AgentChannel(str(tmp_path)).standbys()[0].round == 3
+
+
+def test_a_broken_group_asks_for_the_next_round_on_the_way_out(tmp_path: Path) -> None:
+    link = link_in(tmp_path, start_assignment(5, reform=True))
+    agent = AgentChannel(str(tmp_path))
+    broken = RuntimeError(
+        "[../gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:29400: Connection reset by peer"
+    )
+    use_process_link(link)
+    try:
+        request_next_round(broken)
+        assert agent.requests() == {}, "not registered: the agent restarts this worker, nothing to ask"
+        link.registered = True
+        request_next_round(RuntimeError("shapes do not match"))  # the user's own error: the restart path
+        request_next_round(RuntimeError("CUDA error: an illegal memory access was encountered"))
+        assert agent.requests() == {}
+        request_next_round(broken)
+        asked = agent.requests()[0]
+        assert (asked.round, asked.reason) == (5, group_failure(broken))
+        request_next_round(GroupChanged("round 5 re-forms after step 7"))  # an announced change: asked too
+        assert agent.requests()[0].reason == "membership change announced"
+    finally:
+        use_process_link(None)
