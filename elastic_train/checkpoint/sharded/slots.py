@@ -50,9 +50,12 @@ _HEADER_TAG = 1 << 27
 #: Seconds closing after the group broke waits for a replica's exchange in flight (it may wait forever on a
 #: peer that stopped, and gloo may leave it pending after its links were cut). The restore that follows
 #: needs only the replicas of the failed ranks' shards, and what a failed peer sent whole is kept as soon as
-#: it arrived (:meth:`ShardedMemory.exchange`). The wait only lets an exchange that is about to finish do
-#: so; the survivor's next round waits for it (a 0.25 s bound cost a 100 MB hot recovery 0.2 s here).
-BROKEN_EXCHANGE_WAIT = 0.05
+#: it arrived (:meth:`ShardedMemory.exchange`). What is still in flight then comes from a peer that died or
+#: stopped: only the bytes it sent before, already in this host's socket buffers (a few MB, read at memory
+#: speed), can still complete a replica, and the wait is for those. The survivor's next round waits for it
+#: (0.25 s cost a 100 MB hot recovery 0.2 s here; with 0.05 s the exchange was still pending at the bound in
+#: every such close timed).
+BROKEN_EXCHANGE_WAIT = 0.01
 #: Seconds between the looks of such a close at the copier (error path only).
 _POLL = 0.01
 
