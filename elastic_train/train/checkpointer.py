@@ -108,6 +108,23 @@ class Exchanges(Protocol):
         ...
 
 
+def close_after(manager: Manager, exc: BaseException) -> None:
+    """Close ``manager`` on the way out of a training function that raised ``exc``.
+
+    When ``exc`` broke a group this process re-forms in-process, the agent is asked for the next round
+    first (:func:`~elastic_train.train.hot.request_next_round`): it joins while this closes. A peer
+    exchange in flight on the manager's own connections (a sharded replica's, on the copier thread) may
+    wait on a failed peer, which never answers when it stopped instead of dying: it is cut short (the
+    manager's ``abort``) unless the group left whole at a step boundary (an announced change, whose
+    exchanges complete).
+    """
+    hot.request_next_round(exc)
+    if not isinstance(exc, GroupChanged) and isinstance(manager, Exchanges):
+        manager.abort()
+    else:
+        manager.close()
+
+
 def _manager(cfg: CheckpointConfig, run_id: str, state: TrainState, world: World, link: Link) -> Manager:
     """The checkpoint manager of ``state``: the sharded one when the model's parameters are DTensors
     (FSDP2's ``fully_shard``), the replicated one otherwise."""
@@ -447,6 +464,11 @@ class Checkpointer:
             self.manager.close()
         self._release()
 
+    def close_after(self, exc: BaseException) -> None:
+        """:meth:`close` on the way out of a training function that raised ``exc`` (:func:`close_after`)."""
+        close_after(self.manager, exc)
+        self._release()
+
     def _release(self) -> None:
         if self.link.stats is not None:
             self.link.stats.flush()
@@ -459,8 +481,5 @@ class Checkpointer:
         return self
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
-        if kind is not None:
-            if exc is not None:  # the agent joins the next round while this closes
-                hot.request_next_round(exc)
-            # an announced change leaves at a step boundary with the group whole: its exchanges complete
-            self.close(broken=not isinstance(exc, GroupChanged))
+        if exc is not None:
+            self.close_after(exc)

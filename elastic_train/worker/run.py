@@ -51,6 +51,7 @@ def run_worker(cfg: JobConfig, env: WorkerEnv, *, started: float) -> int:
     from elastic_train.checkpoint import CheckpointManager
     from elastic_train.train import hot, rng
     from elastic_train.train.api import load_task
+    from elastic_train.train.checkpointer import close_after
     from elastic_train.train.events import EventWriter
     from elastic_train.train.link import process_link
     from elastic_train.train.loop import Trainer
@@ -131,8 +132,8 @@ def run_worker(cfg: JobConfig, env: WorkerEnv, *, started: float) -> int:
                 **{k: round(v, 3) for k, v in timings.items()},
             )
             trainer.run()
-        except BaseException:
-            manager.close()
+        except BaseException as exc:
+            close_after(manager, exc)
             raise
         finally:
             trainer.unwrap(collect=False)  # the group's shutdown collects (hot.run, elastic.shutdown)
