@@ -215,8 +215,8 @@ class ElasticTrainer(Trainer):
                 if self.checkpointer is not None:
                     self.checkpointer.finalize()  # collective: a peer lost here re-forms and finalizes again
                     self.checkpointer = None
-            except BaseException:
-                self._leave_group()
+            except BaseException as exc:
+                self._leave_group(exc)
                 raise
             return output
 
@@ -236,12 +236,13 @@ class ElasticTrainer(Trainer):
         self._resumed = None
         self._weights.clear()
 
-    def _leave_group(self) -> None:
-        """Drop what belongs to the current process group (its DDP wrapper, the checkpoint manager): the group
-        is destroyed next (a re-formation) or the process ends; the memory snapshot stays."""
+    def _leave_group(self, exc: BaseException) -> None:
+        """Drop what belongs to the current process group (its DDP wrapper, the checkpoint manager) after
+        ``exc``: the group is destroyed next (a re-formation: the agent is asked for it first) or the process
+        ends; the memory snapshot stays."""
         ckpt, self.checkpointer = self.checkpointer, None
         if ckpt is not None:
-            ckpt.close()
+            ckpt.close_after(exc)
         self.model_wrapped = self.model  # type: ignore[assignment]
         self._timed = None
         self.accelerator.free_memory()

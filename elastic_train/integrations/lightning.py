@@ -46,6 +46,7 @@ from elastic_train.train.busy import StepClock, time_collectives
 from elastic_train.train.checkpointer import StepHook
 from elastic_train.train.config import check_shares
 from elastic_train.train.errors import TrainingError
+from elastic_train.train.hot import request_next_round
 from elastic_train.train.sampler import rebuild
 
 if TYPE_CHECKING:  # the classes are typed as pytorch_lightning's; at run time their base is bound later
@@ -406,6 +407,8 @@ class ElasticStrategy(_PerNamespace, _StrategyBase):
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
     def on_exception(self, exception: BaseException) -> None:
+        # a broken group re-formed in-process: the agent joins the next round while Lightning tears down
+        request_next_round(exception)
         super().on_exception(exception)
         # no final checkpoint and no waiting on peers that may be gone: the snapshot stays for the next group
         self.checkpointer = None

@@ -119,7 +119,11 @@ def close_after(manager: Manager, exc: BaseException) -> None:
     exchanges complete).
     """
     hot.request_next_round(exc)
-    if not isinstance(exc, GroupChanged) and isinstance(manager, Exchanges):
+    _close(manager, broken=not isinstance(exc, GroupChanged))
+
+
+def _close(manager: Manager, *, broken: bool) -> None:
+    if broken and isinstance(manager, Exchanges):
         manager.abort()
     else:
         manager.close()
@@ -458,10 +462,7 @@ class Checkpointer:
         instead of dying, and closing would wait for it: it is cut short (the manager's ``abort``), so that
         this process asks for the next round without waiting out the close's timeout.
         """
-        if broken and isinstance(self.manager, Exchanges):
-            self.manager.abort()
-        else:
-            self.manager.close()
+        _close(self.manager, broken=broken)
         self._release()
 
     def close_after(self, exc: BaseException) -> None:
