@@ -364,24 +364,21 @@ class Etcd3Store(Store):
         """The etcd prefix of ``key``'s queue items (the key hex-encoded: no queue's range holds another)."""
         return queues_prefix(self._prefix) + key.encode().hex() + "/"
 
-    def _queued(self, keys: Sequence[str]) -> set[str]:
-        """The keys of ``keys`` whose queue holds an item now."""
-        out: set[str] = set()
-        unique = list(dict.fromkeys(keys))
-        for i in range(0, len(unique), MAX_TXN_OPS):
-            chunk = unique[i : i + MAX_TXN_OPS]
-            _, resp = self._call(self._etcd.txn, [], [_count(self._queue(k)) for k in chunk])
-            out.update(k for k, r in zip(chunk, resp.responses, strict=True) if r.response_range.count)
-        return out
-
     def _missing(self, keys: Sequence[str]) -> list[str]:
-        """The keys of ``keys`` that neither exist nor have a queue item (what ``check`` and ``wait`` see)."""
-        present = self._read(keys)
-        absent = [k for k in dict.fromkeys(keys) if k not in present]
-        if not absent:
-            return []
-        queued = self._queued(absent)
-        return [k for k in absent if k not in queued]
+        """The keys of ``keys`` that neither exist nor have a queue item (what ``check`` and ``wait`` see):
+        each key read and its queue counted in one transaction (per 64 keys)."""
+        missing: list[str] = []
+        unique = list(dict.fromkeys(keys))
+        per = MAX_TXN_OPS // 2
+        for i in range(0, len(unique), per):
+            chunk = unique[i : i + per]
+            ops = [op for k in chunk for op in (op_get(self._k(k)), _count(self._queue(k)))]
+            _, resp = self._call(self._etcd.txn, [], ops)
+            for j, key in enumerate(chunk):
+                kv, queued = resp.responses[2 * j].response_range, resp.responses[2 * j + 1].response_range
+                if not kv.kvs and not queued.count:
+                    missing.append(key)
+        return missing
 
     def _pop(self, key: str) -> bytes | None:
         """Take the oldest item of ``key``'s queue, or ``None`` when it is empty (a concurrent popper that
