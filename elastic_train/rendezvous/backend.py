@@ -24,7 +24,7 @@ import threading
 import time
 import uuid
 from base64 import b64decode, b64encode
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -318,17 +318,25 @@ class Etcd3Store(Store):
             return self._call(run, 0)
         return self._call(self._lease.write, run)
 
+    def _ranges(
+        self, keys: Sequence[str], ops: Callable[[str], list[Any]]
+    ) -> Iterator[tuple[str, list[Any]]]:
+        """Each distinct key of ``keys`` with the range responses of its read operations ``ops(key)``, in as
+        few transactions as etcd takes (:data:`MAX_TXN_OPS` operations each)."""
+        unique = list(dict.fromkeys(keys))
+        if not unique:
+            return
+        width = len(ops(unique[0]))
+        per = MAX_TXN_OPS // width
+        for i in range(0, len(unique), per):
+            chunk = unique[i : i + per]
+            _, resp = self._call(self._etcd.txn, [], [op for k in chunk for op in ops(k)])
+            for j, key in enumerate(chunk):
+                yield key, [r.response_range for r in resp.responses[j * width : (j + 1) * width]]
+
     def _read(self, keys: Sequence[str]) -> dict[str, Any]:
         """The keys of ``keys`` that exist now, with their etcd KVs (one transaction per 128 keys)."""
-        found: dict[str, Any] = {}
-        unique = list(dict.fromkeys(keys))
-        for i in range(0, len(unique), MAX_TXN_OPS):
-            chunk = unique[i : i + MAX_TXN_OPS]
-            _, resp = self._call(self._etcd.txn, [], [op_get(self._k(k)) for k in chunk])
-            for key, r in zip(chunk, resp.responses, strict=True):
-                if r.response_range.kvs:
-                    found[key] = r.response_range.kvs[0]
-        return found
+        return {key: kv.kvs[0] for key, (kv,) in self._ranges(keys, lambda k: [op_get(self._k(k))]) if kv.kvs}
 
     def _poll(self, look: Callable[[], list[str]], timeout: timedelta) -> None:
         """Call ``look()`` (the keys it still waits for) until it returns none, backing off from 2 ms to
@@ -367,18 +375,8 @@ class Etcd3Store(Store):
     def _missing(self, keys: Sequence[str]) -> list[str]:
         """The keys of ``keys`` that neither exist nor have a queue item (what ``check`` and ``wait`` see):
         each key read and its queue counted in one transaction (per 64 keys)."""
-        missing: list[str] = []
-        unique = list(dict.fromkeys(keys))
-        per = MAX_TXN_OPS // 2
-        for i in range(0, len(unique), per):
-            chunk = unique[i : i + per]
-            ops = [op for k in chunk for op in (op_get(self._k(k)), _count(self._queue(k)))]
-            _, resp = self._call(self._etcd.txn, [], ops)
-            for j, key in enumerate(chunk):
-                kv, queued = resp.responses[2 * j].response_range, resp.responses[2 * j + 1].response_range
-                if not kv.kvs and not queued.count:
-                    missing.append(key)
-        return missing
+        looks = self._ranges(keys, lambda k: [op_get(self._k(k)), _count(self._queue(k))])
+        return [key for key, (kv, queued) in looks if not kv.kvs and not queued.count]
 
     def _pop(self, key: str) -> bytes | None:
         """Take the oldest item of ``key``'s queue, or ``None`` when it is empty (a concurrent popper that
