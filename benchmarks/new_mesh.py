@@ -19,11 +19,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -37,12 +37,7 @@ from fsdp_train import Sequences  # noqa: E402
 from sharded_task import Bench, shard  # noqa: E402
 
 from elastic_train import torchcompat  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from elastic_train.net import free_port  # noqa: E402
 
 
 def build(mesh: object) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -74,6 +69,11 @@ def steps(model: torch.nn.Module, optim: torch.optim.Optimizer, n: int) -> list[
     return out
 
 
+def row(mesh: str, times: list[float]) -> dict[str, Any]:
+    """One mesh's first step and the median of its other steps."""
+    return {"mesh": mesh, "first_s": times[0], "steady_s": statistics.median(times[1:])}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--meshes", type=int, default=3, help="new meshes, one after the other")
@@ -91,19 +91,9 @@ def main() -> int:
         mesh = None
         for i in range(args.meshes):
             mesh = init_device_mesh("cpu", (1,), mesh_dim_names=(f"mesh{i}",))
-            times = steps(*build(mesh), args.steps)
-            rows.append(
-                {"mesh": f"new mesh {i}", "first_s": times[0], "steady_s": statistics.median(times[1:])}
-            )
+            rows.append(row(f"new mesh {i}", steps(*build(mesh), args.steps)))
         torchcompat.clear_sharding_caches()
-        times = steps(*build(mesh), args.steps)
-        rows.append(
-            {
-                "mesh": "last mesh, caches dropped",
-                "first_s": times[0],
-                "steady_s": statistics.median(times[1:]),
-            }
-        )
+        rows.append(row("last mesh, caches dropped", steps(*build(mesh), args.steps)))
     finally:
         dist.destroy_process_group()
     print(f"{'mesh':>28} {'first step s':>13} {'steady s':>9} {'extra s':>8}")
