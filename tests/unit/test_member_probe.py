@@ -25,13 +25,22 @@ def participant(answers: dict[str, list[str]], calls: list[str]) -> Participant:
     return p
 
 
-def test_an_accepting_port_is_probed_again_until_it_refuses(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(protocol, "REPROBE_INTERVAL", 0.05)
+def closing(
+    monkeypatch: pytest.MonkeyPatch, interval: float, answers: dict[str, list[str]]
+) -> tuple[Participant, JoinState, RoundRecord, set[str], list[str]]:
+    """A closer of round 3 whose last round's other members answer their probes with ``answers`` (in turn),
+    accepted ports probed again after ``interval``; its probe calls are recorded."""
+    monkeypatch.setattr(protocol, "REPROBE_INTERVAL", interval)
     calls: list[str] = []
-    p = participant({"dying": ["accepted", "accepted", "refused"], "stopped": ["unknown"]}, calls)
+    rec = RoundRecord(2, ["me", *answers])
     state = JoinState(target=3, reason="lost", deadline=time.monotonic() + 60)
-    rec = RoundRecord(2, ["me", "dying", "stopped"])
-    live = {"me", "dying", "stopped"}
+    return participant(answers, calls), state, rec, set(rec.members), calls
+
+
+def test_an_accepting_port_is_probed_again_until_it_refuses(monkeypatch: pytest.MonkeyPatch) -> None:
+    p, state, rec, live, calls = closing(
+        monkeypatch, 0.05, {"dying": ["accepted", "accepted", "refused"], "stopped": ["unknown"]}
+    )
     assert p._known_gone(state, rec, live, {}) == set()
     assert p._known_gone(state, rec, live, {}) == set()  # within the interval: not probed again
     assert calls == ["dying", "stopped"]
@@ -49,12 +58,9 @@ def test_an_accepting_port_is_probed_again_until_it_refuses(monkeypatch: pytest.
 
 
 def test_the_closer_waits_no_longer_than_the_next_reprobe(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(protocol, "REPROBE_INTERVAL", 0.5)
-    calls: list[str] = []
-    p = participant({"dying": ["accepted", "accepted", "unknown"], "gone": ["refused"]}, calls)
-    state = JoinState(target=3, reason="lost", deadline=time.monotonic() + 60)
-    rec = RoundRecord(2, ["me", "dying", "gone"])
-    live = {"me", "dying", "gone"}
+    p, state, rec, live, calls = closing(
+        monkeypatch, 0.5, {"dying": ["accepted", "accepted", "unknown"], "gone": ["refused"]}
+    )
     assert state.reprobe_in(time.monotonic()) is None  # nothing probed yet
     assert p._known_gone(state, rec, live, {}) == {"gone"}
     now = time.monotonic()
