@@ -243,6 +243,7 @@ def missing() -> list[str]:
         ("torch.distributed.elastic.agent.server.api", "SimpleElasticAgent._assign_worker_ranks"),
         ("torch.distributed.elastic.agent.server.api", "_RoleInstanceInfo.serialize"),
         ("torch.distributed.distributed_c10d", "_abort_process_group"),
+        ("torch.distributed.distributed_c10d", "_world.pg_map"),
         ("torch._dynamo.eval_frame", "OptimizedModule"),
         ("torch", "_foreach_copy_"),
         ("torch.distributed.checkpoint._fsspec_filesystem", "FsspecWriter"),
@@ -276,6 +277,13 @@ def abort_groups() -> None:
     from torch.distributed.distributed_c10d import _abort_process_group
 
     _abort_process_group()
+
+
+def process_groups() -> list[Any]:
+    """Every process group of this process that torch's registry holds (the default one included)."""
+    from torch.distributed import distributed_c10d
+
+    return list(distributed_c10d._world.pg_map)
 
 
 def foreach_copy_op() -> Callable[[Any, Any], None]:

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from elastic_train import net
 from elastic_train.log import get_logger
 
 log = get_logger(__name__)
@@ -64,10 +65,7 @@ class Groups:
 
     def destroy(self) -> None:
         """Destroy both groups (the manager is done; nothing is coordinated from now on)."""
-        for g in (self.ctl, self.io):
-            if g is not None:
-                try:
-                    dist.destroy_process_group(g)
-                except Exception as exc:  # the default group may already be gone
-                    log.debug("checkpoint_group_destroy_failed", error=str(exc))
+        doomed = [self.ctl, self.io]
         self.ctl = self.io = None
+        for error in net.destroy_groups(doomed):  # the default group may already be gone
+            log.debug("checkpoint_group_destroy_failed", error=error)

@@ -334,12 +334,9 @@ class ShardedCheckpointManager(DurableWriting, Restoring):
                 log.warning("memory_snapshot_busy_at_close", seconds=timeout, broken=broken)
                 done = False  # its exchange still uses the replica group
         if done:
-            for g in (self._ctl, self._io, self._rep):
-                if g is not None:
-                    try:
-                        dist.destroy_process_group(g)
-                    except Exception as exc:
-                        log.debug("checkpoint_group_destroy_failed", error=str(exc))
+            doomed = [self._ctl, self._io, self._rep]
             self._ctl = self._io = self._rep = None
+            for error in net.destroy_groups(doomed):
+                log.debug("checkpoint_group_destroy_failed", error=error)
             self._rep_links = {}
         net.drop_extra_links(self)  # no cut of a later group reaches this manager's any more
