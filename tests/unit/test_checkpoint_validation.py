@@ -213,6 +213,63 @@ def test_a_lookup_of_a_slot_this_process_wrote_parses_only_its_skeleton(memdir, 
         snap.release()
 
 
+def test_metadata_validated_once_is_not_validated_again_by_a_new_reader(memdir, monkeypatch):
+    """A worker that re-forms in-process opens its slots again with a new manager: the same bytes are not
+    validated twice, and each reader gets a skeleton of its own."""
+    run = f"run-{uuid.uuid4().hex[:6]}"
+    snap = MemorySnapshot(memdir, run, 0)
+    again = MemorySnapshot(memdir, run, 0)  # the next group's manager, on the same file
+    try:
+        snap.save(1, flatten(state(1)), background=False)
+        first = snap.newest_valid()
+        assert first is not None
+
+        def refused(*args: Any, **kwargs: Any) -> Any:
+            raise AssertionError("validated again")
+
+        monkeypatch.setattr(schema.SnapshotMeta, "model_validate", refused)
+        monkeypatch.setattr(schema, "check_skeleton", refused)
+        held = again.newest_valid()
+        assert held is not None and held.step == 1
+        assert held.specs == first.specs and held.skeleton == first.skeleton
+        assert held.skeleton is not first.skeleton
+        held.skeleton["added"] = 1  # a caller's change stays its own
+        assert "added" not in again.newest_valid().skeleton
+    finally:
+        again.detach()
+        snap.release()
+
+
+def test_validated_metadata_is_checked_again_against_another_data_length(memdir):
+    snap = MemorySnapshot(memdir, f"run-{uuid.uuid4().hex[:6]}", 0)
+    try:
+        snap.save(1, flatten(state(1)), background=False)
+        held = snap.newest_valid()
+        assert held is not None
+        base = snap._file.base(held.slot)
+        fields = slots_mod._SLOT.unpack_from(snap._file.mm, base)
+        raw = bytes(snap._file.mm[base + slots_mod.PAGE : base + slots_mod.PAGE + fields[5]])
+        assert schema.snapshot_meta(raw, held.nbytes)[1] == held.specs  # known (validated) now
+        with pytest.raises(ValueError, match="beyond the slot's data"):
+            schema.snapshot_meta(raw, max(s.offset + s.nbytes for s in held.specs) - 1)
+    finally:
+        snap.release()
+
+
+def test_the_validated_metadata_kept_is_bounded(monkeypatch):
+    monkeypatch.setattr(schema, "_VALIDATED", type(schema._VALIDATED)())
+    flat = flatten(state(1))
+    specs = [s.to_json() for s in flat.specs]
+    nbytes = max(s.offset + s.nbytes for s in flat.specs)
+    for i in range(schema.VALIDATED_ENTRIES + 5):
+        raw = json.dumps({"specs": specs, "skeleton": {**flat.skeleton, "i": i}}).encode()
+        schema.snapshot_meta(raw, nbytes)
+    assert len(schema._VALIDATED) == schema.VALIDATED_ENTRIES
+    big = json.dumps({"specs": specs, "skeleton": "x" * schema.VALIDATED_MAX_BYTES}).encode()
+    schema.snapshot_meta(big, nbytes)
+    assert all(len(raw) <= schema.VALIDATED_MAX_BYTES for raw, _ in schema._VALIDATED)
+
+
 @pytest.mark.parametrize(
     "skeleton",
     [
