@@ -49,20 +49,15 @@ def messages(piece: Piece, row_bytes: int) -> list[tuple[int, int]]:
     return [(i, min(per, piece.rows - i)) for i in range(0, piece.rows, per)]
 
 
-#: A piece's key in :func:`execute`'s ``land``: (map path, old rank, first row in the old rank's shard).
-PieceKey = tuple[str, int, int]
-
-
 def execute(
     plan: Plan,
     me: int,
     *,
-    source: Callable[[Piece], torch.Tensor] | None = None,
+    source: Callable[[Piece], torch.Tensor],
     dests: Mapping[str, torch.Tensor],
     to_global: Callable[[int], int],
     lanes: Any,
     durable: Callable[[Piece, torch.Tensor], None] | None = None,
-    land: Callable[[Callable[[PieceKey, torch.Tensor], None]], None] | None = None,
 ) -> Moved:
     """This rank's part of ``plan``: send what it holds to those who need it, receive what it lacks.
 
@@ -72,16 +67,12 @@ def execute(
     Args:
         plan: the plan (the same on every rank).
         me: this rank in the new world.
-        source: the rows of a piece this rank sends, as one contiguous uint8 tensor (without ``land``).
+        source: the rows of a piece this rank sends, as one contiguous uint8 tensor.
         dests: this rank's new local shards by path (the tensors the restored rows land in).
         to_global: a new-world rank's global rank in ``lanes``' groups.
         lanes: the process group(s) messages travel in (:func:`elastic_train.checkpoint.transfer.lane`).
         durable: fills a piece nobody alive holds (``durable(piece, destination rows)``); required when the
             plan has such pieces for this rank.
-        land: instead of ``source``: reads this rank's slots, calling ``send(key, rows)`` for each piece
-            it sends as soon as it has the rows. Every receive is posted first, so the sends go out while the
-            rest is read. Only where messages are matched by tag (gloo): NCCL pairs a peer's sends and
-            receives in the order they were posted, which ``source`` keeps (the plan's order on every rank).
 
     Raises:
         RuntimeError: a peer failed mid-transfer (the group is broken; the caller re-forms it).
@@ -90,15 +81,6 @@ def execute(
     kept = received = sent = from_storage = 0
     tag = 0
     lost: list[tuple[Piece, torch.Tensor]] = []
-    # the sends that wait for ``land``: (lane, tag, first row, rows) of each message of each piece
-    pending: dict[PieceKey, tuple[Piece, list[tuple[Any, int, int, int]]]] = {}
-
-    def post(piece: Piece, data: torch.Tensor, parts: list[tuple[Any, int, int, int]]) -> None:
-        row_bytes = plan.old.tensors[piece.path].row_bytes
-        for group, at, first, rows in parts:
-            part = data[first * row_bytes : (first + rows) * row_bytes]
-            works.append(dist.isend(part, dst=to_global(piece.dst), group=group, tag=at))
-
     for piece in plan.pieces:
         row_bytes = plan.old.tensors[piece.path].row_bytes
         if piece.src is None:
@@ -109,33 +91,18 @@ def execute(
             if piece.dst == me:
                 kept += piece.rows * row_bytes
             continue
-        parts: list[tuple[Any, int, int, int]] = []
+        data = source(piece) if piece.src == me else None
         for first, rows in messages(piece, row_bytes):
             group = lane(lanes, tag)
-            if piece.src == me:
-                parts.append((group, tag, first, rows))
+            if data is not None:
+                part = data[first * row_bytes : (first + rows) * row_bytes]
+                works.append(dist.isend(part, dst=to_global(piece.dst), group=group, tag=tag))
                 sent += rows * row_bytes
             elif piece.dst == me:
                 into = _rows(dests[piece.path], piece.dst_row + first, rows)
                 works.append(dist.irecv(into, src=to_global(piece.src), group=group, tag=tag))
                 received += rows * row_bytes
             tag += 1
-        if parts:
-            if land is not None:
-                pending[(piece.path, piece.old, piece.src_row)] = (piece, parts)
-            else:
-                assert source is not None
-                post(piece, source(piece), parts)
-    if land is not None:
-
-        def send(key: PieceKey, data: torch.Tensor) -> None:
-            held = pending.pop(key, None)
-            if held is not None:
-                post(held[0], data, held[1])
-
-        land(send)
-        if pending:
-            raise AssertionError(f"the reads of a restore left {len(pending)} piece(s) of the plan unsent")
     if lost:
         if durable is None:
             raise AssertionError("the plan reads pieces from durable storage, and none was given")

@@ -15,7 +15,7 @@ import contextlib
 import dataclasses
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -305,34 +305,19 @@ class Restoring(ManagerBase):
                 into = dests[p.path][p.dst_row : p.dst_row + p.rows] if p.dst == me and not on_gpu else None
                 wanted.setdefault(p.old, {}).setdefault(p.path, []).append((p.src_row, p.rows, into))
         torn = False
-        land_s = 0.0
-        staged: dict[move.PieceKey, torch.Tensor] = {}
+        landing = time.perf_counter()
+        staged: dict[tuple[str, int, int], torch.Tensor] = {}
         replicated_from: tuple[Slot, dict[str, torch.Tensor]] | None = None
-
-        def land(send: Callable[[move.PieceKey, torch.Tensor], None] | None = None) -> None:
-            """Read this rank's slots (``send``: each run of rows to send as soon as it is read)."""
-            nonlocal torn, land_s, replicated_from
-            landing = time.perf_counter()
-            for slot in sorted(mine, key=lambda s: s.kind != "own"):
-                whole = replicated_from is None
-                if slot.rank not in wanted and not whole:
-                    continue
-                assert self.memory is not None
-                on_run = None
-                if send is not None:
-
-                    def on_run(path: str, first: int, buf: torch.Tensor, old: int = slot.rank) -> None:
-                        send((path, old, first), buf)
-
-                runs, small, ok = self.memory.land(
-                    slot, wanted.pop(slot.rank, {}), whole=whole, on_run=on_run
-                )
-                torn = torn or not ok
-                staged.update({(path, slot.rank, first): buf for (path, first), buf in runs.items()})
-                if whole:
-                    replicated_from = (slot, small)
-            land_s = time.perf_counter() - landing
-
+        for slot in sorted(mine, key=lambda s: s.kind != "own"):
+            whole = replicated_from is None
+            if slot.rank not in wanted and not whole:
+                continue
+            assert self.memory is not None
+            runs, small, ok = self.memory.land(slot, wanted.pop(slot.rank, {}), whole=whole)
+            torn = torn or not ok
+            staged.update({(path, slot.rank, first): buf for (path, first), buf in runs.items()})
+            if whole:
+                replicated_from = (slot, small)
         reader = None
         if decision.entry is not None and (choice.lost or not choice.memory_used):
             store = open_storage(decision.storage or self.cfg.url, self.cfg.storage_options)
@@ -345,24 +330,19 @@ class Restoring(ManagerBase):
             reader.read(keys[piece.path], into, first)
 
         t0 = time.perf_counter()
-        durable = fill if reader is not None else None
+        land_s = t0 - landing
+        lanes: Any = (self._ctl, self._io)
         if on_gpu:  # the rows kept were read on the host: to the device; the rows sent go from the device
-            land()
             for p in plan.pieces:
                 if p.src == me and p.dst == me:
                     host = staged.pop((p.path, p.old, p.src_row))
                     dests[p.path][p.dst_row : p.dst_row + p.rows].reshape(-1).view(torch.uint8).copy_(host)
-            on_device = {key: buf.to(device, non_blocking=True) for key, buf in staged.items()}
-            # NCCL's point-to-point between devices, posted in the plan's order
-            moved = move.execute(
-                plan, me, source=lambda p: on_device[(p.path, p.old, p.src_row)], dests=dests,
-                to_global=self._global, lanes=(dist.group.WORLD,), durable=durable,
-            )  # fmt: skip
-        else:  # gloo: the receives posted first, each run of rows sent as soon as it is read
-            moved = move.execute(
-                plan, me, dests=dests, to_global=self._global, lanes=(self._ctl, self._io), durable=durable,
-                land=land,
-            )  # fmt: skip
+            staged = {key: buf.to(device, non_blocking=True) for key, buf in staged.items()}
+            lanes = (dist.group.WORLD,)  # NCCL's point-to-point between devices
+        moved = move.execute(
+            plan, me, source=lambda p: staged[(p.path, p.old, p.src_row)], dests=dests,
+            to_global=self._global, lanes=lanes, durable=fill if reader is not None else None,
+        )  # fmt: skip
         # The rest of the state (scheduler, data position, RNG, step counts): this rank's own slot's, else
         # the holder's (sent), else the durable checkpoint's.
         tensors: list[torch.Tensor | None] = [None] * len(refs)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import pickle
 import threading
 import time
-from collections.abc import Callable, Container, Iterator, Mapping, Sequence
+from collections.abc import Container, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -249,7 +249,6 @@ class ShardedMemory:
         runs: Mapping[str, Sequence[tuple[int, int, torch.Tensor | None]]],
         *,
         whole: bool,
-        on_run: Callable[[str, int, torch.Tensor], None] | None = None,
     ) -> tuple[dict[tuple[str, int], torch.Tensor], dict[str, torch.Tensor], bool]:
         """Read a slot's data once, in order, each byte hashed as it is read, straight to where it is used.
 
@@ -259,9 +258,6 @@ class ShardedMemory:
                 contiguous tensor of those rows (a new shard's rows: kept in place), or None (rows to send:
                 read into a buffer of their own).
             whole: also return the slot's other (replicated) tensors.
-            on_run: called with (path, first row, buffer) as soon as a run read into a buffer of its own is
-                complete, before the slot's checksum is known (its rows can go out while the rest is read;
-                whoever uses them waits for the restore's verdict).
 
         Returns:
             The buffers of the runs to send, by (path, first row); the replicated tensors by spec path; and
@@ -270,54 +266,48 @@ class ShardedMemory:
         snap = self.own if slot.kind == "own" else self.replica
         assert snap is not None
         held = slot.held
-        # (slot offset, bytes, into, the run's (path, first row) when it is read into a buffer of its own)
-        segments: list[tuple[int, int, torch.Tensor | None, tuple[str, int] | None]] = []
+        segments: list[tuple[int, int, torch.Tensor | None]] = []  # (slot offset, bytes, into)
         staged: dict[tuple[str, int], torch.Tensor] = {}
         small: dict[str, torch.Tensor] = {}
         pos = 0
         for spec in sorted(held.specs, key=lambda x: x.offset):
             if spec.offset > pos:
-                segments.append((pos, spec.offset - pos, None, None))
+                segments.append((pos, spec.offset - pos, None))
             path = spec.path.removeprefix("/state")
             t = slot.smap.tensors.get(path)
             if t is None:
                 into = torch.empty(spec.nbytes, dtype=torch.uint8) if whole and spec.nbytes else None
                 if into is not None:
                     small[spec.path] = into
-                segments.append((spec.offset, spec.nbytes, into, None))
+                segments.append((spec.offset, spec.nbytes, into))
             else:
                 row = t.row_bytes
                 at = 0
                 for first, rows, into in sorted(runs.get(path, ()), key=lambda r: r[0]):
                     if first > at:
-                        segments.append((spec.offset + at * row, (first - at) * row, None, None))
-                    run = None
+                        segments.append((spec.offset + at * row, (first - at) * row, None))
                     if into is None:
                         into = staged[(path, first)] = torch.empty(rows * row, dtype=torch.uint8)
-                        run = (path, first)
                     else:
                         into = into.reshape(-1).view(torch.uint8)
-                    segments.append((spec.offset + first * row, rows * row, into, run))
+                    segments.append((spec.offset + first * row, rows * row, into))
                     at = first + rows
                 if spec.nbytes > at * row:
-                    segments.append((spec.offset + at * row, spec.nbytes - at * row, None, None))
+                    segments.append((spec.offset + at * row, spec.nbytes - at * row, None))
             pos = spec.offset + spec.nbytes
         if held.nbytes > pos:
-            segments.append((pos, held.nbytes - pos, None, None))
+            segments.append((pos, held.nbytes - pos, None))
         check = DataCheck(held.data_sum, held.nbytes) if held.data_sum is not None else None
         bounce = torch.empty(min(READ_CHUNK, held.nbytes) or 1, dtype=torch.uint8)
         reader = snap.reader(held.slot)
         try:
-            for offset, nbytes, into, run in segments:
+            for offset, nbytes, into in segments:
                 for start in range(0, nbytes, READ_CHUNK):
                     n = min(READ_CHUNK, nbytes - start)
                     part = bounce[:n] if into is None else into[start : start + n]
                     reader.read_into(offset + start, part)
                     if check is not None:
                         check.update(part)
-                if run is not None and on_run is not None:
-                    assert into is not None
-                    on_run(run[0], run[1], into)
         finally:
             reader.close()
         ok = check is None or check.ok()
