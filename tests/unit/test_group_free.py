@@ -10,6 +10,8 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from elastic_train import net
 from elastic_train.net import free_port
 from tests.unit.test_group_links import start_rank
@@ -35,10 +37,21 @@ def test_free_groups_drops_the_last_references_on_another_thread() -> None:
     assert threading.current_thread().name not in seen
 
 
-def test_free_groups_of_nothing_starts_no_thread() -> None:
-    before = threading.active_count()
-    net.free_groups([None, None])
-    assert threading.active_count() == before
+def test_free_groups_of_nothing_starts_no_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    started: list[str] = []
+
+    class Recording(threading.Thread):
+        def start(self) -> None:
+            started.append(self.name)
+            super().start()
+
+    monkeypatch.setattr(net.threading, "Thread", Recording)
+    groups: list[object] = [None, None]
+    net.free_groups(groups)
+    assert started == [] and groups == []
+    net.free_groups([object()])
+    assert started == ["process-group-free"]  # the recording itself works
+    assert net.wait_groups_freed(timeout=30)
 
 
 CHILD = textwrap.dedent(
