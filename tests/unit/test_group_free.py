@@ -4,7 +4,6 @@ its next group meanwhile."""
 
 from __future__ import annotations
 
-import json
 import textwrap
 import threading
 import time
@@ -14,7 +13,7 @@ import pytest
 
 from elastic_train import net
 from elastic_train.net import free_port
-from tests.unit.test_group_links import start_rank
+from tests.unit.test_group_links import run_ranks
 
 
 class Recorded:
@@ -88,21 +87,7 @@ CHILD = textwrap.dedent(
 
 
 def test_destroyed_gloo_groups_close_their_connections_while_the_next_group_forms(tmp_path: Path) -> None:
-    port, second = free_port(), free_port()
-    outs = [tmp_path / f"rank{r}.json" for r in range(2)]
-    procs = []
-    try:
-        for rank in range(2):
-            procs.append(start_rank(rank, port, CHILD, str(outs[rank]), str(second)))
-        for p in procs:
-            assert p.wait(timeout=120) == 0
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for out in outs:
-        got = json.loads(out.read_text())
+    for got in run_ranks(CHILD, tmp_path, str(free_port())):
         assert got["errors"] == [] and got["made_left"] == 0
         assert got["registered"] == [2] and got["initialized"] is False
         assert got["sum"] == [3.0, 3.0]

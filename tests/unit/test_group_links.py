@@ -11,6 +11,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 from elastic_train.net import free_port
 
@@ -54,6 +55,25 @@ def start_rank(rank: int, port: int, script: str, *args: str) -> subprocess.Pope
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONPATH=os.getcwd(),
     )  # fmt: skip
     return subprocess.Popen([sys.executable, "-c", script, *args], env=env)
+
+
+def run_ranks(script: str, tmp_path: Path, *args: str) -> list[Any]:
+    """Both ranks of a 2-rank group running ``script`` with (its JSON output path, ``*args``) to the end
+    (exit status 0 each); what each wrote."""
+    port = free_port()
+    outs = [tmp_path / f"rank{r}.json" for r in range(2)]
+    procs = []
+    try:
+        for rank in range(2):
+            procs.append(start_rank(rank, port, script, str(outs[rank]), *args))
+        for p in procs:
+            assert p.wait(timeout=120) == 0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return [json.loads(out.read_text()) for out in outs]
 
 
 def test_cutting_a_groups_links_fails_a_peer_blocked_on_it(tmp_path: Path) -> None:

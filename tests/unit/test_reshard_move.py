@@ -3,12 +3,10 @@ and both ranks sending and receiving."""
 
 from __future__ import annotations
 
-import json
 import textwrap
 from pathlib import Path
 
-from elastic_train.net import free_port
-from tests.unit.test_group_links import start_rank
+from tests.unit.test_group_links import run_ranks
 
 CHILD = textwrap.dedent(
     """
@@ -58,20 +56,8 @@ CHILD = textwrap.dedent(
 
 
 def test_each_rank_gets_its_new_shard_row_for_row(tmp_path: Path) -> None:
-    port = free_port()
-    outs = [tmp_path / f"rank{r}.json" for r in range(2)]
-    procs = [start_rank(rank, port, CHILD, str(outs[rank])) for rank in range(2)]
-    try:
-        for p in procs:
-            assert p.wait(timeout=120) == 0
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for rank, out in enumerate(outs):
-        got = json.loads(out.read_text())
+    results = run_ranks(CHILD, tmp_path)
+    for rank, got in enumerate(results):
         assert got["right"], f"rank {rank}: {got}"
         assert got["moved"] == got["expected"]
-    sent = [json.loads(out.read_text())["moved"][2] for out in outs]
-    assert sent[0] > 0 and sent[1] > 0  # both ranks send and receive
+    assert results[0]["moved"][2] > 0 and results[1]["moved"][2] > 0  # both ranks send and receive
