@@ -5,7 +5,7 @@ Own model, own optimizer (AdamW) and LR schedule, own Dataset and DataLoader, ow
 1/W of the weights and of the Adam moments; when a node dies or joins, the survivors keep their processes,
 shard the model over the new world and take the rows they now own from each other's memory. Run it like any
 torchrun script. Without torchrun it trains a world of one, 4 epochs of 12 steps (``--epochs`` sets the
-length; ``--float64`` trains in double precision):
+length; ``--float64`` trains in double precision, ``--bf16`` computes in bfloat16 with float32 shards):
 
 .. doc-test: shrink="--epochs 1"
 
@@ -38,6 +38,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.utils.data import DataLoader, Dataset
 
 import elastic_train as et  # elastic
@@ -119,7 +120,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--replicas", type=int, default=0, choices=(0, 1), help="keep each shard on two nodes")
     p.add_argument("--resume-from", default=None, help="a checkpoint to start from (also a plain DCP one)")
     p.add_argument("--float64", action="store_true", help="train in double precision")
-    return p.parse_args()
+    p.add_argument(
+        "--bf16", action="store_true", help="compute in bfloat16 (FSDP2 mixed precision; float32 shards)"
+    )
+    args = p.parse_args()
+    if args.bf16 and args.float64:
+        p.error("--bf16 and --float64 exclude each other")
+    return args
 
 
 def main() -> None:
@@ -131,6 +138,13 @@ def main() -> None:
     sampler = et.ElasticBatchSampler(dataset, args.global_batch, seed=args.seed)  # elastic
     loader = DataLoader(dataset, batch_sampler=sampler, num_workers=args.workers)  # elastic: batch_sampler=
     config = CheckpointConfig(shard_replicas=args.replicas)  # elastic
+    # FSDP2 mixed precision: each block all-gathers its parameters in bfloat16 and computes in it; gradients
+    # are reduced in float32 into the float32 shards, which the optimizer and the checkpoints keep.
+    sharding = (
+        {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
+        if args.bf16
+        else {}
+    )
 
     def initial_weights() -> dict[str, torch.Tensor]:
         torch.manual_seed(args.seed)  # the same initial weights at every world size
@@ -139,7 +153,7 @@ def main() -> None:
     def train(world: et.World) -> None:  # elastic: re-entered when the group re-forms in-process
         # The model belongs to the group's mesh: built again in each group, from a meta-device skeleton
         # (no memory, no initialisation), fully_shard per block, this rank's shards allocated.
-        model = et.shard_model(lambda: TinyLM().to(dtype))  # elastic: replaces fully_shard(...) calls
+        model = et.shard_model(lambda: TinyLM().to(dtype), **sharding)  # elastic: replaces fully_shard(...)
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
         warmup = steps_per_epoch
 

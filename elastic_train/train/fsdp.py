@@ -47,6 +47,7 @@ def shard_model(
     mesh: Any = None,
     shard: Callable[[torch.nn.Module, Any], None] | None = None,
     device: torch.device | str | None = None,
+    **options: Any,
 ) -> torch.nn.Module:
     """``build()`` on the meta device, sharded with ``fully_shard`` over ``mesh``, with this rank's shards
     allocated (uninitialised) on ``device``: fill them with a restore, or :func:`load_full` on a first start.
@@ -56,19 +57,31 @@ def shard_model(
         mesh: the device mesh (default: :func:`device_mesh`).
         shard: applies ``fully_shard`` (default: to each of :func:`blocks`, then to the whole model).
         device: where the shards live (default: the current group's device).
+        options: passed to each ``fully_shard`` call of the default sharding, e.g.
+            ``mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16)`` (compute in bfloat16; the shards,
+            the optimizer state and the checkpoints keep the parameters' own dtype) or
+            ``reshard_after_forward=False``.
+
+    Raises:
+        ValueError: ``options`` with a ``shard`` function (which makes its own ``fully_shard`` calls).
 
     Buffers registered with ``persistent=False`` are not part of a checkpoint: a model that has them sets
     them again after a restore (they are left uninitialised here).
     """
     from torch.distributed.fsdp import fully_shard
 
+    if options and shard is not None:
+        raise ValueError(
+            f"shard_model: fully_shard options ({', '.join(sorted(options))}) apply to the default sharding; "
+            "a shard function passes its own"
+        )
     mesh = mesh if mesh is not None else device_mesh()
     with torch.device("meta"):
         model = build()
     if shard is None:
         for block in blocks(model):
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+            fully_shard(block, mesh=mesh, **options)
+        fully_shard(model, mesh=mesh, **options)
     else:
         shard(model, mesh)
     model.to_empty(device=device if device is not None else current_world().device)

@@ -89,13 +89,15 @@ def reference(reference_run: Path) -> dict[str, torch.Tensor]:
     return sharded_weights(reference_run / "checkpoints", "default", REF_STEPS)
 
 
-def test_local_entry_kill_and_join(tmp_path: Path) -> None:
-    """The docs' ``elastic-train local`` command, as written."""
+@pytest.mark.parametrize("precision", [(), ("--bf16",)], ids=["float32", "bf16"])
+def test_local_entry_kill_and_join(tmp_path: Path, precision: tuple[str, ...]) -> None:
+    """The docs' ``elastic-train local`` commands, as written: float32, and bfloat16 compute (FSDP2's
+    mixed precision) whose shards, replicas and checkpoints stay float32."""
     cmd = [
         sys.executable, "-m", "elastic_train", "local",
         "--nodes", "3", "--min-nodes", "2", "--max-nodes", "3",
         "--kill-node", "1@step=20", "--add-node", "@step=40", "--summary", "run.json",
-        "--entry", SCRIPT, "--replicas", "1",
+        "--entry", SCRIPT, "--replicas", "1", *precision,
     ]  # fmt: skip
     gate = tmp_path / "gate"
     gate.write_text("3 30\n2 44")  # the kill lands before step 30; at world 2 the job waits for the joiner
@@ -115,6 +117,12 @@ def test_local_entry_kill_and_join(tmp_path: Path) -> None:
     assert any(r["received"] > 0 for r in resharded if r["to_world"] == 3)
     final = sharded_weights(tmp_path / "checkpoints", summary["run_id"], STEPS)
     assert {t.dtype for t in final.values()} == {torch.float32}
+    # Computed in bfloat16 with --bf16 (every step's loss a bfloat16 value), in float32 without.
+    events = read_events(str(tmp_path / "runs" / summary["run_id"] / "events.jsonl"))
+    losses = [e["loss"] for e in events if e["event"] == "step" and e.get("loss") is not None]
+    assert len(losses) > STEPS // 2, losses
+    in_bf16 = [float(torch.tensor(v, dtype=torch.bfloat16)) == v for v in losses]
+    assert all(in_bf16) if precision else not all(in_bf16), losses
 
 
 @pytest.mark.long

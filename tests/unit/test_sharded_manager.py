@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
 from elastic_train.checkpoint import CheckpointConfig, ModelMismatch
@@ -55,11 +56,11 @@ class Net(torch.nn.Module):
 
 
 def job(
-    world: World, tmp: Path, *, out: int = 3, **cfg: object
+    world: World, tmp: Path, *, out: int = 3, sharding: dict[str, object] | None = None, **cfg: object
 ) -> tuple[TrainState, ShardedCheckpointManager]:
     torch.manual_seed(0)
     full = Net(out).state_dict()
-    model = shard_model(lambda: Net(out), mesh=device_mesh())
+    model = shard_model(lambda: Net(out), mesh=device_mesh(), **(sharding or {}))
     load_full(model, full)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 2, 0.5)
@@ -119,6 +120,50 @@ def test_memory_round_trip_into_a_rebuilt_model(world_one: World, shm: Path) -> 
     assert state2.scheduler.last_epoch == 3 and state2.sampler.state_dict()["cursor"] == 24  # type: ignore[union-attr]
     assert manager2.last_moved["kept"] > 0 and manager2.last_moved["received"] == 0
     manager2.close(release_memory=True)
+
+
+def test_a_mixed_precision_model_keeps_its_float32_shards_and_trains_on_as_if_never_stopped(
+    world_one: World, shm: Path
+) -> None:
+    bf16 = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
+    state, manager = job(world_one, shm, sharding=bf16)
+    assert manager.restore() is None
+    train(state, manager, 3)
+    saved = local(state)
+    manager.close()
+    assert {v.dtype for k, v in saved.items() if k.startswith("model.layers")} == {torch.float32}
+    assert state.model.layers[0](torch.randn(2, 4)).dtype == torch.bfloat16  # blocks compute in bfloat16
+
+    state2, manager2 = job(world_one, shm, sharding=bf16)
+    restored = manager2.restore(state2.model.state_dict())
+    assert restored is not None and restored.step == 3 and restored.source == "memory"
+    state2.load_state_dict(restored.state)
+    got = local(state2)
+    assert got.keys() == saved.keys() and all(torch.equal(got[k], saved[k]) for k in saved)
+    # The stopped job and the restored one take the same two steps to the same weights and moments.
+    x = torch.randn(8, 4)
+    for s in (state, state2):
+        for _ in range(2):
+            s.model(x).float().pow(2).mean().backward()
+            s.optimizer.step()  # type: ignore[union-attr]
+            s.optimizer.zero_grad()  # type: ignore[union-attr]
+    a, b = local(state), local(state2)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert not torch.equal(a["model.layers.0.weight"], saved["model.layers.0.weight"])
+    manager2.close(release_memory=True)
+
+
+def test_shard_model_passes_options_to_the_default_sharding_only(world_one: World) -> None:
+    for reshard in (True, False):
+        model = shard_model(lambda: Net(), mesh=device_mesh(), reshard_after_forward=reshard)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.to_local().zero_()
+            model(torch.randn(2, 4))
+        # resharded after the forward: DTensor parameters again; kept unsharded: plain ones
+        assert [isinstance(m.weight, DTensor) for m in model.layers] == [reshard, reshard]
+    with pytest.raises(ValueError, match=r"^shard_model: fully_shard options \(mp_policy\) apply to the"):
+        shard_model(lambda: Net(), shard=lambda m, mesh: None, mp_policy=MixedPrecisionPolicy())
 
 
 def test_a_torn_slot_is_never_restored(world_one: World, shm: Path) -> None:
