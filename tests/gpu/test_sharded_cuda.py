@@ -2,7 +2,7 @@
 
 - One GPU, a world of one on NCCL: an FSDP2 model's shards, Adam state and data position go into the memory
   tier (CUDA tensors through page-locked host memory) and a durable DCP checkpoint, and come back onto the
-  device into a model sharded anew.
+  device into a model sharded anew; in float32, and with bfloat16 compute (mixed precision: float32 shards).
 - Two GPUs (>= 2 visible): ranks re-form their NCCL group in-process from a world of 2 to a world of 1 after
   rank 1 "dies"; the survivor holds rank 1's shards as a replica (``shard_replicas: 1``), reshards onto its
   device, and its weights equal a fault-free world-1 run's.
@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
 import elastic_train as et
@@ -51,8 +52,10 @@ def world() -> Iterator[et.World]:
     os.environ.update(saved)
 
 
-def job(tmp: Path, **cfg: object) -> tuple[torch.nn.Module, torch.optim.Optimizer, et.Checkpointer]:
-    model = et.shard_model(Net)
+def job(
+    tmp: Path, sharding: dict[str, object] | None = None, **cfg: object
+) -> tuple[torch.nn.Module, torch.optim.Optimizer, et.Checkpointer]:
+    model = et.shard_model(Net, **(sharding or {}))
     torch.manual_seed(0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sampler = et.ElasticBatchSampler(64, 8, seed=0)
@@ -66,10 +69,17 @@ def local(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.to_local().detach().cpu().clone() for k, v in model.state_dict().items()}
 
 
-def test_a_sharded_cuda_state_round_trips_memory_and_dcp(world: et.World, tmp_path: Path) -> None:
+#: FSDP2's mixed precision as GPU jobs run it: bfloat16 compute, float32 gradient reduction and shards.
+BF16 = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
+
+
+@pytest.mark.parametrize("sharding", [None, BF16], ids=["float32", "bf16"])
+def test_a_sharded_cuda_state_round_trips_memory_and_dcp(
+    world: et.World, tmp_path: Path, sharding: dict[str, object] | None
+) -> None:
     assert world.backend == "nccl"
     (tmp_path / "shm").mkdir()
-    model, optimizer, ckpt = job(tmp_path)
+    model, optimizer, ckpt = job(tmp_path, sharding)
     ckpt.restore()
     et.load_full(model, Net().state_dict())
     for _ in range(3):
@@ -78,9 +88,10 @@ def test_a_sharded_cuda_state_round_trips_memory_and_dcp(world: et.World, tmp_pa
         optimizer.zero_grad()
         ckpt.commit()
     saved = local(model)
+    assert {v.dtype for v in saved.values()} == {torch.float32}
     ckpt.close()
 
-    model2, optimizer2, ckpt2 = job(tmp_path)
+    model2, optimizer2, ckpt2 = job(tmp_path, sharding)
     assert ckpt2.restore() == 3 and ckpt2.source == "memory"
     got = local(model2)
     assert all(torch.equal(got[k], saved[k]) for k in saved)
@@ -88,7 +99,7 @@ def test_a_sharded_cuda_state_round_trips_memory_and_dcp(world: et.World, tmp_pa
     assert isinstance(moment, DTensor) and moment.device.type == "cuda"
     ckpt2.finalize()
 
-    model3, _, ckpt3 = job(tmp_path, memory=False)
+    model3, _, ckpt3 = job(tmp_path, sharding, memory=False)
     assert ckpt3.restore() == 3 and ckpt3.source == "durable"
     assert all(torch.equal(local(model3)[k], saved[k]) for k in saved)
     ckpt3.close()
