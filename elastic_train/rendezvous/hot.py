@@ -134,6 +134,9 @@ class Observation:
     """The run's view says this node's round is obsolete (a member lost, re-joining, a newcomer)."""
     lost: tuple[str, ...] = ()
     """Members of the round whose lease expired."""
+    own_lost: bool = False
+    """This node is one of them: it was stopped (SIGSTOP, a hung machine) or cut off from etcd for longer
+    than its lease, and the other members went on without it."""
     left: tuple[str, ...] = ()
     """Other members of the round that ask for a newer round."""
     forming: bool = False
@@ -150,6 +153,13 @@ class Observation:
     """When the workers were asked to cut their group's connections, in this round."""
     standby: StandbyState | None = None
     """Set while standby workers wait for admission."""
+
+
+#: Why a node whose own lease expired falls back: it was stopped or cut off, not one of its peers.
+OWN_LEASE_EXPIRED = "this node's own lease expired (it was stopped, or cut off from etcd)"
+WENT_ON_WITHOUT_IT = (
+    "members that went on without this node (its own lease expired: it was stopped, or cut off)"
+)
 
 
 def decide(o: Observation) -> Action:
@@ -182,11 +192,12 @@ def decide(o: Observation) -> Action:
             return Action(Act.CUT)
         if o.cut_at is None or o.now - o.cut_at > CUT_GRACE:
             after_cut = f", and still {CUT_GRACE:g} s after the cut" if o.cut_at is not None else ""
-            whom = (
-                "a member whose lease expired (a stopped peer)"
-                if o.lost
-                else f"member(s) {sorted(o.left)} that left the round"
-            )
+            if o.own_lost:
+                whom = WENT_ON_WITHOUT_IT
+            elif o.lost:
+                whom = "a member whose lease expired (a stopped peer)"
+            else:
+                whom = f"member(s) {sorted(o.left)} that left the round"
             return Action(
                 Act.GIVE_UP,
                 f"workers blocked in a collective with {whom}: no step boundary to wait for{after_cut}",
@@ -196,6 +207,12 @@ def decide(o: Observation) -> Action:
         # the workers cannot reach a step boundary: waiting the step grace would only delay the restart
         return Action(Act.SHORTEN, why, grace=LOST_GRACE)
     if o.now - o.announced_at > o.grace:
+        if o.own_lost:
+            return Action(
+                Act.GIVE_UP,
+                f"{OWN_LEASE_EXPIRED}; its workers reached no step boundary within {o.grace:g} s of the "
+                "change (the other members went on without it)",
+            )
         return Action(
             Act.GIVE_UP,
             f"workers did not reach a step boundary within {o.grace:g} s of the change "
@@ -355,12 +372,14 @@ class HotPath:
         if waiting == 0:
             return Observation(now, round, engaged=True)
         left = (p.asking_beyond(round) & set(p.members)) - {p.node_id}
+        lost = tuple(sorted(p.lost_members()))
         return Observation(
             now,
             round,
             engaged=True,
             waiting=waiting,
-            lost=tuple(sorted(p.lost_members())),
+            lost=lost,
+            own_lost=p.node_id in lost,
             left=tuple(sorted(left)),
             forming=any(r.round < round for r in ready.values()),
             blocked=self.fence.workers_blocked(),

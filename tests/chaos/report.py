@@ -20,6 +20,7 @@ INVARIANTS += ("hot_kept",)
 
 #: Fallback reasons as the table counts them (the first marker found in the agent's ``hot_fallback`` reason).
 FALLBACK_LABELS = (
+    ("own lease expired", "node stopped or cut off"),
     ("did not reach a step boundary", "peer stopped (no step boundary)"),
     ("blocked in a collective", "peer stopped (no step boundary)"),
     ("exited", "a worker exited"),
@@ -204,8 +205,9 @@ def markdown(results: list[dict[str, Any]], *, command: str) -> str:
             "fault; a node another fault hit meanwhile, or that fell back, is no survivor), and every "
             "`hot_fallback` an agent logged has a cause among the injected faults of the 30 s before: a "
             'stopped peer (SIGSTOP, a partition) for "did not reach a step boundary", a killed worker of '
-            'that node for "exited", a partition or an etcd fault for "fenced". With hot off it checks that '
-            "no group re-formed in-process.",
+            'that node for "exited", a stop or partition of that node or an etcd fault for "own lease '
+            'expired", a partition or an etcd fault for "fenced". With hot off it checks that no group '
+            "re-formed in-process.",
             "",
             "```text",
             render(results),

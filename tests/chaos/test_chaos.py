@@ -70,6 +70,15 @@ FALLBACK_WINDOW_S = 30.0
 #: A ``hot_fallback`` reason (substring) → the faults that require it: (kind, on the node that logged the
 #: fallback: True; on another node: False; either: None).
 FALLBACK_CAUSES: dict[str, tuple[tuple[str, bool | None], ...]] = {
+    # this node's own lease expired (first: its reasons also name a collective or a step boundary):
+    # it was stopped and resumed, cut off from etcd, or etcd was unavailable for longer than the lease
+    "own lease expired": (
+        ("hang-node", True),
+        ("partition-etcd", True),
+        ("restart-etcd", None),
+        ("kill-etcd-leader", None),
+        ("etcd-quorum-loss", None),
+    ),
     # survivors blocked in a collective with a peer that stopped (SIGSTOP, or cut off from etcd)
     "did not reach a step boundary": (("hang-node", False), ("partition-etcd", False)),
     "blocked in a collective": (("hang-node", False), ("partition-etcd", False)),

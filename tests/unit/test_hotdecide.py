@@ -28,6 +28,9 @@ ANNOUNCED = replace(CHANGED, announced_at=NOW - 0.5, grace=STEP_GRACE)
 #: A member's lease expired, the workers were told with the short grace.
 LOST = replace(CHANGED, lost=("c",), announced_at=NOW - 0.2, grace=LOST_GRACE)
 
+#: This node's own lease expired (stopped, or cut off from etcd), the workers told with the short grace.
+OWN_LOST = replace(LOST, lost=("a", "c"), own_lost=True)
+
 STOPPED_PEER = (
     "workers blocked in a collective with a member whose lease expired (a stopped peer): no step boundary "
     "to wait for"
@@ -97,6 +100,17 @@ TABLE: list[tuple[str, Observation, Action]] = [
     ("cut, and still blocked past the grace",
      replace(LOST, blocked=True, cuttable=True, cut_at=NOW - CUT_GRACE - 0.01),
      Action(Act.GIVE_UP, f"{STOPPED_PEER}, and still 1 s after the cut")),
+    # -- this node's own lease expired (it was stopped or cut off): the others went on without it
+    ("own lease expired, workers still stepping within the short grace", OWN_LOST, NOTHING),
+    ("own lease expired, the short grace ran out", replace(OWN_LOST, announced_at=NOW - LOST_GRACE - 0.01),
+     Action(Act.GIVE_UP, "this node's own lease expired (it was stopped, or cut off from etcd); its workers "
+                         "reached no step boundary within 1 s of the change (the other members went on "
+                         "without it)")),
+    ("own lease expired, workers blocked, gloo: cut their links",
+     replace(OWN_LOST, blocked=True, cuttable=True), Action(Act.CUT)),
+    ("own lease expired, workers blocked, NCCL: restart", replace(OWN_LOST, blocked=True),
+     Action(Act.GIVE_UP, "workers blocked in a collective with members that went on without this node (its "
+                         "own lease expired: it was stopped, or cut off): no step boundary to wait for")),
     # -- standby workers (a node joining a running job)
     ("standby workers still building", Observation(NOW, 3, standby=StandbyState(needed=2, ready=1)), NOTHING),
     ("all standby workers built: admit", Observation(NOW, 3, standby=StandbyState(needed=2, ready=2)),
