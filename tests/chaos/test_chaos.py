@@ -67,32 +67,29 @@ HOT_HANDLED = ("kill-node", "kill-during-checkpoint", "add-node")
 PID_SAMPLE_S = 0.1
 #: Seconds after its fault within which a fallback counts as caused by it.
 FALLBACK_WINDOW_S = 30.0
+#: The faults that expire a node's own lease: stopped (SIGSTOP) longer than it and resumed, cut off from etcd,
+#: or etcd unavailable for longer than it (kind, as in :data:`FALLBACK_CAUSES`).
+OWN_LEASE_LOST: tuple[tuple[str, bool | None], ...] = (
+    ("hang-node", True),
+    ("partition-etcd", True),
+    ("restart-etcd", None),
+    ("kill-etcd-leader", None),
+    ("etcd-quorum-loss", None),
+)
+#: The faults that leave a node's workers blocked with a peer that stopped (SIGSTOP, or cut off from etcd).
+PEER_STOPPED: tuple[tuple[str, bool | None], ...] = (("hang-node", False), ("partition-etcd", False))
 #: A ``hot_fallback`` reason (substring) → the faults that require it: (kind, on the node that logged the
 #: fallback: True; on another node: False; either: None).
 FALLBACK_CAUSES: dict[str, tuple[tuple[str, bool | None], ...]] = {
-    # this node's own lease expired (first: its reasons also name a collective or a step boundary):
-    # it was stopped and resumed, cut off from etcd, or etcd was unavailable for longer than the lease
-    "own lease expired": (
-        ("hang-node", True),
-        ("partition-etcd", True),
-        ("restart-etcd", None),
-        ("kill-etcd-leader", None),
-        ("etcd-quorum-loss", None),
-    ),
-    # survivors blocked in a collective with a peer that stopped (SIGSTOP, or cut off from etcd)
-    "did not reach a step boundary": (("hang-node", False), ("partition-etcd", False)),
-    "blocked in a collective": (("hang-node", False), ("partition-etcd", False)),
+    # this node's own lease expired (first: its reasons also name a collective or a step boundary)
+    "own lease expired": OWN_LEASE_LOST,
+    # survivors blocked in a collective with a peer that stopped
+    "did not reach a step boundary": PEER_STOPPED,
+    "blocked in a collective": PEER_STOPPED,
     # a worker of this node died by itself (the agent sees its pid gone, or torchrun restarted the group)
     "exited": (("kill-worker", True),),
-    # this node lost its lease: cut off from etcd, resumed after a SIGSTOP longer than its lease, or etcd
-    # unavailable for longer than the lease
-    "was fenced": (
-        ("partition-etcd", True),
-        ("hang-node", True),
-        ("restart-etcd", None),
-        ("kill-etcd-leader", None),
-        ("etcd-quorum-loss", None),
-    ),
+    # this node lost its lease, and its fence stopped its workers
+    "was fenced": OWN_LEASE_LOST,
 }
 
 
