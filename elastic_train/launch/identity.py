@@ -35,4 +35,5 @@ def job_settings(cfg: JobConfig) -> dict[str, Any]:
         # how every rank splits and reduces a step: ranks that differ make the collectives disagree
         "train.shares": train.shares,
         "train.fsdp": train.fsdp,
+        "train.mixed_precision": train.mixed_precision,
     }

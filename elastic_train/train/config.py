@@ -9,6 +9,13 @@ from typing import Any
 SHARES = ("even", "speed")
 
 
+#: The built-in loop's compute dtypes of a sharded model (``train.mixed_precision``): ``none`` computes in the
+#: parameters' own dtype; ``bfloat16`` is FSDP2's ``MixedPrecisionPolicy(param_dtype=bfloat16,
+#: reduce_dtype=float32)``: forward and backward in bfloat16, gradients reduced in float32, while the shards,
+#: the optimizer state and every checkpoint keep the parameters' own dtype.
+MIXED_PRECISION = ("none", "bfloat16")
+
+
 def check_shares(shares: str) -> None:
     """Raises ValueError naming the choices when ``shares`` is not one of :data:`SHARES`."""
     if shares not in SHARES:
@@ -41,6 +48,8 @@ class TrainConfig:
     """Shard the model with FSDP2 (fully_shard per block) instead of replicating it with DDP."""
     shares: str = "even"
     """Split of each step over the ranks: even, or speed (a slow rank trains fewer, docs/stragglers.md)."""
+    mixed_precision: str = "none"
+    """Compute dtype of a sharded model (fsdp): none (the parameters' own) or bfloat16 (docs/sharded.md)."""
 
     def __post_init__(self) -> None:
         if not self.task:
@@ -56,3 +65,12 @@ class TrainConfig:
         if self.backend not in ("auto", "gloo", "nccl"):
             raise ValueError(f"backend: {self.backend!r} is not one of auto, gloo, nccl")
         check_shares(self.shares)
+        if self.mixed_precision not in MIXED_PRECISION:
+            raise ValueError(
+                f"mixed_precision: {self.mixed_precision!r} is not one of {', '.join(MIXED_PRECISION)}"
+            )
+        if self.mixed_precision != "none" and not self.fsdp:
+            raise ValueError(
+                f"mixed_precision: {self.mixed_precision} needs fsdp: true (FSDP2's MixedPrecisionPolicy); "
+                "a replicated (DDP) model computes in its parameters' dtype"
+            )

@@ -123,6 +123,22 @@ def _tensors(model: torch.nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
             yield name, buf
 
 
+def precision_options(mixed_precision: str) -> dict[str, Any]:
+    """``fully_shard``'s options for the built-in loop's ``train.mixed_precision``: none for ``none``;
+    ``mp_policy=MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)`` for ``bfloat16``.
+
+    Raises:
+        ValueError: another name.
+    """
+    if mixed_precision == "none":
+        return {}
+    if mixed_precision == "bfloat16":
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        return {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
+    raise ValueError(f"mixed_precision: {mixed_precision!r} is not one of none, bfloat16")
+
+
 class ShardedTask:
     """The built-in loop's FSDP2 (``train.fsdp: true``): the task's model sharded anew in each group, the
     task's optimizer pointed at the new shards.
@@ -132,10 +148,14 @@ class ShardedTask:
     copy of the skeleton, shards it (:func:`shard_model`), sets the buffers a checkpoint does not hold
     (``persistent=False``) to their initial values, and re-points the optimizer's parameter groups at the new
     shards with an empty state — the restore loads the step's state into them. The optimizer and the
-    scheduler stay the task's own objects.
+    scheduler stay the task's own objects. ``mixed_precision`` (``train.mixed_precision``) sets the compute
+    dtype of every ``fully_shard`` call (:func:`precision_options`).
     """
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    def __init__(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, mixed_precision: str = "none"
+    ) -> None:
+        self._options = precision_options(mixed_precision)
         self.initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
         self._buffers = {k: v.detach().clone() for k, v in model.named_buffers()}
         names = {id(p): n for n, p in model.named_parameters()}
@@ -149,7 +169,7 @@ class ShardedTask:
         import copy
         from collections import defaultdict
 
-        model = shard_model(lambda: copy.deepcopy(self._skeleton), device=device)
+        model = shard_model(lambda: copy.deepcopy(self._skeleton), device=device, **self._options)
         with torch.no_grad():
             for name, buf in model.named_buffers():
                 buf.copy_(self._buffers[name])

@@ -70,7 +70,7 @@ def run_worker(cfg: JobConfig, env: WorkerEnv, *, started: float) -> int:
     if cfg.train.fsdp:  # the model is sharded anew in each group; its initial weights are kept
         from elastic_train.train.fsdp import ShardedTask
 
-        sharded_task = ShardedTask(task.model, task.optimizer)
+        sharded_task = ShardedTask(task.model, task.optimizer, mixed_precision=cfg.train.mixed_precision)
     elif cfg.checkpoint.shard_replicas:
         log.warning("shard_replicas_ignored", reason="train.fsdp is off: every rank holds the whole state")
     timings["task_build_s"] = time.perf_counter() - t

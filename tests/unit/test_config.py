@@ -59,6 +59,8 @@ def test_nested_values_and_types(tmp_path: Path) -> None:
         ("train: {steps: ten}", "train.steps: expected an integer, got 'ten' (str)"),
         ("train: {steps: 0}", "train.steps: 0 must be >= 1"),
         ("train: {steps: 1.5}", "train.steps: expected an integer, got 1.5 (float)"),
+        ("train: {mixed_precision: fp8}", "train.mixed_precision: 'fp8' is not one of none, bfloat16"),
+        ("train: {mixed_precision: bfloat16}", "train.mixed_precision: bfloat16 needs fsdp: true"),
         ("checkpoint: {async_write: 1}", "checkpoint.async_write: expected a boolean, got 1 (int)"),
         ("checkpoint: {on_error: ignore}", "checkpoint.on_error: 'ignore' is not one of retry, log, fatal"),
         ("rendezvous: {min_nodes: 3, max_nodes: 2}", "rendezvous.max_nodes: 2 must be >= min_nodes (3)"),

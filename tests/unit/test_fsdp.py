@@ -76,7 +76,7 @@ def test_a_sharding_the_tiers_cannot_keep_is_one_line(world_one: None) -> None:
         split({"w": hybrid}, rank=0, world_size=1)
 
 
-def _trainer(tmp: Path, *, fsdp: bool, steps: int) -> Any:
+def _trainer(tmp: Path, *, fsdp: bool, steps: int, mixed_precision: str = "none") -> Any:
     from elastic_train.checkpoint import CheckpointConfig, CheckpointManager
     from elastic_train.checkpoint.sharded.manager import ShardedCheckpointManager
     from elastic_train.train import rng
@@ -91,7 +91,7 @@ def _trainer(tmp: Path, *, fsdp: bool, steps: int) -> Any:
     cfg = CheckpointConfig(url=str(tmp / "ck"), memory=False, every_steps=0)
     sharded = None
     if fsdp:
-        parts = ShardedTask(task.model, task.optimizer)
+        parts = ShardedTask(task.model, task.optimizer, mixed_precision=mixed_precision)
         model = parts.build(torch.device("cpu"))
         sharded = (model, parts.initial)
         manager: Any = ShardedCheckpointManager(
@@ -100,7 +100,11 @@ def _trainer(tmp: Path, *, fsdp: bool, steps: int) -> Any:
     else:
         manager = CheckpointManager(cfg, "r", rank=0, world_size=1, local_rank=0)
     trainer = Trainer(
-        TrainConfig(task="regression", steps=steps, global_batch=10, micro_batch=4, seed=3), task, rank=0,
+        TrainConfig(
+            task="regression", steps=steps, global_batch=10, micro_batch=4, seed=3, fsdp=fsdp,
+            mixed_precision=mixed_precision,
+        ),
+        task, rank=0,
         world_size=1, round=0, device=torch.device("cpu"), checkpointer=manager,
         events=EventWriter(None, round=0, world_size=1), sharded=sharded,
     )  # fmt: skip
@@ -121,3 +125,27 @@ def test_the_builtin_loop_trains_a_sharded_task_as_ddp_does(world_one: None, tmp
         assert torch.equal(got.full_tensor() if isinstance(got, DTensor) else got, value), name
     resumed = _trainer(tmp_path / "fsdp", fsdp=True, steps=6)  # its final checkpoint: a DCP directory
     assert resumed.step == 6 and resumed.ckpt.source == "durable"
+
+
+def test_the_builtin_loop_computes_a_sharded_task_in_bfloat16(world_one: None, tmp_path: Path) -> None:
+    """train.mixed_precision: bfloat16: forward in bfloat16, while the shards, the optimizer state and the
+    durable checkpoint keep the parameters' own dtype (float64 here); a resume reads them back."""
+    plain = _trainer(tmp_path / "plain", fsdp=True, steps=6)
+    plain.run()
+    mixed = _trainer(tmp_path / "mixed", fsdp=True, steps=6, mixed_precision="bfloat16")
+    seen: list[torch.dtype] = []
+    first = next(m for m in mixed.model.modules() if isinstance(m, torch.nn.Linear))
+    first.register_forward_hook(lambda _m, _i, out: seen.append(out.dtype))
+    mixed.run()
+    assert seen and set(seen) == {torch.bfloat16}
+    state = mixed.model.state_dict()
+    for name, value in plain.model.state_dict().items():
+        got, want = state[name].full_tensor(), value.full_tensor()
+        assert got.dtype == torch.float64 and not torch.equal(got, want), name
+        torch.testing.assert_close(got, want, atol=0.05, rtol=0.05)  # the same training, rounded
+    moments = [v for st in mixed.task.optimizer.state.values() for v in st.values() if isinstance(v, DTensor)]
+    assert moments and all(m.dtype == torch.float64 for m in moments)
+    resumed = _trainer(tmp_path / "mixed", fsdp=True, steps=6, mixed_precision="bfloat16")
+    assert resumed.step == 6 and resumed.ckpt.source == "durable"
+    for name, value in resumed.model.state_dict().items():
+        assert torch.equal(value.full_tensor(), state[name].full_tensor()), name

@@ -38,6 +38,11 @@ def test_same_config_same_fingerprint_and_local_paths_are_absolute(tmp_path, mon
         ({"train.shares": "speed"}, "train.shares=even; this node has train.shares=speed"),
         ({"train.fsdp": True}, "train.fsdp=false; this node has train.fsdp=true"),
         (
+            {"train.fsdp": True, "train.mixed_precision": "bfloat16"},
+            "train.fsdp=false, train.mixed_precision=none; "
+            "this node has train.fsdp=true, train.mixed_precision=bfloat16",
+        ),
+        (
             {"checkpoint.url": "s3://b/ckpt", "train.seed": 9, "train.steps": 5},
             "checkpoint.url=s3://a/ckpt, train.seed=0; "
             "this node has checkpoint.url=s3://b/ckpt, train.seed=9",
