@@ -342,6 +342,10 @@ class CheckpointManager:
     def finalize(self, step: int, state: Mapping[str, Any]) -> Committed | None:
         """Commit a final durable checkpoint (collective), wait for it, release shared memory.
 
+        The shared-memory snapshot is released only once the final checkpoint is committed: when it could not
+        be written, the snapshot stays the newest copy of the state, and a restarted worker restores from it
+        and writes the final checkpoint again.
+
         Returns:
             The final checkpoint as committed by this rank's view (None on ranks other than 0).
 
@@ -349,6 +353,7 @@ class CheckpointManager:
             WriteFailed: the final (or an earlier) durable write failed and ``on_error`` is not ``log``.
         """
         self._check_open()
+        committed = False
         try:
             if self.memory is not None:
                 self.memory.wait_idle()
@@ -360,8 +365,9 @@ class CheckpointManager:
             self._raise_pending()
             if self.rank == 0 and self.storage.recycles:  # no later save reuses retired files
                 durable.trim_pool(self.storage, durable.pool_path(self.storage, self.run_path), 0)
+            committed = True
         finally:
-            self._shutdown(release_memory=True)
+            self._shutdown(release_memory=committed)
         return self.last_committed if self.rank == 0 else None
 
     def close(self, *, release_memory: bool = False, timeout: float = 10.0) -> None:

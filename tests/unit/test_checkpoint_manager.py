@@ -337,12 +337,20 @@ def test_final_checkpoint_is_retried_and_never_silently_lost(tmp_path, memdir, m
     assert committed is not None and committed.step == 2
     assert [e.step for e in durable.list_entries(s, root) if e.valid] == [2]
 
-    # A final checkpoint that cannot be written at all fails the job, whatever on_error says.
-    m2 = manager(cfg(str(tmp_path / "d"), memdir, every_steps=0, on_error="log", retries=1), "other")
+    # A final checkpoint that cannot be written at all fails the job, whatever on_error says; the memory
+    # snapshot stays (the only copy of step 1), and a restarted worker restores it and writes it again.
+    c = cfg(str(tmp_path / "d"), memdir, every_steps=0, on_error="log", retries=1, memory=True)
+    m2 = manager(c, "other")
     m2.storage = FailingStorage(m2.storage, 10**6)
     m2.save(1, make_state(1))
     with pytest.raises(WriteFailed, match="disk on fire"):
         m2.finalize(1, make_state(1))
+    assert len(snapshot_files(memdir, "other")) == 1
+    m3 = manager(c, "other")
+    held = m3.restore()
+    assert held is not None and (held.step, held.source) == (1, "memory")
+    assert m3.finalize(1, held.state) is not None
+    assert snapshot_files(memdir, "other") == []
 
 
 def _shares(entry: durable.Entry) -> list[str]:

@@ -311,11 +311,12 @@ def file_digests(storage: Storage, path: str, names: Sequence[str]) -> dict[str,
 
 
 def _url(storage: Storage, path: str) -> str:
+    """The URL of ``path`` for DCP's fsspec writer: the filesystem's own inverse of its path stripping
+    (``s3://bucket/key``; ``file:///abs/path`` for a filesystem of absolute paths, whose leading slash a
+    plain ``proto://`` + path join would lose, making the path relative)."""
     if isinstance(storage, LocalStorage):
         return path
-    fs = storage.fs  # type: ignore[attr-defined]
-    proto = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
-    return f"{proto}://{path.lstrip('/')}"
+    return str(storage.fs.unstrip_protocol(path))  # type: ignore[attr-defined]
 
 
 def save(

@@ -281,12 +281,14 @@ class ShardedCheckpointManager(DurableWriting, Restoring):
             raise CheckpointError("checkpoint manager is closed")
 
     def finalize(self, step: int, state: Mapping[str, Any]) -> Committed | None:
-        """The final durable checkpoint (collective, retried), then the shared memory is released.
+        """The final durable checkpoint (collective, retried), then the shared memory is released; kept
+        when the checkpoint could not be written (the newest copy of the state, for a restarted worker).
 
         Raises:
             WriteFailed: it could not be written.
         """
         self._check_open()
+        committed = False
         try:
             if self.memory is not None:
                 self.memory.wait_idle()
@@ -296,8 +298,9 @@ class ShardedCheckpointManager(DurableWriting, Restoring):
                 self._submit(step, self._flat(state), None, final=True)
             self.wait()
             self._raise_pending()
+            committed = True
         finally:
-            self._shutdown(release_memory=True)
+            self._shutdown(release_memory=committed)
         return self.last_committed if self.rank == 0 else None
 
     def abort(self, *, timeout: float = 10.0) -> None:

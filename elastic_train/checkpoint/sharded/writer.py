@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from elastic_train.checkpoint import durable
+from elastic_train.checkpoint import writer as durable_writer
 from elastic_train.checkpoint.codec import ALIGN, Flat, aligned_zeros, copy_into, tensor_at, unflatten
 from elastic_train.checkpoint.errors import WriteFailed
 from elastic_train.checkpoint.policy import step_dir
@@ -94,7 +95,7 @@ class DurableWriting(ManagerBase):
                     "checkpoint_write_failed", step=job.step, attempt=attempt, attempts=attempts, error=error
                 )
                 if attempt < attempts:
-                    time.sleep(min(10.0, 0.5 * 2 ** (attempt - 1)))
+                    time.sleep(durable_writer.retry_delay(attempt))
             failure = WriteFailed(f"durable checkpoint of step {job.step} failed: {error}")
         except Exception as exc:  # a bug or a broken group: reported, never lost silently
             log.error("checkpoint_writer_crashed", step=job.step, error=repr(exc))
