@@ -89,7 +89,7 @@ def render(results: list[dict[str, Any]]) -> str:
     paths: dict[str, Counter[str]] = {}
     redone: list[int] = []
     resume_s: list[float] = []
-    head = f"{'seed':>5} {'etcd':>4} {'hot':>3} {'faults':>7} {'wall s':>7}  "
+    head = f"{'seed':>5} {'etcd':>4} {'hot':>3} {'model':>5} {'faults':>7} {'wall s':>7}  "
     lines = [head + " ".join(f"{i[:12]:>12}" for i in INVARIANTS)]
     for r in results:
         for f in r["faults"]:
@@ -103,8 +103,10 @@ def render(results: list[dict[str, Any]]) -> str:
         marks = " ".join(f"{'ok' if r['invariants'].get(i) else 'FAIL':>12}" for i in INVARIANTS)
         members = r.get("etcd_members", 1)
         hot = "on" if r.get("hot") else "off"
+        model = "fsdp" if r.get("sharded") else "ddp"
         lines.append(
-            f"{r['seed']:>5} {members:>4} {hot:>3} {len(r['faults']):>7} {r['wall_s']:>7.1f}  {marks}"
+            f"{r['seed']:>5} {members:>4} {hot:>3} {model:>5} {len(r['faults']):>7} {r['wall_s']:>7.1f}  "
+            f"{marks}"
         )
     lines.append("")
     lines.append(f"{'fault kind':<24}{'injected':>9}{'recovered in a new round':>26}  recovery path")
@@ -208,6 +210,13 @@ def markdown(results: list[dict[str, Any]], *, command: str) -> str:
             'that node for "exited", a stop or partition of that node or an etcd fault for "own lease '
             'expired", a partition or an etcd fault for "fenced". With hot off it checks that no group '
             "re-formed in-process.",
+            "",
+            "Two seeds in five (2, 4, 7, 9 …; column `model`) shard the model: `train.fsdp` (FSDP2) with "
+            "`checkpoint.shard_replicas: 1`, so the memory tier keeps each rank's shards and a replica of "
+            "another node's, a membership change re-shards from the survivors' memory, and the durable "
+            "checkpoints are torch.distributed.checkpoint directories. Every invariant above is checked "
+            "for them too (the final weights read back from the last DCP checkpoint); the other seeds "
+            "replicate the model with DDP.",
             "",
             "```text",
             render(results),

@@ -17,6 +17,10 @@ surviving nodes' worker processes are the same before the fault and once the job
 ``hot_fallback`` an agent logged names a reason that an injected fault requires (a stopped peer, a worker
 that exited, a fenced node). With it off, no agent re-formed a group in-process.
 
+Two seeds in five shard the model (:func:`tests.chaos.plan.sharded`: ``train.fsdp`` with one replica of each
+shard): every invariant above holds for the sharded tiers too, the final weights read from the last
+checkpoint, a torch.distributed.checkpoint directory.
+
 ``make test`` runs seed 0; ``make chaos SEEDS=20`` runs seeds 0..19 and prints a table.
 """
 
@@ -36,6 +40,8 @@ import torch
 
 from elastic_train.checkpoint import durable
 from elastic_train.checkpoint.codec import tensor_at, unflatten
+from elastic_train.checkpoint.sharded import manifest as sharded_manifest
+from elastic_train.checkpoint.sharded.export import model_tensors
 from elastic_train.checkpoint.shmfiles import snapshot_files
 from elastic_train.checkpoint.storage import open_storage
 from elastic_train.config import load_job_config
@@ -45,7 +51,7 @@ from elastic_train.procs import tree
 from elastic_train.train.audit import check_exactly_once
 from elastic_train.train.events import read_events
 from tests.chaos.chaos_task import ENV_FLAG
-from tests.chaos.plan import PlanSpec, etcd_members, hot_recovery, make_plan
+from tests.chaos.plan import PlanSpec, etcd_members, hot_recovery, make_plan, sharded
 from tests.chaos.report import recovery_path
 from tests.helpers import log_records
 
@@ -94,9 +100,11 @@ FALLBACK_CAUSES: dict[str, tuple[tuple[str, bool | None], ...]] = {
 
 
 def overrides(
-    tmp: Path, run_id: str, ckpt_url: str, max_nodes: int, hot: bool | None = None
+    tmp: Path, run_id: str, ckpt_url: str, max_nodes: int, hot: bool | None = None, shard: bool = False
 ) -> dict[str, Any]:
-    extra = {} if hot is None else {"rendezvous.hot": hot}
+    extra: dict[str, Any] = {} if hot is None else {"rendezvous.hot": hot}
+    if shard:
+        extra.update({"train.fsdp": True, "checkpoint.shard_replicas": 1})
     return {
         **extra,
         "rendezvous.run_id": run_id,
@@ -142,6 +150,9 @@ def final_weights(ckpt_url: str, run_id: str) -> dict[str, torch.Tensor]:
     storage = open_storage(ckpt_url)
     _, entries = durable.resolve(storage, storage.join(storage.root, run_id))
     entry = max((e for e in entries if e.valid), key=lambda e: e.step)
+    assert entry.manifest is not None
+    if entry.manifest.get("format") == sharded_manifest.FORMAT:  # a DCP directory
+        return model_tensors(storage, entry.path, entry.manifest)
     buf, specs = durable.load(storage, entry)
     state = unflatten(entry.manifest["skeleton"], [tensor_at(buf, s) for s in specs])
     return {k: v.clone() for k, v in state["model"].items()}
@@ -207,8 +218,8 @@ def test_chaos_invariants(
         "storage-outage": storage_outage,
         "corrupt-checkpoint": corrupt,
     }
-    hot = hot_recovery(chaos_seed)
-    ov = overrides(tmp_path, run_id, ckpt_url, SPEC.max_nodes, hot=hot)
+    hot, shard = hot_recovery(chaos_seed), sharded(chaos_seed)
+    ov = overrides(tmp_path, run_id, ckpt_url, SPEC.max_nodes, hot=hot, shard=shard)
     cfg = load_job_config(None, ov)
     job = LocalJob(
         cfg,
@@ -305,6 +316,7 @@ def test_chaos_invariants(
             "seed": chaos_seed,
             "etcd_members": etcd_members(chaos_seed),
             "hot": hot,
+            "sharded": shard,
             "hot_detail": detail["hot"],
             "faults": [
                 {
@@ -321,7 +333,8 @@ def test_chaos_invariants(
     )
     failed = [k for k, ok in inv.items() if not ok]
     assert not failed, (
-        f"seed {chaos_seed}: invariants failed: {failed}\nplan: {[f.label for f in plan]}\n"
+        f"seed {chaos_seed} (hot {hot}, sharded {shard}): invariants failed: {failed}\n"
+        f"plan: {[f.label for f in plan]}\n"
         f"detail: {json.dumps(detail, default=str)[:2000]}\nlogs: {job.opts.workdir}"
     )
 

@@ -77,6 +77,20 @@ def test_hot_recovery_mix() -> None:
         assert any(s % 4 == 2 for s in seeds), "a partition seed"
 
 
+def test_sharded_mix() -> None:
+    """Both layouts within ``make chaos``'s default seeds, the CI seed replicated, and each layout meets both
+    etcd sizes, both recovery paths and the partition seeds within a dozen seeds."""
+    from tests.chaos.plan import etcd_members, hot_recovery, sharded
+
+    assert {sharded(s) for s in range(5)} == {True, False}
+    assert not sharded(0)
+    for layout in (True, False):
+        seeds = [s for s in range(12) if sharded(s) == layout]
+        assert {etcd_members(s) for s in seeds} == {1, 3}
+        assert {hot_recovery(s) for s in seeds} == {True, False}
+        assert any(s % 4 == 2 for s in seeds), "a partition seed"
+
+
 def test_hot_kept_judges_pids_and_fallbacks() -> None:
     """The chaos suite's ``hot_kept`` on made-up runs: a survivor restarted across a kill fails it, a kept
     one passes; a fallback needs an injected fault that requires it, in time; hot off allows no hot round."""
