@@ -310,11 +310,14 @@ class Etcd:
         resp = self._call(lambda: self.raw.kvstub.Range(req, self.raw.timeout, **self._md()))
         return [_kv(kv) for kv in resp.kvs], resp.header.revision
 
-    def get(self, key: str) -> KeyValue | None:
+    def get(self, key: str, timeout: float | None = None) -> KeyValue | None:
+        """The value of ``key`` (None when absent); ``timeout`` (default: the RPC timeout) is the request's
+        deadline, for a caller that must answer sooner than an unanswered request would."""
         self.counts.reads += 1
         self.counts.requests += 1
         req = etcdrpc.RangeRequest(key=key.encode())
-        resp = self._call(lambda: self.raw.kvstub.Range(req, self.raw.timeout, **self._md()))
+        deadline = timeout if timeout is not None else self.raw.timeout
+        resp = self._call(lambda: self.raw.kvstub.Range(req, deadline, **self._md()))
         return _kv(resp.kvs[0]) if resp.kvs else None
 
     def put(self, key: str, value: bytes, lease: int = 0) -> int:

@@ -40,7 +40,7 @@ from elastic_train.launch.netlink import SilentLink
 from elastic_train.launch.run import worker_overrides_argv
 from elastic_train.launch.summary import Summary, render_table, world_size_timeline
 from elastic_train.log import get_logger
-from elastic_train.procs import signal_tree, start_ms, terminate_tree, tied, tree
+from elastic_train.procs import signal_tree, start_ms, terminate_tree, tied, tree, wait_gone
 
 if TYPE_CHECKING:
     from elastic_train.etcd.client import Etcd
@@ -319,8 +319,9 @@ class LocalJob:
         cut = time.monotonic()
 
         def watch() -> None:
-            _, alive = psutil.wait_procs(workers, timeout=self.opts.partition_s)
-            if not alive:
+            # exited, or a zombie its agent has not reaped yet (an agent cut off from etcd reaps once the
+            # cut heals): the workers' end, not their agent's next look
+            if wait_gone([p.pid for p in workers], self.opts.partition_s):
                 record.extra["workers_gone_s"] = round(time.monotonic() - cut, 3)
 
         threading.Thread(target=watch, name="partition-watch", daemon=True).start()

@@ -252,7 +252,10 @@ class Fence:
                 log.warning("publish_gate_unconfirmed", round=round, error="etcd is unreachable")
                 return UNKNOWN
             try:
-                kv = p.etcd.get(p.prefix + "round")
+                # bounded by the gate's own wait: a request etcd never answers (a partition that drops
+                # packets) would otherwise hold the worker's next save for the whole RPC timeout
+                left = max(0.05, deadline - time.monotonic())
+                kv = p.etcd.get(p.prefix + "round", timeout=left)
                 latest = RoundRecord.decode(kv.value).round if kv is not None else 0
             except EtcdError as exc:
                 if time.monotonic() >= deadline or self._stop.is_set():

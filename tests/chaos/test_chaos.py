@@ -415,8 +415,10 @@ def hot_kept(
 
     A node's workers count as "training before" when its pids were the same in every sample of the last
     second before the fault (a node still restarting or starting its workers is not a survivor yet). A node
-    that another fault hit meanwhile (faults overlap: a joiner killed while it joins) and a node that fell
-    back in the window are not survivors: the fallback check judges those."""
+    that another fault hit meanwhile (faults overlap: a joiner killed while it joins), a node that fell
+    back in the window, and a node whose workers are an earlier fault's victims still on their way out (a
+    partitioned node's fenced worker, exiting while the others train without it) are not survivors: the
+    fallback check judges those."""
     if not hot:
         return not rounds and not fallbacks, {"hot_rounds": len(rounds), "fallbacks": len(fallbacks)}
     fired = [f for f in records if f.fired_at is not None]
@@ -443,9 +445,11 @@ def hot_kept(
             skipped[f.label] = "no pid sample before or after"
             continue
         fell_back = {n for t, n, _ in fallbacks if start <= t <= end + 1.0}
+        victims = {pid for o in fired if (o.fired_at or 0) < start for pid in o.extra.get("pids", ())}
         survivors = {
             n: p for n, p in window[-1].items()
             if p and n != f.fault.node and n not in hit | fell_back and all(w.get(n) == p for w in window)
+            and not p & victims
         }  # fmt: skip
         changed = {n: sorted(p) for n, p in survivors.items() if after.get(n) != p}
         if changed:

@@ -112,6 +112,11 @@ def test_hot_kept_judges_pids_and_fallbacks() -> None:
     restarted = [*steady, (101.2, {0: frozenset({10}), 1: frozenset({21})})]
     ok, detail = hot_kept([], [], [kill], restarted, hot=True)
     assert not ok and detail["broken"][0]["before"] == {1: [11]}
+    # node 1's worker is an earlier partition's victim, fenced and still exiting at the kill: no survivor
+    cut = rec("partition-etcd", 1, 98.0, 98.5)
+    cut.extra["pids"] = [11]
+    ok, detail = hot_kept([], [], [cut, kill], restarted, hot=True)
+    assert ok and detail["kept"] == [kill.label], detail
 
     stopped = {"reason": "workers did not reach a step boundary within 1 s of the change"}
     hang = rec("hang-node", 2, 100.0)

@@ -128,3 +128,33 @@ def test_the_round_holds_the_lease_whose_keys_were_written_before_it_closed() ->
     p.lease.losses, p._keys_written = 2, (1, 100)  # lost again, keys not yet re-written
     p._adopt(rec, 120)
     assert p.losses_at_round == 1 != p.lease.losses
+
+
+def test_the_publish_gate_answers_within_its_wait_when_etcd_never_answers(tmp_path: Path) -> None:
+    """A partition that drops packets: etcd's answer never comes, and the lease keeper has not noticed yet.
+    The gate's read is bounded by the gate's own wait, not the client's RPC timeout: the worker's next save,
+    which waits for this answer, is held for ``gate_wait`` at most."""
+    import time
+    from types import SimpleNamespace
+
+    from elastic_train.etcd.errors import EtcdError
+    from elastic_train.node import UNKNOWN
+    from elastic_train.rendezvous.fence import Fence
+
+    asked: list[float] = []
+
+    class SilentEtcd:
+        timeout = 6.0  # the client's RPC timeout
+
+        def get(self, key: str, timeout: float | None = None) -> None:
+            wait = self.timeout if timeout is None else timeout
+            asked.append(wait)
+            time.sleep(wait)
+            raise EtcdError("no answer from etcd in time")
+
+    lease = SimpleNamespace(ttl=TTL, losses=0, last_ok=time.monotonic(), interval=1.0)
+    node = SimpleNamespace(lease=lease, etcd=SilentEtcd(), prefix="/run/")
+    fence = Fence(node, AgentChannel(str(tmp_path)), gate_wait=0.5)  # type: ignore[arg-type]
+    started = time.monotonic()
+    assert fence.round_state(1) == UNKNOWN
+    assert time.monotonic() - started < 1.5 and asked and max(asked) <= 0.5
