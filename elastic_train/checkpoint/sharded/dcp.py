@@ -332,10 +332,13 @@ def save(
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
+        # A retry writes into the directory a failed attempt left: overwriting is what a retry needs,
+        # whatever DCP's default (it announced a change to False)
         if isinstance(storage, LocalStorage):
-            writer: Any = dcp.FileSystemWriter(path)
+            writer: Any = dcp.FileSystemWriter(path, overwrite=True)
         else:
-            writer = torchcompat.dcp_fsspec_writer(_url(storage, path), **fsspec_options(storage, options))
+            url = _url(storage, path)
+            writer = torchcompat.dcp_fsspec_writer(url, overwrite=True, **fsspec_options(storage, options))
         dcp.save(dict(state), storage_writer=writer, process_group=group)
     except (Exception, CheckpointException) as exc:  # DCP's own exception is a BaseException
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
