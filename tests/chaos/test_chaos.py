@@ -503,7 +503,9 @@ def partitions_held(job: LocalJob, records: list[FaultRecord], ttl: float) -> tu
     """Each partitioned node's workers were gone within 2 TTL + 2.5 s of the cut (the others re-form a TTL and
     a round close after the cut; the fence then needs TTL + grace of stall, and its SIGKILL grace), the others
     trained at a smaller world within TTL + 8 s, the node came back after the heal or ended with the job
-    (exit 0), and its agent printed no traceback."""
+    (exit 0), and its agent printed no traceback. A cut only silences the node's etcd traffic, so when the
+    job finished before its lease ran out (an etcd restart meanwhile renews every lease) no round forms
+    without it: then its workers trained to the end of the run with the others (``finished_first``)."""
     out, ok = [], True
     for f in (r for r in records if r.kind == "partition-etcd"):
         node = job.nodes[f.fault.node] if f.fault.node is not None else None
@@ -517,12 +519,15 @@ def partitions_held(job: LocalJob, records: list[FaultRecord], ttl: float) -> tu
             # the agent's lines (a worker whose peers reset its collective prints torch's error as "[rankN]")
             "traceback": any("Traceback" in ln for ln in log.splitlines() if not ln.startswith("[rank")),
             "rejoined": "reason=rejoin" in log or '"reason": "rejoin"' in log,
+            "finished_first": reformed is None and '"event": "training_done"' in log,
         }
-        ok = ok and (
+        fenced_in_time = (
             isinstance(gone, float) and gone <= 2 * ttl + 2.5
             and reformed is not None and reformed <= ttl + 8.0
-            and fact["exit_code"] == 0 and not fact["traceback"]
         )  # fmt: skip
+        ok = ok and (
+            (fact["finished_first"] or fenced_in_time) and fact["exit_code"] == 0 and not fact["traceback"]
+        )
         out.append(fact)
     return ok, out
 
