@@ -22,6 +22,12 @@ def check_shares(shares: str) -> None:
         raise ValueError(f"shares: {shares!r} is not one of {', '.join(SHARES)}")
 
 
+def check_mixed_precision(mixed_precision: str) -> None:
+    """Raises ValueError naming the choices when ``mixed_precision`` is not one of :data:`MIXED_PRECISION`."""
+    if mixed_precision not in MIXED_PRECISION:
+        raise ValueError(f"mixed_precision: {mixed_precision!r} is not one of {', '.join(MIXED_PRECISION)}")
+
+
 @dataclass(kw_only=True, slots=True)
 class TrainConfig:
     """What to train and for how long; the global batch stays fixed at any world size."""
@@ -65,10 +71,7 @@ class TrainConfig:
         if self.backend not in ("auto", "gloo", "nccl"):
             raise ValueError(f"backend: {self.backend!r} is not one of auto, gloo, nccl")
         check_shares(self.shares)
-        if self.mixed_precision not in MIXED_PRECISION:
-            raise ValueError(
-                f"mixed_precision: {self.mixed_precision!r} is not one of {', '.join(MIXED_PRECISION)}"
-            )
+        check_mixed_precision(self.mixed_precision)
         if self.mixed_precision != "none" and not self.fsdp:
             raise ValueError(
                 f"mixed_precision: {self.mixed_precision} needs fsdp: true (FSDP2's MixedPrecisionPolicy); "

@@ -19,6 +19,7 @@ import torch
 from torch.distributed.tensor import DTensor, Shard
 
 from elastic_train.checkpoint.sharded.shardmap import fsdp_ranges
+from elastic_train.train.config import check_mixed_precision
 from elastic_train.train.group import current_world
 
 
@@ -128,15 +129,15 @@ def precision_options(mixed_precision: str) -> dict[str, Any]:
     ``mp_policy=MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)`` for ``bfloat16``.
 
     Raises:
-        ValueError: another name.
+        ValueError: another name (:func:`~elastic_train.train.config.check_mixed_precision`).
     """
+    check_mixed_precision(mixed_precision)
     if mixed_precision == "none":
         return {}
-    if mixed_precision == "bfloat16":
-        from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
-        return {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
-    raise ValueError(f"mixed_precision: {mixed_precision!r} is not one of none, bfloat16")
+    dtype = getattr(torch, mixed_precision)  # a name of MIXED_PRECISION other than none is a torch dtype's
+    return {"mp_policy": MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)}
 
 
 class ShardedTask:
