@@ -9,13 +9,10 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
-import fsspec
 import pytest
 import torch
 import torch.distributed as dist
-from fsspec.implementations.local import LocalFileSystem
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
@@ -206,48 +203,36 @@ def test_durable_dcp_round_trip_and_ls(world_one: World, shm: Path) -> None:
     manager2.close()
 
 
-class AbsoluteFS(LocalFileSystem):
-    """A filesystem of absolute paths behind its own protocol (as ``file://``, ``memory://``, or a mounted
-    store's fsspec driver): ``absolute:///abs/path``. Writes fail while :attr:`broken` is set."""
-
-    protocol = ("absolute",)
-    broken = False
-
-    @classmethod
-    def _strip_protocol(cls, path: Any) -> Any:
-        if isinstance(path, str) and path.startswith("absolute://"):
-            path = path[len("absolute://") :]
-        return super()._strip_protocol(path)
-
-    def _open(self, path: Any, mode: str = "rb", *args: Any, **kwargs: Any) -> Any:
-        if AbsoluteFS.broken and any(c in mode for c in "wax+"):
-            raise OSError(f"injected failure writing {path}")
-        return super()._open(path, mode, *args, **kwargs)
-
-
 @pytest.fixture
-def absolute_fs(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
-    fsspec.register_implementation("absolute", AbsoluteFS, clobber=True)
+def flaky(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Path]:
+    """The chaos suite's ``flaky://`` filesystem (tests/chaos/chaos_task.py): local files of absolute paths
+    behind a protocol of their own (as ``file://``, ``memory://`` or a mounted store's fsspec driver),
+    whose writes fail while the file this yields exists. Nothing may land relative to the working
+    directory."""
+    from tests.chaos.chaos_task import ENV_FLAG  # registers flaky://
+
+    outage = tmp_path / "outage"
+    monkeypatch.setenv(ENV_FLAG, str(outage))
     cwd = tmp_path / "cwd"
     cwd.mkdir()
     monkeypatch.chdir(cwd)
-    yield
-    AbsoluteFS.broken = False
+    yield outage
+    outage.unlink(missing_ok=True)
     assert not any(cwd.iterdir()), "a checkpoint file written relative to the working directory"
 
 
 def test_the_durable_tier_on_an_fsspec_filesystem_of_absolute_paths(
-    world_one: World, shm: Path, absolute_fs: None
+    world_one: World, shm: Path, flaky: Path
 ) -> None:
-    """``absolute:///abs/ck``: the DCP directory lands at ``/abs/ck/...``, not at ``abs/ck`` relative to the
+    """``flaky:///abs/ck``: the DCP directory lands at ``/abs/ck/...``, not at ``abs/ck`` relative to the
     working directory (the URL DCP's writer gets keeps the leading slash)."""
-    state, manager = job(world_one, shm, every_steps=1, memory=False, url=f"absolute://{shm}/ck")
+    state, manager = job(world_one, shm, every_steps=1, memory=False, url=f"flaky://{shm}/ck")
     manager.restore()
     train(state, manager, 1)
     saved = local(state)
     assert manager.finalize(state.step, state.state_dict()) is not None
     assert (shm / "ck" / "r" / "step-00000001" / ".metadata").exists()
-    state2, manager2 = job(world_one, shm, memory=False, url=f"absolute://{shm}/ck")
+    state2, manager2 = job(world_one, shm, memory=False, url=f"flaky://{shm}/ck")
     restored = manager2.restore(state2.model.state_dict())
     assert restored is not None and (restored.step, restored.source) == (1, "durable")
     state2.load_state_dict(restored.state)
@@ -256,22 +241,22 @@ def test_the_durable_tier_on_an_fsspec_filesystem_of_absolute_paths(
 
 
 def test_a_final_checkpoint_that_fails_keeps_the_memory_snapshot(
-    world_one: World, shm: Path, absolute_fs: None, monkeypatch: pytest.MonkeyPatch
+    world_one: World, shm: Path, flaky: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The final DCP write fails: the job fails, and the memory tier's slots (the newest copy of the state)
     stay for the restarted worker, which restores them and writes the final checkpoint again."""
     from elastic_train.checkpoint import writer as writer_module
 
     monkeypatch.setattr(writer_module, "retry_delay", lambda attempt: 0.0)
-    url = f"absolute://{shm}/ck"
+    url = f"flaky://{shm}/ck"
     state, manager = job(world_one, shm, memory=True, retries=1, url=url)
     manager.restore()
     train(state, manager, 2)
     saved = local(state)
-    AbsoluteFS.broken = True
+    flaky.touch()  # storage fails
     with pytest.raises(WriteFailed, match="durable checkpoint of step 2 failed: rank 0: DCP write of"):
         manager.finalize(state.step, state.state_dict())
-    AbsoluteFS.broken = False
+    flaky.unlink()
     state2, manager2 = job(world_one, shm, memory=True, url=url)
     restored = manager2.restore(state2.model.state_dict())
     assert restored is not None and (restored.step, restored.source) == (2, "memory")
