@@ -194,9 +194,11 @@ def markdown(results: list[dict[str, Any]], *, command: str) -> str:
             "every sample of each epoch trained exactly once (audit files); no resume from a "
             "corrupted checkpoint; every committed checkpoint verifies and the corrupted ones are reported; "
             "final weights equal the fault-free run within 1e-5 relative; no process of the job left; no "
-            "shared-memory snapshot left; a partitioned node's workers gone within TTL + 1.5 s of the cut, "
-            "the others training without it within TTL + 8 s, the node back and ending with the job, no "
-            "traceback (`partition_fenced`); the newest checkpoint is the last world's (`no_stale_newest`).",
+            "shared-memory snapshot left; a partitioned node's workers gone within 2 TTL + 2.5 s of the "
+            "cut and the others training without it within TTL + 8 s (or, when the job finished before "
+            "its lease ran out, the node training to the end with the others), the node back and ending "
+            "with the job, no traceback (`partition_fenced`); the newest checkpoint is the last world's "
+            "(`no_stale_newest`).",
             "",
             "Hot recovery (column `hot`, docs/rendezvous.md) is drawn per run, since `rendezvous.hot` is a "
             "job setting: two seeds in three run with it on (0, 2, 3, 5, 6 …), the others on the restart "
