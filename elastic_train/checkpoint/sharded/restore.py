@@ -38,6 +38,7 @@ from elastic_train.checkpoint.sharded.layout import read_like as _read_like
 from elastic_train.checkpoint.sharded.local import join, live_shards
 from elastic_train.checkpoint.sharded.shardmap import ShardMap
 from elastic_train.checkpoint.sharded.slots import INFO, Slot
+from elastic_train.checkpoint.slots import SLOTS
 from elastic_train.checkpoint.specs import TensorSpec, describe_mismatch
 from elastic_train.checkpoint.storage import open_storage
 from elastic_train.log import get_logger
@@ -140,17 +141,16 @@ class Restoring(ManagerBase):
         raise CheckpointError("restore: every shared-memory snapshot found failed its checksum")
 
     def _restore_once(self, model: Mapping[str, Any], again: int | None, started: float) -> Any:
+        # The decider lists the durable checkpoints first: while the others look up their slots.
+        decider = self.rank == 0 or not self.coordinated
+        listed = self._list_durable() if decider else None
         slots = self.memory.slots() if self.memory is not None else []
-        mine = [(s.step, s.round, s.world_size, s.rank) for s in slots]
-        gathered: list[Any] = [mine]
-        if self.coordinated:
-            gathered = [None] * self.world_size
-            dist.all_gather_object(gathered, mine, group=self._ctl)
-        holdings = [reshard.Holding(r, *h) for r, held in enumerate(gathered) for h in held]
+        holdings = self._gather_holdings(slots)
         decision = _Decision()
-        if self.rank == 0 or not self.coordinated:
+        if decider:
             try:
-                decision = self._decide(holdings)
+                assert listed is not None
+                decision = self._decide(holdings, listed)
                 decision = _replace(decision, stamp=self._record_start(decision, again))
             except CheckpointError as exc:
                 decision = _Decision(error=str(exc), setup_error=isinstance(exc, CheckpointSetupError))
@@ -174,10 +174,47 @@ class Restoring(ManagerBase):
             return self._restore_foreign(decision, model)
         return self._reshard(decision, model, slots, started)
 
-    def _decide(self, holdings: list[reshard.Holding]) -> _Decision:
+    def _list_durable(self) -> list[durable.Entry] | CheckpointError:
+        """The run's durable checkpoints, listed once per attempt (on remote storage each entry costs
+        requests), or the error listing them raised (:meth:`_decide` raises it, after the collective that
+        waits for this rank)."""
+        try:
+            return durable.list_entries(self.storage, self.run_path)
+        except CheckpointError as exc:
+            return exc
+
+    def _gather_holdings(self, slots: list[Slot]) -> list[reshard.Holding]:
+        """What every rank's valid slots hold (:class:`~.reshard.Holding`, by rank of this world): one
+        all-gather of a small integer tensor (an object all-gather takes two collectives and pickling)."""
+        mine = [
+            h
+            for h in ((s.step, s.round, s.world_size, s.rank) for s in slots)
+            if all(0 <= v < 1 << 62 for v in h)
+        ]
+        if not self.coordinated:
+            return [reshard.Holding(self.rank, *h) for h in mine]
+        most = 2 * SLOTS  # an own and a replica file of SLOTS slots each (newest first in each)
+        mine = mine[:most]
+        table = torch.full((most, 4), -1, dtype=torch.int64)
+        if mine:
+            table[: len(mine)] = torch.tensor(mine, dtype=torch.int64)
+        out = [torch.empty_like(table) for _ in range(self.world_size)]
+        dist.all_gather(out, table, group=self._ctl)
+        return [
+            reshard.Holding(r, step, round_, world, old)
+            for r, rows in enumerate(out)
+            for step, round_, world, old in rows.tolist()
+            if old >= 0
+        ]
+
+    def _decide(
+        self, holdings: list[reshard.Holding], listed: list[durable.Entry] | CheckpointError
+    ) -> _Decision:
         """Rank 0: which state (memory, this run's durable checkpoints, ``resume_from``)."""
-        entries = [e for e in durable.list_entries(self.storage, self.run_path) if e.valid]
-        for e in durable.list_entries(self.storage, self.run_path):
+        if isinstance(listed, CheckpointError):
+            raise listed
+        entries = [e for e in listed if e.valid]
+        for e in listed:
             if not e.valid and e.problem != durable.NO_MANIFEST:
                 log.warning("checkpoint_invalid", path=e.path, reason=e.problem)
         sharded = {
