@@ -203,6 +203,32 @@ def test_durable_dcp_round_trip_and_ls(world_one: World, shm: Path) -> None:
     manager2.close()
 
 
+def test_a_restore_lists_the_durable_checkpoints_once(
+    world_one: World, shm: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On remote storage every listing costs requests per checkpoint: one per restore attempt."""
+    from elastic_train.checkpoint import durable
+
+    state, manager = job(world_one, shm, every_steps=2)
+    manager.restore()
+    train(state, manager, 4)
+    manager.close()  # the memory snapshot stays, beside the durable checkpoints of steps 2 and 4
+    assert sorted(p.name for p in (shm / "ck" / "r").glob("step-*")) == ["step-00000002", "step-00000004"]
+    listed: list[str] = []
+    real = durable.list_entries
+
+    def counting(storage: object, run_path: str, **kw: object) -> list[durable.Entry]:
+        listed.append(run_path)
+        return real(storage, run_path, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(durable, "list_entries", counting)
+    state2, manager2 = job(world_one, shm, every_steps=2)
+    restored = manager2.restore(state2.model.state_dict())
+    assert restored is not None and restored.step == 4 and restored.source == "memory"
+    assert len(listed) == 1
+    manager2.close(release_memory=True)
+
+
 @pytest.fixture
 def flaky(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Path]:
     """The chaos suite's ``flaky://`` filesystem (tests/chaos/chaos_task.py): local files of absolute paths
