@@ -41,6 +41,7 @@ import shutil
 import socket
 import sys
 import threading
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -59,9 +60,9 @@ from elastic_train.procs import scratch_dir
 from elastic_train.rendezvous.config import ProtocolSettings
 from elastic_train.rendezvous.decide import exit_report, torchrun_report
 from elastic_train.rendezvous.errors import JobFailed, RendezvousClosed, RunFinished, RunRefused
-from elastic_train.rendezvous.exchange import RoundStores
+from elastic_train.rendezvous.exchange import RoundAbandoned, RoundStores, await_members
 from elastic_train.rendezvous.fence import Fence
-from elastic_train.rendezvous.hot import HotPath
+from elastic_train.rendezvous.hot import TICK, HotPath
 from elastic_train.rendezvous.identity import JobIdentity, identity_from_environ, torchrun_settings
 from elastic_train.rendezvous.leave import LeaveOnSignal, announce
 from elastic_train.rendezvous.observe import RunObserver
@@ -70,9 +71,14 @@ from elastic_train.rendezvous.protocol import Participant
 from elastic_train.rendezvous.records import RoundResult
 from elastic_train.rendezvous.slownodes import EvictOrder, SlowNodes
 from elastic_train.rendezvous.standby import Standby
-from elastic_train.torchcompat import torchrun_failures, torchrun_nproc_per_node
+from elastic_train.torchcompat import TorchrunAgent, torchrun_failures, torchrun_nproc_per_node
 
 log = get_logger(__name__)
+
+#: Rounds in a row a node's torchrun path abandons (a member gone before the rank exchange) before its agent
+#: ends as torchrun's own exchange would end it (each such round found a member dead or asking for a newer
+#: round; the next one forms without it).
+ABANDONED_LIMIT = 10
 
 BACKEND_NAME = "etcd3"
 
@@ -286,6 +292,8 @@ class Etcd3RendezvousHandler(RendezvousHandler):
         return info
 
     def _join_round(self, handoff: RoundResult | None = None) -> tuple[RoundResult, RendezvousInfo]:
+        agent = TorchrunAgent.find()
+        abandoned = 0
         while True:
             result, handoff = handoff or self.participant.join(), None
             try:
@@ -294,6 +302,21 @@ class Etcd3RendezvousHandler(RendezvousHandler):
             except (RuntimeError, dist.DistStoreError) as exc:  # rank 0 vanished between close and connect
                 log.warning("rendezvous_store_unreachable", round=result.round, error=str(exc))
                 continue
+            if agent is not None:
+                # torchrun's rank exchange, next, blocks in the store on every member of the round for the
+                # store's whole timeout and then ends this agent: a member that died after it joined (its
+                # lease still alive when the round closed) would end every agent of the job. Wait for the
+                # members' parts here, watching them, and form the next round when one is gone.
+                try:
+                    await_members(agent, self.participant, result, store, _pause)
+                except (RoundAbandoned, RuntimeError) as exc:
+                    abandoned += 1
+                    log.warning("rendezvous_round_abandoned", round=result.round, reason=str(exc))
+                    if abandoned > ABANDONED_LIMIT:  # torchrun ends this agent, as its own exchange would
+                        raise RuntimeError(
+                            f"{abandoned} rounds in a row lost a member before they formed ({exc})"
+                        ) from exc
+                    continue
             assert self._fence is not None
             self._fence.arm(self.participant.losses_at_round)
             bind_context(round=result.round, node=self.participant.node_id)
@@ -409,6 +432,11 @@ class Etcd3RendezvousHandler(RendezvousHandler):
                 self._fence.close()
             shutil.rmtree(self._node.directory, ignore_errors=True)
         return True
+
+
+def _pause() -> None:
+    """Between two looks at the members of a round before torchrun's rank exchange."""
+    time.sleep(TICK)
 
 
 def _say(line: str) -> None:

@@ -1,7 +1,7 @@
 """Hot recovery on real torchrun agents meeting through etcd3: survivors of a kill -9 and of a join keep their
 worker processes, re-form the group in-process, and the job still ends with the weights of a world-1 run
-(within 1e-5) and exactly-once data; a second node dying during the re-formation converges; ``hot: false``
-takes the restart path (new worker processes)."""
+(within 1e-5) and exactly-once data; a second node dying during the re-formation converges, in-process and
+on the restart path; ``hot: false`` takes the restart path (new worker processes)."""
 
 from __future__ import annotations
 
@@ -189,6 +189,52 @@ def test_a_second_death_during_the_re_formation_converges(
     print(f"second death: world 1 trains {step['time'] - second:.2f}s later")
     assert step["time"] - second < WITHIN_EXCHANGE, f"logs in {tmp_path}"
     assert survivor.wait(timeout=180) == 0, f"agent failed; logs in {tmp_path}"
+    assert events_of(job, "done")[-1]["step"] == HOT_STEPS
+    assert {e["world_size"] for e in events_of(job, "step")} >= {3, 1}
+    report = check_exactly_once(str(tmp_path / "audit"), steps=HOT_STEPS)
+    assert report.ok, report.problems
+
+
+@pytest.mark.long
+def test_a_second_death_during_the_re_formation_converges_on_the_restart_path(
+    tmp_path: Path, etcd_server: Any, reaper: Any
+) -> None:
+    """``hot: false``: a node killed right after it asked for the survivors' next round is in that round
+    (its join key lives until its lease expires). torchrun's own rank exchange would block on it for the
+    store's timeout and then end the survivor's agent, and with it the job; the survivor's handler finds
+    the dead node's agent gone before that exchange, abandons the round and trains on in the next one.
+    As in the hot-path test above: three nodes, min_nodes 1, the survivor (rank 0, which closes the rounds)
+    held until the second node asked and died."""
+    job = hot_job(tmp_path, etcd_server.endpoint, reaper, hot=False)
+    text = (
+        job.config.read_text()
+        .replace("min_nodes: 2", "min_nodes: 1")
+        .replace("lease_ttl: 2.0", "lease_ttl: 8.0")
+    )
+    job.config.write_text(text.replace("  settle: 1.0\n", "  settle: 5.0\n"))
+    for _ in range(3):
+        job.start_agent()
+    job.wait_step(3, 5)
+    logs = [tmp_path / f"agent{i}.log" for i in range(3)]
+    (rank0,) = [i for i, p in enumerate(logs) if b"rank=0 round=1 world_size=3" in p.read_bytes()]
+    survivor, second_victim, first_victim = (job.agents[(rank0 + k) % 3] for k in range(3))
+    etcd = connect(etcd_server.endpoint)
+    os.kill(survivor.pid, signal.SIGSTOP)
+    try:
+        kill_tree(first_victim.pid)
+        deadline = time.monotonic() + 30
+        while not any(json.loads(kv.value)["target"] == 2 for kv in etcd.get_prefix(JOINS)[0]):
+            assert time.monotonic() < deadline, "no re-formation started"
+            time.sleep(0.005)
+        doomed = tree(second_victim.pid)
+        for p in doomed:
+            p.kill()
+    finally:
+        os.kill(survivor.pid, signal.SIGCONT)
+    psutil.wait_procs(doomed, timeout=30)
+    assert survivor.wait(timeout=180) == 0, f"agent failed; logs in {tmp_path}"
+    log0 = logs[rank0].read_bytes()
+    assert b"rendezvous_round_abandoned" in log0, f"the dead node was not in the round; logs in {tmp_path}"
     assert events_of(job, "done")[-1]["step"] == HOT_STEPS
     assert {e["world_size"] for e in events_of(job, "step")} >= {3, 1}
     report = check_exactly_once(str(tmp_path / "audit"), steps=HOT_STEPS)
