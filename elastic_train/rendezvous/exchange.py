@@ -155,7 +155,9 @@ def await_members(
     parts = f"elastic_train/parts/{result.round}"
     try:
         agent.write_role_info(store, result.rank)
-        store.add(parts, 1)
+        # counted once per agent, also when the round is awaited again (the hot path handed it to torchrun's)
+        if store.add(f"{parts}/{result.rank}", 1) == 1:
+            store.add(parts, 1)
     except RuntimeError as exc:
         raise RoundAbandoned(f"the round's store on rank 0 is unreachable: {exc}") from exc
     keys = {i: role_info_key(i) for i in range(result.world_size) if i != result.rank}

@@ -90,6 +90,26 @@ def test_the_members_of_a_round_exchange_without_waiting_on_each_other(store: An
     assert not errors and time.monotonic() - started < 2.0
 
 
+def test_a_round_awaited_twice_by_one_agent_counts_its_part_once(store: Any, port: int) -> None:
+    """The hot path may hand a round it already wrote its part of to torchrun's path, which awaits it again:
+    the count of parts must not reach the round's size while a member has not written."""
+    members = ["a", "b", "c"]
+    participant: Any = FakeParticipant("a", members, set(members), {})
+    result = round_result(0, members, dict.fromkeys(members, port))
+    looks = [0]
+
+    def give_up() -> None:
+        looks[0] += 1
+        if looks[0] > 2:
+            raise TimeoutError
+
+    for _ in range(2):
+        with pytest.raises(TimeoutError):
+            await_members(agent(), participant, result, store, give_up)
+        looks[0] = 0
+    assert store.add("elastic_train/parts/2", 0) == 1
+
+
 @pytest.mark.parametrize("how", ["agent_gone", "lease_gone", "asks_newer_round"])
 def test_a_member_gone_before_the_exchange_abandons_the_round_at_once(
     how: str, store: Any, port: int
