@@ -195,6 +195,8 @@ class DurableWriter:
         except Exception as exc:  # a bug or a broken process group: report it, never die silently
             log.error("checkpoint_writer_crashed", step=job.step, error=repr(exc))
             failure = WriteFailed(f"durable checkpoint of step {job.step} failed: {exc!r}")
+            # kept as the cause: a broken process group re-forms in-process (train.hot.classify_failure)
+            failure.__cause__ = exc
         if self.cfg.on_error == "log" and not job.final:
             log.error("checkpoint_lost", step=job.step, error=str(failure))
         else:

@@ -353,6 +353,31 @@ def test_final_checkpoint_is_retried_and_never_silently_lost(tmp_path, memdir, m
     assert snapshot_files(memdir, "other") == []
 
 
+def test_a_final_checkpoint_broken_by_the_group_is_a_group_failure(tmp_path, memdir, monkeypatch):
+    """The group breaks under the final write (a peer gone): the WriteFailed raised carries the broken
+    group's error, so that the hot path re-forms in-process and the final checkpoint is written again
+    there, instead of the worker exiting; the memory snapshot stays for it."""
+    from elastic_train.checkpoint import writer as writer_module
+    from elastic_train.train.hot import classify_failure
+
+    gloo = (
+        "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1"
+    )
+
+    def broken(self, job, source):
+        raise RuntimeError(gloo)
+
+    monkeypatch.setattr(writer_module.DurableWriter, "_attempt", broken)
+    m = manager(cfg(str(tmp_path / "c"), memdir, every_steps=0, memory=True), "broken")
+    m.save(1, make_state(1))
+    with pytest.raises(WriteFailed) as info:
+        m.finalize(1, make_state(1))
+    failure = classify_failure(info.value)
+    assert failure is not None and failure.reform and "Connection closed by peer" in failure.reason
+    assert len(snapshot_files(memdir, "broken")) == 1
+    m.close()
+
+
 def _shares(entry: durable.Entry) -> list[str]:
     assert entry.manifest is not None
     return [os.path.join(entry.path, f["name"]) for f in entry.manifest["files"]]

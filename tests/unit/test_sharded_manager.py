@@ -293,6 +293,33 @@ def test_a_final_checkpoint_that_fails_keeps_the_memory_snapshot(
     assert not list((shm / "shm").iterdir())  # released once the final checkpoint is committed
 
 
+def test_a_final_checkpoint_broken_by_the_group_is_a_group_failure(
+    world_one: World, shm: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The group breaks under the final DCP write: the WriteFailed carries the broken group's error (the hot
+    path re-forms in-process and writes the final checkpoint again), and the memory slots stay."""
+    from elastic_train.checkpoint.sharded.writer import DurableWriting
+    from elastic_train.train.hot import classify_failure
+
+    gloo = (
+        "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1"
+    )
+
+    def broken(self: object, job: object, data: object) -> None:
+        raise RuntimeError(gloo)
+
+    monkeypatch.setattr(DurableWriting, "_write_once", broken)
+    state, manager = job(world_one, shm, memory=True)
+    manager.restore()
+    train(state, manager, 2)
+    with pytest.raises(WriteFailed) as info:
+        manager.finalize(state.step, state.state_dict())
+    failure = classify_failure(info.value)
+    assert failure is not None and failure.reform and "Connection closed by peer" in failure.reason
+    assert list((shm / "shm").iterdir())
+    manager.close()
+
+
 def test_a_checkpoint_of_another_model_is_refused(world_one: World, shm: Path) -> None:
     state, manager = job(world_one, shm, every_steps=1, memory=False)
     manager.restore()

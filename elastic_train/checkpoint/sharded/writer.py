@@ -100,6 +100,8 @@ class DurableWriting(ManagerBase):
         except Exception as exc:  # a bug or a broken group: reported, never lost silently
             log.error("checkpoint_writer_crashed", step=job.step, error=repr(exc))
             failure = WriteFailed(f"durable checkpoint of step {job.step} failed: {exc!r}")
+            # kept as the cause: a broken process group re-forms in-process (train.hot.classify_failure)
+            failure.__cause__ = exc
         finally:
             if job.slot is not None and self.memory is not None:
                 self.memory.own.unpin(job.slot)
