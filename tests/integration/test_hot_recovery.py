@@ -136,19 +136,12 @@ def test_kill_and_join_keep_the_survivors_processes(tmp_path: Path, etcd_server:
         assert rel < 1e-5, f"{key} differs by {rel:.2e} relative to the world-1 run"
 
 
-@pytest.mark.long
-def test_a_second_death_during_the_re_formation_converges(
-    tmp_path: Path, etcd_server: Any, reaper: Any
-) -> None:
-    """A node killed right after it asked for the survivors' next round: that round closes with it (its join
-    key lives until its lease expires), the survivor finds its agent gone during the rank exchange and forms
-    the next round in-process, well within the 10 s the exchange would otherwise wait before the restart
-    path. Three nodes, so that the first kill breaks every survivor's collective (each is next to the dead
-    rank in gloo's ring), and min_nodes 1, so that the last node trains on alone. The survivor's agent is
-    held (SIGSTOP) until the second node asked and died, so that the round closes with the dead node in it;
-    it is the node of rank 0, which closes the rounds (the others would wait a TTL for it to).
-    """
-    job = hot_job(tmp_path, etcd_server.endpoint, reaper)
+def second_death(tmp: Path, etcd_server: Any, reaper: Any, *, hot: bool) -> bytes:
+    """Three nodes, min_nodes 1; the survivor's agent (rank 0's, which closes the rounds: the others would
+    wait a TTL for it to) held with SIGSTOP while the first victim is killed and the second is killed as soon
+    as its join key asks for the next round, so that the round closes with the dead node in it. Checks that
+    the job ended exactly once at world 1; returns the survivor's agent log."""
+    job = hot_job(tmp, etcd_server.endpoint, reaper, hot=hot)
     # a TTL and a settle window that outlast the survivor's agent being held on a loaded machine: the dead
     # nodes are found gone by the store probe, not by their leases
     text = (
@@ -160,7 +153,7 @@ def test_a_second_death_during_the_re_formation_converges(
     for _ in range(3):
         job.start_agent()
     job.wait_step(3, 5)
-    logs = [tmp_path / f"agent{i}.log" for i in range(3)]
+    logs = [tmp / f"agent{i}.log" for i in range(3)]
     (rank0,) = [i for i, p in enumerate(logs) if b"rank=0 round=1 world_size=3" in p.read_bytes()]
     survivor, second_victim, first_victim = (job.agents[(rank0 + k) % 3] for k in range(3))
     before = wait_workers([survivor])
@@ -181,18 +174,32 @@ def test_a_second_death_during_the_re_formation_converges(
     finally:
         os.kill(survivor.pid, signal.SIGCONT)
     psutil.wait_procs(doomed, timeout=30)
-    step = job.wait_step(1, 1)
-    assert wait_workers([survivor]) == before, "the survivor's worker was restarted"
-    log0 = logs[rank0].read_bytes()
-    assert b"hot_fallback" not in log0, f"the restart path took over; logs in {tmp_path}"
-    assert b"hot_round_abandoned" in log0, f"the dead node was not in the round; logs in {tmp_path}"
-    print(f"second death: world 1 trains {step['time'] - second:.2f}s later")
-    assert step["time"] - second < WITHIN_EXCHANGE, f"logs in {tmp_path}"
-    assert survivor.wait(timeout=180) == 0, f"agent failed; logs in {tmp_path}"
+    if hot:
+        step = job.wait_step(1, 1)
+        assert wait_workers([survivor]) == before, "the survivor's worker was restarted"
+        print(f"second death: world 1 trains {step['time'] - second:.2f}s later")
+        assert step["time"] - second < WITHIN_EXCHANGE, f"logs in {tmp}"
+    assert survivor.wait(timeout=180) == 0, f"agent failed; logs in {tmp}"
     assert events_of(job, "done")[-1]["step"] == HOT_STEPS
     assert {e["world_size"] for e in events_of(job, "step")} >= {3, 1}
-    report = check_exactly_once(str(tmp_path / "audit"), steps=HOT_STEPS)
+    report = check_exactly_once(str(tmp / "audit"), steps=HOT_STEPS)
     assert report.ok, report.problems
+    return logs[rank0].read_bytes()
+
+
+@pytest.mark.long
+def test_a_second_death_during_the_re_formation_converges(
+    tmp_path: Path, etcd_server: Any, reaper: Any
+) -> None:
+    """A node killed right after it asked for the survivors' next round: that round closes with it (its join
+    key lives until its lease expires), the survivor finds its agent gone during the rank exchange and forms
+    the next round in-process, well within the 10 s the exchange would otherwise wait before the restart
+    path. Three nodes, so that the first kill breaks every survivor's collective (each is next to the dead
+    rank in gloo's ring), and min_nodes 1, so that the last node trains on alone (:func:`second_death`).
+    """
+    log0 = second_death(tmp_path, etcd_server, reaper, hot=True)
+    assert b"hot_fallback" not in log0, f"the restart path took over; logs in {tmp_path}"
+    assert b"hot_round_abandoned" in log0, f"the dead node was not in the round; logs in {tmp_path}"
 
 
 @pytest.mark.long
@@ -202,43 +209,10 @@ def test_a_second_death_during_the_re_formation_converges_on_the_restart_path(
     """``hot: false``: a node killed right after it asked for the survivors' next round is in that round
     (its join key lives until its lease expires). torchrun's own rank exchange would block on it for the
     store's timeout and then end the survivor's agent, and with it the job; the survivor's handler finds
-    the dead node's agent gone before that exchange, abandons the round and trains on in the next one.
-    As in the hot-path test above: three nodes, min_nodes 1, the survivor (rank 0, which closes the rounds)
-    held until the second node asked and died."""
-    job = hot_job(tmp_path, etcd_server.endpoint, reaper, hot=False)
-    text = (
-        job.config.read_text()
-        .replace("min_nodes: 2", "min_nodes: 1")
-        .replace("lease_ttl: 2.0", "lease_ttl: 8.0")
-    )
-    job.config.write_text(text.replace("  settle: 1.0\n", "  settle: 5.0\n"))
-    for _ in range(3):
-        job.start_agent()
-    job.wait_step(3, 5)
-    logs = [tmp_path / f"agent{i}.log" for i in range(3)]
-    (rank0,) = [i for i, p in enumerate(logs) if b"rank=0 round=1 world_size=3" in p.read_bytes()]
-    survivor, second_victim, first_victim = (job.agents[(rank0 + k) % 3] for k in range(3))
-    etcd = connect(etcd_server.endpoint)
-    os.kill(survivor.pid, signal.SIGSTOP)
-    try:
-        kill_tree(first_victim.pid)
-        deadline = time.monotonic() + 30
-        while not any(json.loads(kv.value)["target"] == 2 for kv in etcd.get_prefix(JOINS)[0]):
-            assert time.monotonic() < deadline, "no re-formation started"
-            time.sleep(0.005)
-        doomed = tree(second_victim.pid)
-        for p in doomed:
-            p.kill()
-    finally:
-        os.kill(survivor.pid, signal.SIGCONT)
-    psutil.wait_procs(doomed, timeout=30)
-    assert survivor.wait(timeout=180) == 0, f"agent failed; logs in {tmp_path}"
-    log0 = logs[rank0].read_bytes()
+    the dead node's agent gone before that exchange, abandons the round and trains on in the next one
+    (:func:`second_death`)."""
+    log0 = second_death(tmp_path, etcd_server, reaper, hot=False)
     assert b"rendezvous_round_abandoned" in log0, f"the dead node was not in the round; logs in {tmp_path}"
-    assert events_of(job, "done")[-1]["step"] == HOT_STEPS
-    assert {e["world_size"] for e in events_of(job, "step")} >= {3, 1}
-    report = check_exactly_once(str(tmp_path / "audit"), steps=HOT_STEPS)
-    assert report.ok, report.problems
 
 
 @pytest.mark.long
