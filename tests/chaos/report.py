@@ -195,9 +195,10 @@ def markdown(results: list[dict[str, Any]], *, command: str) -> str:
             "corrupted checkpoint; every committed checkpoint verifies and the corrupted ones are reported; "
             "final weights equal the fault-free run within 1e-5 relative; no process of the job left; no "
             "shared-memory snapshot left; a partitioned node's workers gone within 2 TTL + 2.5 s of the "
-            "cut and the others training without it within TTL + 8 s (or, when the job finished before "
-            "its lease ran out, the node training to the end with the others), the node back and ending "
-            "with the job, no traceback (`partition_fenced`); the newest checkpoint is the last world's "
+            "cut and the others training without it within TTL + 8 s (or, when the job trained its last "
+            "step before the node's lease ran out, the node training to the end with the others), the node "
+            "back and ending with the job, no traceback (`partition_fenced`); the newest checkpoint is the "
+            "last training world's, or of a world formed after it from the final state "
             "(`no_stale_newest`).",
             "",
             "Hot recovery (column `hot`, docs/rendezvous.md) is drawn per run, since `rendezvous.hot` is a "

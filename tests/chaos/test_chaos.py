@@ -291,7 +291,9 @@ def test_chaos_invariants(
     )
     detail["intruders"] = [f.extra for f in intruders]
 
-    inv["partition_fenced"], detail["partitions"] = partitions_held(job, records, cfg.rendezvous.lease_ttl)
+    inv["partition_fenced"], detail["partitions"] = partitions_held(
+        job, records, cfg.rendezvous.lease_ttl, events
+    )
     newest = durable.newest_valid(storage, run_path)
     # where each world started: the lineage record, and each valid manifest's own (round, base) (a lineage
     # write can fail in a storage outage)
@@ -301,7 +303,17 @@ def test_chaos_invariants(
     # the newest checkpoint is the final one, of the last world that trained a step (worlds that formed at
     # the end, from the final state, train none)
     last = max((r for r, base in starts if newest is not None and base < newest.step), default=None)
-    inv["no_stale_newest"] = newest is not None and newest.step == SPEC.steps and newest.round == last
+    # a world formed after it from the final state may write the final checkpoint again (the last world's
+    # final write failed, e.g. its group broke under it): the same state, not a stale one
+    after = [base for r, base in starts if last is not None and r > last]
+    inv["no_stale_newest"] = (
+        newest is not None
+        and newest.step == SPEC.steps
+        and (
+            newest.round == last
+            or (newest.round in {r for r, _ in starts} and all(b == SPEC.steps for b in after))
+        )
+    )
     detail["newest"] = (newest.path if newest else None, starts[-3:])
 
     fallbacks, rounds = agent_events(job, "hot_fallback"), agent_events(job, "hot_round")
@@ -500,13 +512,16 @@ def _causes(
     return when - since <= FALLBACK_WINDOW_S
 
 
-def partitions_held(job: LocalJob, records: list[FaultRecord], ttl: float) -> tuple[bool, list[Any]]:
+def partitions_held(
+    job: LocalJob, records: list[FaultRecord], ttl: float, events: list[dict[str, Any]]
+) -> tuple[bool, list[Any]]:
     """Each partitioned node's workers were gone within 2 TTL + 2.5 s of the cut (the others re-form a TTL and
     a round close after the cut; the fence then needs TTL + grace of stall, and its SIGKILL grace), the others
     trained at a smaller world within TTL + 8 s, the node came back after the heal or ended with the job
     (exit 0), and its agent printed no traceback. A cut only silences the node's etcd traffic, so when the
-    job finished before its lease ran out (an etcd restart meanwhile renews every lease) no round forms
-    without it: then its workers trained to the end of the run with the others (``finished_first``)."""
+    job trained its last step before the node's lease ran out (an etcd restart meanwhile renews every lease)
+    no round forms without it while there is training left: its workers trained to the end of the run with
+    the others (``finished_first``; a world may still form after that to write the final checkpoint)."""
     out, ok = [], True
     for f in (r for r in records if r.kind == "partition-etcd"):
         node = job.nodes[f.fault.node] if f.fault.node is not None else None
@@ -520,7 +535,8 @@ def partitions_held(job: LocalJob, records: list[FaultRecord], ttl: float) -> tu
             # the agent's lines (a worker whose peers reset its collective prints torch's error as "[rankN]")
             "traceback": any("Traceback" in ln for ln in log.splitlines() if not ln.startswith("[rank")),
             "rejoined": "reason=rejoin" in log or '"reason": "rejoin"' in log,
-            "finished_first": reformed is None and '"event": "training_done"' in log,
+            "finished_first": reformed is None
+            and ('"event": "training_done"' in log or _trained_to_end(events, f.fired_round)),
         }
         fenced_in_time = (
             isinstance(gone, float) and gone <= 2 * ttl + 2.5
@@ -531,6 +547,13 @@ def partitions_held(job: LocalJob, records: list[FaultRecord], ttl: float) -> tu
         )
         out.append(fact)
     return ok, out
+
+
+def _trained_to_end(events: list[dict[str, Any]], round_: int | None) -> bool:
+    """Whether the world of rendezvous round ``round_`` trained the run's last step."""
+    return any(
+        e.get("event") == "step" and e.get("step") == SPEC.steps and e.get("round") == round_ for e in events
+    )
 
 
 def _running(p: Any) -> bool:
