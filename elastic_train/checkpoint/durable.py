@@ -27,7 +27,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from elastic_train.checkpoint import digest, schema
-from elastic_train.checkpoint.errors import CheckpointCorrupt, CheckpointNotFound, StorageError
+from elastic_train.checkpoint.errors import (
+    CheckpointCorrupt,
+    CheckpointError,
+    CheckpointNotFound,
+    StorageError,
+)
 from elastic_train.checkpoint.policy import (
     off_line,
     parse_step_dir,
@@ -310,6 +315,15 @@ def list_entries(storage: Storage, run_path: str, *, check_sizes: bool = True) -
         problem = f"written by round {e.round}, left behind: round {later} restarted from step {base}"
         out[out.index(e)] = Entry(e.step, e.path, e.manifest, problem)
     return sorted(out, key=lambda e: (e.step, e.round if e.round is not None else -1))
+
+
+def listing(storage: Storage, run_path: str) -> list[Entry] | CheckpointError:
+    """:func:`list_entries`, or the error it raised: a restore's decider lists before the collective that
+    waits for it and raises the error only after that collective (every rank then raises the same)."""
+    try:
+        return list_entries(storage, run_path)
+    except CheckpointError as exc:
+        return exc
 
 
 def read_lineage(storage: Storage, run_path: str) -> list[tuple[int, int]]:

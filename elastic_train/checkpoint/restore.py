@@ -178,7 +178,7 @@ class Restorer:
         coordinated = self.groups.coordinated
         # The decider lists the durable checkpoints first: while the others look up their snapshots.
         decider = self.rank == 0 or not coordinated
-        listed = self._list_durable() if decider else None
+        listed = durable.listing(self.storage, self.run_path) if decider else None
         # Header and metadata verified here; the data as it is read below (DataCheck).
         held = self.memory.newest_valid(verify_data=False) if self.memory is not None else None
         mine = held.step if held is not None else None
@@ -361,19 +361,11 @@ class Restorer:
         if pending is not None:
             pending.wait(quiet=quiet)
 
-    def _list_durable(self) -> list[durable.Entry] | CheckpointError:
-        """The run's durable checkpoints (:func:`durable.list_entries`), or the error listing them raised
-        (:meth:`_decide` raises it, after the collective that waits for this rank)."""
-        try:
-            return durable.list_entries(self.storage, self.run_path)
-        except CheckpointError as exc:
-            return exc
-
     def _decide(
         self, mem_steps: list[int | None], listed: list[durable.Entry] | CheckpointError | None = None
     ) -> tuple[RestoreDecision, Loaded | None]:
         if listed is None:
-            listed = self._list_durable()
+            listed = durable.listing(self.storage, self.run_path)
         if isinstance(listed, CheckpointError):
             raise listed
         entries = listed

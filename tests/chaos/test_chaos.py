@@ -8,9 +8,9 @@ final weights equal a fault-free run within 1e-5 relative; no process of the job
 shared-memory snapshot is left behind; a node started with the job's run id but another checkpoint URL or
 node range is refused (exit 2, one line naming the run) and writes nothing; a node cut off from etcd
 (``partition-etcd``) has its workers stopped within 2 TTL + 2.5 s and the others train without it within
-TTL + 8 s (unless the job finished before its lease ran out: then it trained to the end with the others), it
-comes back and ends with the job without a traceback, and no checkpoint of a world that is no longer current
-is ever the newest.
+TTL + 8 s (unless the job trained its last step before its lease ran out: then it trained to the end with the
+others), it comes back and ends with the job without a traceback, and no checkpoint of a world that is no
+longer current is ever the newest.
 
 Each seed also draws whether hot recovery is on (:func:`tests.chaos.plan.hot_recovery`). With it on, every
 invariant above holds unchanged, and ``hot_kept`` adds: across each kill -9 of a node and each join, the

@@ -141,9 +141,10 @@ class Restoring(ManagerBase):
         raise CheckpointError("restore: every shared-memory snapshot found failed its checksum")
 
     def _restore_once(self, model: Mapping[str, Any], again: int | None, started: float) -> Any:
-        # The decider lists the durable checkpoints first: while the others look up their slots.
+        # The decider lists the durable checkpoints first (once per attempt: on remote storage each entry
+        # costs requests), while the others look up their slots.
         decider = self.rank == 0 or not self.coordinated
-        listed = self._list_durable() if decider else None
+        listed = durable.listing(self.storage, self.run_path) if decider else None
         slots = self.memory.slots() if self.memory is not None else []
         holdings = self._gather_holdings(slots)
         decision = _Decision()
@@ -173,15 +174,6 @@ class Restoring(ManagerBase):
         if decision.foreign:
             return self._restore_foreign(decision, model)
         return self._reshard(decision, model, slots, started)
-
-    def _list_durable(self) -> list[durable.Entry] | CheckpointError:
-        """The run's durable checkpoints, listed once per attempt (on remote storage each entry costs
-        requests), or the error listing them raised (:meth:`_decide` raises it, after the collective that
-        waits for this rank)."""
-        try:
-            return durable.list_entries(self.storage, self.run_path)
-        except CheckpointError as exc:
-            return exc
 
     def _gather_holdings(self, slots: list[Slot]) -> list[reshard.Holding]:
         """What every rank's valid slots hold (:class:`~.reshard.Holding`, by rank of this world): one
