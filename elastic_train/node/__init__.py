@@ -25,6 +25,7 @@ workers → agent
                                                      error line, exception type and where)
 :class:`ScriptStart` ``start-<rank>.json``           the stand-in's script waits to start, or started at T
 :class:`Trained`    ``trained.json``                 a step was committed (or resumed past) in round R
+:class:`Finished`   ``finished-<local rank>.json``   training ended: the final checkpoint committed at a step
 :class:`Stats`      ``stats-<pid>.json``             figures for the agent's metrics: steps/s, snapshot and
                                                      durable write seconds (at most once a second,
                                                      :mod:`.stats`)
@@ -46,6 +47,7 @@ from elastic_train.node.messages import (
     Cut,
     Ended,
     Fallback,
+    Finished,
     Outcome,
     Ready,
     Request,
@@ -69,6 +71,7 @@ __all__ = [
     "Cut",
     "Ended",
     "Fallback",
+    "Finished",
     "GateServer",
     "Link",
     "Outcome",

@@ -25,6 +25,7 @@ from elastic_train.node.messages import (
     Cut,
     Ended,
     Fallback,
+    Finished,
     Outcome,
     Ready,
     Request,
@@ -161,10 +162,17 @@ class AgentChannel(_Directory):
         return [o for _, o in sorted(self._per_rank(Outcome).items())]
 
     def take_outcomes(self) -> list[Outcome]:
-        """:meth:`outcomes`, removed (before the next worker group starts), script start marks with them."""
+        """:meth:`outcomes`, removed (before the next worker group starts), script start and finished marks
+        with them."""
         outcomes = self.outcomes()
-        self._remove((Outcome, ScriptStart))
+        self._remove((Outcome, ScriptStart, Finished))
         return outcomes
+
+    def finished(self) -> bool:
+        """True when every worker of this node's group marked its training ended (its final checkpoint
+        committed): nothing the node runs trains or publishes any more."""
+        marks = self._per_rank(Finished).values()
+        return bool(marks) and len(marks) >= max(m.local_workers for m in marks)
 
     def trained(self) -> Trained | None:
         """The mark of a worker of this node that committed (or resumed past) a step, if any."""
@@ -284,6 +292,13 @@ class WorkerChannel(_Directory):
         """A worker of this node committed (or resumed past) a step in ``round`` (best effort)."""
         with contextlib.suppress(OSError):
             self._write(Trained.FILE, Trained(round).encode())
+
+    def mark_finished(self, step: int, local_workers: int, round: int | None) -> None:
+        """This worker's training ended at ``step`` (the final checkpoint committed) in ``round``, one of
+        ``local_workers`` on the node (best effort)."""
+        with contextlib.suppress(OSError):
+            mark = Finished(step, max(1, local_workers), round)
+            self._write(f"{Finished.PREFIX}{self.local_rank}.json", mark.encode())
 
     def mark_script(self, rank: int, *, started: bool) -> None:
         """The stand-in's script of ``rank`` waits to start (``started=False``) or started now."""

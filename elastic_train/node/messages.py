@@ -192,6 +192,26 @@ class ScriptStart:
 
 
 @dataclass(frozen=True, slots=True)
+class Finished:
+    """A worker's training ended: the run's final checkpoint committed (its collective returned here) at
+    ``step`` in ``round``. ``local_workers`` is the node's worker count, so the agent knows when every local
+    worker is done: from then on nothing of the node publishes or trains, and no membership change stops
+    its workers (they exit, and torchrun's exit barrier ends the run)."""
+
+    PREFIX: ClassVar[str] = "finished-"
+    step: int
+    local_workers: int
+    round: int | None = None
+
+    def encode(self) -> dict[str, Any]:
+        return {"step": self.step, "local_workers": self.local_workers, "round": self.round}
+
+    @classmethod
+    def decode(cls, d: Mapping[str, Any]) -> Finished:
+        return cls(_int(d, "step"), _int(d, "local_workers", low=1), _opt_int(d, "round"))
+
+
+@dataclass(frozen=True, slots=True)
 class Trained:
     """A worker of this node committed a step, or resumed past one (a later failure is not one at start-up);
     ``round`` is the worker's round then."""
@@ -428,7 +448,7 @@ class Fallback:
 #: The messages of one worker group's in-process re-formation, removed when torchrun starts a new group.
 REFORMATION = (Ready, Request, Standby, Assignment, Change, Cut, Ended, Fallback)
 #: Every message type, for the tests of the round trip.
-ALL = (*REFORMATION, Outcome, ScriptStart, Stats, Trained)
+ALL = (*REFORMATION, Finished, Outcome, ScriptStart, Stats, Trained)
 
 __all__ = [
     "ALL",
@@ -439,6 +459,7 @@ __all__ = [
     "Cut",
     "Ended",
     "Fallback",
+    "Finished",
     "Outcome",
     "Ready",
     "Request",

@@ -346,6 +346,11 @@ class Etcd3RendezvousHandler(RendezvousHandler):
         self._closed_by_us = True
 
     def num_nodes_waiting(self) -> int:
+        if self._node.finished():
+            # every worker's training ended, the final checkpoint committed: whatever happens to the
+            # membership now (this node's lease lost as they exit), they exit into torchrun's exit barrier,
+            # where the other agents wait for this one
+            return 0
         if self._eviction is not None:
             return 1  # evicted as slow: torchrun stops the workers and asks for the next round
         if self._participant is None:

@@ -361,8 +361,8 @@ class HotPath:
             return Observation(now, self.round, standby=standby)
         ready = self.channel.ready()
         round = self.round
-        if round is None or not self.engaged(ready):
-            return Observation(now, round)
+        if round is None or not self.engaged(ready) or self.channel.finished():
+            return Observation(now, round)  # finished: the workers' training ended, nothing re-forms
         asked = [q for _, q in sorted(self.channel.requests().items()) if q.round >= round]
         if asked:
             dead = tuple(r for r, m in sorted(ready.items()) if not running(m.pid))

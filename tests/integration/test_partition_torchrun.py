@@ -25,6 +25,7 @@ from elastic_train.launch.faults import Fault
 from elastic_train.launch.local import LocalJob, LocalOptions
 from elastic_train.procs import tree
 from elastic_train.rendezvous.fence import FENCE_GRACE, KILL_GRACE
+from elastic_train.rendezvous.status import read_status
 from elastic_train.train.events import read_events
 from tests.helpers import wait_world
 from tests.netproxy import LatencyProxy
@@ -137,3 +138,58 @@ def test_elastic_train_run_node_cut_off_from_etcd_is_fenced_and_rejoins(tmp_path
         lines = Path(n.log_path).read_text(errors="replace").splitlines()
         agent_lines = [line for line in lines if not line.startswith("[rank")]
         assert not [line for line in agent_lines if "Traceback" in line], n.log_path
+
+
+SLOW_OWN_LOOP = str(Path(__file__).with_name("slow_own_loop.py"))
+LINGER_S = 8.0
+
+
+def test_a_node_cut_off_as_its_workers_finish_ends_with_the_others(
+    etcd_server, reaper, tmp_path: Path
+) -> None:
+    """Both workers committed the final checkpoint and take a while to exit (``LINGER_S``); node 1 is cut
+    off from etcd then, so its lease expires while they linger. Its workers are done: its agent lets them
+    exit into torchrun's exit barrier, where the other agent waits for it, instead of stopping them for a
+    round that never comes (that agent would then end the run without the barrier, and the other would
+    wait out torchrun's ``exit_barrier_timeout``, 300 s). Both agents end with status 0 soon after the
+    workers and the heal; the run is ``finished``."""
+    host, _, port = etcd_server.endpoint.rpartition(":")
+    marks = tmp_path / "finalized"
+    proxies = [LatencyProxy(host, int(port)).start() for _ in range(2)]
+    try:
+        agents = []
+        for i, proxy in enumerate(proxies):
+            env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", PYTHONPATH=str(ROOT), LINGER=f"{LINGER_S:g}",
+                       LINGER_MARK=str(marks))  # fmt: skip
+            cmd = [
+                sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
+                "--rdzv-backend=etcd3", f"--rdzv-endpoint={proxy.endpoint}", "--rdzv-id=fin-cut",
+                f"--rdzv-conf=lease_ttl={TTL:g},settle=0.5", "--local-addr=127.0.0.1",
+                "--monitor-interval=0.1", "--max-restarts=3", SLOW_OWN_LOOP, "0.05", "--epochs=1",
+                "--workers=0", f"--checkpoint={tmp_path / 'ckpt'}",
+            ]  # fmt: skip
+            log = open(tmp_path / f"agent{i}.log", "wb")  # noqa: SIM115 - closed with the process
+            agents.append(reaper.popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=str(tmp_path)))
+        deadline = time.monotonic() + 120
+        while not (marks.exists() and len(marks.read_text().split()) == 2):
+            assert time.monotonic() < deadline, "no final checkpoint"
+            assert all(a.poll() is None for a in agents), "an agent ended before the final checkpoint"
+            time.sleep(0.05)
+        proxies[1].silence()  # the workers linger for LINGER_S: the lease (TTL) expires meanwhile
+        cut = time.monotonic()
+        time.sleep(LINGER_S + 2)
+        proxies[1].heal()
+        codes = [a.wait(timeout=60) for a in agents]
+        ended_s = time.monotonic() - cut
+        logs = [(tmp_path / f"agent{i}.log").read_text(errors="replace") for i in range(2)]
+        assert codes == [0, 0], logs
+        assert ended_s <= LINGER_S + 2 + 35, f"the agents ended {ended_s:.1f} s after the cut"
+        # neither node stopped its finished workers for a new round (each rank trained to the end once)
+        assert "node_fenced" not in logs[1] and "hot_fallback" not in logs[0], logs
+        assert sum(log.count('"training_done"') for log in logs) == 2, logs
+        assert "exit barrier" not in " ".join(logs).lower(), logs
+        etcd = connect(etcd_server.endpoint)
+        assert read_status(etcd, "fin-cut").state == "finished"
+    finally:
+        for proxy in proxies:
+            proxy.stop()

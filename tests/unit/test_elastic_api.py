@@ -308,6 +308,33 @@ def test_local_entry_usage_errors_are_one_line(args: list[str], message: str) ->
     assert message in proc.stderr
 
 
+def test_finalize_tells_the_agent_that_the_workers_training_ended(
+    world: et.World, tmp_path: Path, memdir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once the final checkpoint committed, the node's channel says so (a lease the node loses from then on
+    no longer stops its workers); not before, and not for a checkpointer closed without one."""
+    from elastic_train.node import AgentChannel, WorkerChannel
+    from elastic_train.train.link import ProcessLink
+
+    node = tmp_path / "node"
+    node.mkdir()
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    agent = AgentChannel(str(node))
+    closed = make(tmp_path, memdir, run_id="closed")
+    closed.link = ProcessLink(WorkerChannel(str(node)))
+    closed.restore()
+    train(closed, 2, workers=0)
+    closed.close()
+    assert not agent.finished()
+    ckpt = make(tmp_path, memdir)
+    ckpt.link = ProcessLink(WorkerChannel(str(node)))
+    ckpt.restore()
+    train(ckpt, 3, workers=0)
+    assert not agent.finished()
+    assert ckpt.finalize() is not None
+    assert agent.finished()
+
+
 @pytest.mark.parametrize("every", [100, 3])
 def test_a_step_boundary_that_re_forms_the_group_keeps_the_step(
     world: et.World, tmp_path: Path, memdir: str, monkeypatch: pytest.MonkeyPatch, every: int

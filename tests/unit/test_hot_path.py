@@ -144,6 +144,25 @@ def test_the_observation_is_what_the_workers_the_run_and_the_fence_say(tmp_path:
     hp.close()
 
 
+def test_workers_whose_training_ended_are_not_re_formed_whatever_the_membership_does(tmp_path: Path) -> None:
+    """The final checkpoint committed and the workers exit: a lease lost now (this node's, as it was cut
+    off) announces nothing, cuts nothing and gives nothing up, so the workers exit into torchrun's exit
+    barrier with the other nodes' instead of being stopped for a round that never comes."""
+    participant = FakeParticipant(["a", "b"])
+    hp = hot_path(tmp_path, participant, nproc=2, round_=2)
+    for r in range(2):
+        worker(hp, r).register(2, cut=True)
+    worker(hp, 0).mark_finished(40, 2, 2)
+    participant.live.discard("a")  # this node's own lease expired
+    hp.fence.blocked = True  # type: ignore[attr-defined]
+    assert hp.observe().engaged and tick(hp) is Act.ANNOUNCE  # one worker still in the final checkpoint
+    worker(hp, 1).mark_finished(40, 2, 2)
+    o = hp.observe()
+    assert not o.engaged and decide(o).act is Act.NOTHING
+    assert hp.fallback is None
+    hp.close()
+
+
 def test_each_action_leaves_its_message_for_the_workers(tmp_path: Path) -> None:
     """A stopped peer: announced with the short grace, the gloo workers are asked to cut their links, and
     when they do not ask for the next round within the grace the node restarts them."""

@@ -54,6 +54,8 @@ EXAMPLES = [
     messages.ScriptStart(2, None),
     messages.ScriptStart(2, 12.5),
     messages.Trained(7),
+    messages.Finished(90, 2, 3),
+    messages.Finished(0, 1, None),
     messages.Stats(pid=77, round=3, step=40, time=1.7e9, round_first_step=1.7e9 - 5, steps_per_s=12.5),
     messages.Stats(
         pid=78,
@@ -98,6 +100,8 @@ def test_every_message_survives_its_file(message: Any) -> None:
         (Outcome, {"rank": 0, "state": "exited", "code": 1e9}),
         (Outcome, {"rank": 0, "state": "exited", "ran_s": float("nan")}),
         (messages.ScriptStart, {"rank": 0, "at": "soon"}),
+        (messages.Finished, {"step": 9, "local_workers": 0}),
+        (messages.Finished, {"step": -1, "local_workers": 1}),
         (messages.Change, {}),
         (messages.Stats, {"pid": 5, "round": 1, "step": "x", "time": 1.0, "round_first_step": 1.0}),
         (messages.Stats, {"pid": 5, "round": 1, "step": 1, "time": 1.0, "round_first_step": 1.0,
@@ -143,6 +147,22 @@ def test_worker_and_agent_see_each_others_messages(tmp_path: Path) -> None:
     assert sorted(os.listdir(tmp_path)) == ["rank-0.json", "trained.json"]
     assert agent.take_outcomes() == [Outcome(0, "finished", step=5)] and agent.outcomes() == []
     assert agent.trained() == messages.Trained(2)
+
+
+def test_the_node_is_finished_once_every_local_worker_marked_its_training_ended(tmp_path: Path) -> None:
+    agent = AgentChannel(str(tmp_path))
+    workers = [WorkerChannel(str(tmp_path), r) for r in range(2)]
+    assert not agent.finished()
+    workers[1].mark_finished(90, 2, 3)
+    assert not agent.finished()  # one of the node's two workers: the other may still train or write
+    workers[0].mark_finished(90, 2, 3)
+    assert agent.finished()
+    agent.start_group()  # an in-process re-formation's messages go; the marks are the group's
+    assert agent.finished()
+    agent.take_outcomes()  # torchrun asks for the next round: a new group starts, none of it finished
+    assert not agent.finished()
+    (tmp_path / "finished-0.json").write_text(json.dumps({"step": 9, "local_workers": "all"}))
+    assert not agent.finished()  # a mark that does not decode is none
 
 
 def test_a_worker_reports_at_most_once_a_second_and_at_once_in_a_new_round(tmp_path: Path) -> None:
