@@ -14,6 +14,10 @@ frame walk (``sys._getframe``) to the local         the hot path and a standby s
                                                     exit barrier and monitoring follow the new round
 ``SimpleElasticAgent._store``                       the agent's store of the current round (its exit barrier
                                                     runs on it)
+``SimpleElasticAgent._exit_barrier``                an agent whose workers finished the run while it was
+                                                    stopping them for a change waits in the round's exit
+                                                    barrier as if they had exited first
+                                                    (:meth:`TorchrunAgent.exit_barrier`)
 ``agent.server.api._RoleInstanceInfo`` and the      what ``_assign_worker_ranks`` writes first, written ahead
 raw key ``torchelastic/role_info/<rank>``           so that a member waiting for the others' parts does not
                                                     block in the store on a dead one
@@ -153,6 +157,11 @@ class TorchrunAgent:
             old.global_rank, old.role_rank = new.global_rank, new.role_rank
             old.world_size, old.role_world_size = new.world_size, new.role_world_size
         return [WorkerSlot(w.local_rank, w.global_rank, w.world_size) for w in ordered]
+
+    def exit_barrier(self) -> None:
+        """Wait in torchrun's exit barrier of the worker group's round, as the agent does when its workers
+        succeed (up to ``exit_barrier_timeout``; torchrun logs a barrier that fails or times out)."""
+        self._agent._exit_barrier()
 
     def adopt_round(self, group_rank: int, group_world_size: int, store: Any, addr: str, port: int) -> None:
         """Make torchrun's record of the worker group that of the new round (its exit barrier then waits for

@@ -168,11 +168,13 @@ class AgentChannel(_Directory):
         self._remove((Outcome, ScriptStart, Finished))
         return outcomes
 
-    def finished(self) -> bool:
-        """True when every worker of this node's group marked its training ended (its final checkpoint
-        committed): nothing the node runs trains or publishes any more."""
-        marks = self._per_rank(Finished).values()
-        return bool(marks) and len(marks) >= max(m.local_workers for m in marks)
+    def finished(self) -> int | None:
+        """The step at which every worker of this node's group marked its training ended (its final
+        checkpoint committed), else None: from then on nothing the node runs trains or publishes."""
+        marks = list(self._per_rank(Finished).values())
+        if not marks or len(marks) < max(m.local_workers for m in marks):
+            return None
+        return max(m.step for m in marks)
 
     def trained(self) -> Trained | None:
         """The mark of a worker of this node that committed (or resumed past) a step, if any."""

@@ -201,6 +201,7 @@ class Etcd3RendezvousHandler(RendezvousHandler):
             FailureBudgetExhausted: the run's failure budget is spent (status 1, one line).
         """
         try:
+            self._end_if_workers_finished()
             self._end_if_workers_gave_up()
             self._serve_probation()
             return self._next_rendezvous()
@@ -213,6 +214,23 @@ class Etcd3RendezvousHandler(RendezvousHandler):
             # shutting this handler down.
             _say(f"elastic-train: {exc}")
             raise RunFinished(str(exc)) from None
+
+    def _end_if_workers_finished(self) -> None:
+        """Leave with the run when every worker of the last group finished it (the final checkpoint
+        committed) while torchrun was stopping them for a change (this node fenced as its workers wrote
+        the final checkpoint): the node waits in the round's exit barrier, where the other agents wait for
+        it once their workers exit, then ends with status 0 (:class:`RunFinished`)."""
+        step = self._node.finished()
+        if self._participant is None or step is None:
+            return
+        run_id = self._settings.run_id
+        line = f"run {run_id}: this node's workers finished at step {step}; leaving with the others"
+        log.info("workers_finished_before_restart", run_id=run_id, step=step)
+        agent = TorchrunAgent.find()
+        if agent is not None:
+            agent.exit_barrier()
+        _say(f"elastic-train: {line}")
+        raise RunFinished(line)
 
     def _end_if_workers_gave_up(self) -> None:
         """Close the run as failed when a worker of the last group failed with a non-retryable error; else
@@ -346,7 +364,7 @@ class Etcd3RendezvousHandler(RendezvousHandler):
         self._closed_by_us = True
 
     def num_nodes_waiting(self) -> int:
-        if self._node.finished():
+        if self._node.finished() is not None:
             # every worker's training ended, the final checkpoint committed: whatever happens to the
             # membership now (this node's lease lost as they exit), they exit into torchrun's exit barrier,
             # where the other agents wait for this one

@@ -361,7 +361,7 @@ class HotPath:
             return Observation(now, self.round, standby=standby)
         ready = self.channel.ready()
         round = self.round
-        if round is None or not self.engaged(ready) or self.channel.finished():
+        if round is None or not self.engaged(ready) or self.channel.finished() is not None:
             return Observation(now, round)  # finished: the workers' training ended, nothing re-forms
         asked = [q for _, q in sorted(self.channel.requests().items()) if q.round >= round]
         if asked:

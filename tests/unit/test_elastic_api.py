@@ -325,14 +325,14 @@ def test_finalize_tells_the_agent_that_the_workers_training_ended(
     closed.restore()
     train(closed, 2, workers=0)
     closed.close()
-    assert not agent.finished()
+    assert agent.finished() is None
     ckpt = make(tmp_path, memdir)
     ckpt.link = ProcessLink(WorkerChannel(str(node)))
     ckpt.restore()
     train(ckpt, 3, workers=0)
-    assert not agent.finished()
+    assert agent.finished() is None
     assert ckpt.finalize() is not None
-    assert agent.finished()
+    assert agent.finished() == 3
 
 
 @pytest.mark.parametrize("every", [100, 3])

@@ -268,3 +268,33 @@ def test_a_round_joined_in_process_tells_the_fence_which_lease_loss_it_put_behin
     assert hp.fence.joined_with == [2 if lost == "joining" else 1]  # type: ignore[attr-defined]
     assert participant.lease.losses == (1 if lost == "before" else 2)
     hp.close()
+
+
+def test_a_node_whose_workers_finished_while_torchrun_stopped_them_leaves_through_the_exit_barrier(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fence fired as the workers wrote the final checkpoint, and they finished it before torchrun's
+    SIGTERM reached them: torchrun asks for the next round, and the handler waits in the round's exit
+    barrier (where the other agents wait for this node) and ends with status 0 instead of re-joining. Until
+    every local worker finished, it goes on to the join; and a node whose workers finished reports no
+    waiting node to torchrun's monitor, whatever its fence or eviction say."""
+    from elastic_train.rendezvous import handler as handler_module
+    from elastic_train.rendezvous.errors import RunFinished
+
+    barriers: list[str] = []
+    agent = SimpleNamespace(exit_barrier=lambda: barriers.append("exit"))
+    monkeypatch.setattr(handler_module.TorchrunAgent, "find", classmethod(lambda cls: agent))
+    h = object.__new__(handler_module.Etcd3RendezvousHandler)
+    h._participant = object()  # type: ignore[assignment]
+    h._node = AgentChannel(str(tmp_path))
+    h._settings = SimpleNamespace(run_id="fin")  # type: ignore[assignment]
+    h._eviction = object()  # type: ignore[assignment]  # evicted as slow: torchrun would stop the workers
+    WorkerChannel(str(tmp_path), 0).mark_finished(90, 2, 4)
+    h._end_if_workers_finished()  # one of two: the join goes on
+    assert barriers == [] and h.num_nodes_waiting() == 1
+    WorkerChannel(str(tmp_path), 1).mark_finished(90, 2, 4)
+    assert h.num_nodes_waiting() == 0
+    with pytest.raises(RunFinished) as exc:
+        h._end_if_workers_finished()
+    assert exc.value.code == 0 and "finished at step 90" in str(exc.value)
+    assert barriers == ["exit"]

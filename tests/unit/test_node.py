@@ -152,17 +152,17 @@ def test_worker_and_agent_see_each_others_messages(tmp_path: Path) -> None:
 def test_the_node_is_finished_once_every_local_worker_marked_its_training_ended(tmp_path: Path) -> None:
     agent = AgentChannel(str(tmp_path))
     workers = [WorkerChannel(str(tmp_path), r) for r in range(2)]
-    assert not agent.finished()
+    assert agent.finished() is None
     workers[1].mark_finished(90, 2, 3)
-    assert not agent.finished()  # one of the node's two workers: the other may still train or write
+    assert agent.finished() is None  # one of the node's two workers: the other may still train or write
     workers[0].mark_finished(90, 2, 3)
-    assert agent.finished()
+    assert agent.finished() == 90
     agent.start_group()  # an in-process re-formation's messages go; the marks are the group's
-    assert agent.finished()
+    assert agent.finished() == 90
     agent.take_outcomes()  # torchrun asks for the next round: a new group starts, none of it finished
-    assert not agent.finished()
+    assert agent.finished() is None
     (tmp_path / "finished-0.json").write_text(json.dumps({"step": 9, "local_workers": "all"}))
-    assert not agent.finished()  # a mark that does not decode is none
+    assert agent.finished() is None  # a mark that does not decode is none
 
 
 def test_a_worker_reports_at_most_once_a_second_and_at_once_in_a_new_round(tmp_path: Path) -> None:
