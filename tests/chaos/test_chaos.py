@@ -8,8 +8,9 @@ final weights equal a fault-free run within 1e-5 relative; no process of the job
 shared-memory snapshot is left behind; a node started with the job's run id but another checkpoint URL or
 node range is refused (exit 2, one line naming the run) and writes nothing; a node cut off from etcd
 (``partition-etcd``) has its workers stopped within 2 TTL + 2.5 s and the others train without it within
-TTL + 8 s (unless the job trained its last step before its lease ran out: then it trained to the end with the
-others), it comes back and ends with the job without a traceback, and no checkpoint of a world that is no
+TTL + 8 s (unless a node lost meanwhile left fewer than the minimum: then they train once it heals; or unless
+the job trained its last step before its lease ran out: then it trained to the end with the others), it comes
+back and ends with the job without a traceback, and no checkpoint of a world that is no
 longer current is ever the newest.
 
 Each seed also draws whether hot recovery is on (:func:`tests.chaos.plan.hot_recovery`). With it on, every
@@ -517,7 +518,8 @@ def partitions_held(
 ) -> tuple[bool, list[Any]]:
     """Each partitioned node's workers were gone within 2 TTL + 2.5 s of the cut (the others re-form a TTL and
     a round close after the cut; the fence then needs TTL + grace of stall, and its SIGKILL grace), the others
-    trained at a smaller world within TTL + 8 s, the node came back after the heal or ended with the job
+    trained at a smaller world within TTL + 8 s (unless another node lost meanwhile left fewer than
+    ``min_nodes``, :func:`_short_of_min_nodes`), the node came back after the heal or ended with the job
     (exit 0), and its agent printed no traceback. A cut only silences the node's etcd traffic, so when the
     job trained its last step before the node's lease ran out (an etcd restart meanwhile renews every lease)
     no round forms without it while there is training left: its workers trained to the end of the run with
@@ -538,15 +540,44 @@ def partitions_held(
             "finished_first": reformed is None
             and ('"event": "training_done"' in log or _trained_to_end(events, f.fired_round)),
         }
+        short = _short_of_min_nodes(f, records, events, ttl)
+        fact["short_of_min_nodes"] = short
         fenced_in_time = (
             isinstance(gone, float) and gone <= 2 * ttl + 2.5
-            and reformed is not None and reformed <= ttl + 8.0
+            and reformed is not None and (reformed <= ttl + 8.0 or short)
         )  # fmt: skip
         ok = ok and (
             (fact["finished_first"] or fenced_in_time) and fact["exit_code"] == 0 and not fact["traceback"]
         )
         out.append(fact)
     return ok, out
+
+
+#: Faults that take a node out of the job until it comes back by itself (or never).
+NODE_LOSSES = ("kill-node", "kill-during-checkpoint", "preempt-node", "hang-node", "partition-etcd")
+
+
+def _short_of_min_nodes(
+    f: FaultRecord, records: list[FaultRecord], events: list[dict[str, Any]], ttl: float
+) -> bool:
+    """Whether the nodes left after the cut of ``f`` were fewer than the run's ``min_nodes`` until the others
+    trained again: another node lost from a lease before the cut to the others' resumption (a kill, a hang,
+    a second cut) leaves no round to form without the cut node, and the others wait until it heals or a new
+    node joins (the re-formation's time is then the heal's, not the fence's)."""
+    if f.fired_at is None:
+        return False
+    steps = [e for e in events if e.get("event") == "step" and e.get("round") == f.fired_round]
+    world = max((int(e["world_size"]) for e in steps), default=None)
+    if world is None:
+        return False
+    until = f.resumed_at if f.resumed_at is not None else float("inf")
+    lost = {
+        o.fault.node
+        for o in records
+        if o.kind in NODE_LOSSES and o is not f and o.fault.node != f.fault.node
+        and o.fired_at is not None and f.fired_at - ttl <= o.fired_at <= until
+    }  # fmt: skip
+    return world - 1 - len(lost) < SPEC.min_nodes
 
 
 def _trained_to_end(events: list[dict[str, Any]], round_: int | None) -> bool:
