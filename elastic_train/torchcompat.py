@@ -160,8 +160,11 @@ class TorchrunAgent:
 
     def exit_barrier(self) -> None:
         """Wait in torchrun's exit barrier of the worker group's round, as the agent does when its workers
-        succeed (up to ``exit_barrier_timeout``; torchrun logs a barrier that fails or times out)."""
-        self._agent._exit_barrier()
+        succeed (up to ``exit_barrier_timeout``; torchrun logs a barrier that fails or times out). Nothing
+        when torch's agent has no such barrier."""
+        barrier = getattr(self._agent, "_exit_barrier", None)
+        if callable(barrier):
+            barrier()
 
     def adopt_round(self, group_rank: int, group_world_size: int, store: Any, addr: str, port: int) -> None:
         """Make torchrun's record of the worker group that of the new round (its exit barrier then waits for

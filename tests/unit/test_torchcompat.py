@@ -180,6 +180,34 @@ def test_two_agents_exchange_their_workers_ranks_through_the_rounds_store(nproc:
     assert [w.global_rank for w in group.workers] == [w.global_rank for w in results[1]]
 
 
+def test_agents_meet_in_torchruns_exit_barrier_of_the_round_they_adopted() -> None:
+    """A node whose workers finished while torchrun stopped them waits in the round's exit barrier as the
+    others do (torchrun's own barrier): two agents of a round both pass it; one alone waits out the
+    barrier's timeout and returns (torchrun logs it)."""
+    import time
+
+    wait = timedelta(seconds=20)
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=wait)
+    stores = [server, dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=wait)]
+    agents = [torchcompat.TorchrunAgent(*agent_and_group(1)) for _ in range(2)]
+    for rank, agent in enumerate(agents):
+        agent.adopt_round(rank, 2, dist.PrefixStore("elastic_train/round/5/", stores[rank]), "127.0.0.1", 1)
+        agent._agent._exit_barrier_timeout = 20
+    threads = [threading.Thread(target=a.exit_barrier) for a in agents]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not any(t.is_alive() for t in threads) and time.monotonic() - t0 < 10
+    alone = agents[0]
+    alone.adopt_round(0, 2, dist.PrefixStore("elastic_train/round/6/", stores[0]), "127.0.0.1", 1)
+    alone._agent._exit_barrier_timeout = 1
+    t0 = time.monotonic()
+    alone.exit_barrier()  # the other agent never comes: torchrun's timeout, no exception
+    assert 0.9 <= time.monotonic() - t0 < 10
+
+
 def test_nproc_per_node_is_read_from_the_launch_config_on_the_stack() -> None:
     from torch.distributed.launcher.api import LaunchConfig
 
