@@ -174,8 +174,10 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tenso
     return final_weights(str(tmp / "ckpt"), "chaos-reference")
 
 
-def corrupt_newest(ckpt_root: str, run_id: str, fault: FaultRecord) -> None:
-    """Flip one byte in the middle of a share file of the newest committed checkpoint."""
+def corrupt_newest(ckpt_root: str, run_id: str, fault: FaultRecord, flipped: set[tuple[str, int]]) -> None:
+    """Flip one byte in the middle of a share file of the newest committed checkpoint. ``flipped``: the
+    (file, offset) pairs flipped before; a second fault on the same checkpoint (no newer one committed
+    meanwhile) flips the byte after them, since flipping one twice would restore it."""
     storage = open_storage(ckpt_root)
     entries = [e for e in durable.list_entries(storage, storage.join(storage.root, run_id)) if e.valid]
     if not entries:
@@ -187,12 +189,16 @@ def corrupt_newest(ckpt_root: str, run_id: str, fault: FaultRecord) -> None:
     path = os.path.join(
         ckpt_root.removeprefix("flaky://"), run_id, os.path.basename(entry.path), share["name"]
     )
+    offset = share["size"] // 2
+    while (path, offset) in flipped and offset + 1 < share["size"]:
+        offset += 1
+    flipped.add((path, offset))
     with open(path, "r+b") as f:
-        f.seek(share["size"] // 2)
+        f.seek(offset)
         byte = f.read(1)
-        f.seek(share["size"] // 2)
+        f.seek(offset)
         f.write(bytes([byte[0] ^ 0xFF]))
-    fault.extra.update(step=entry.step, file=share["name"])
+    fault.extra.update(step=entry.step, file=share["name"], offset=offset)
 
 
 def test_chaos_invariants(
@@ -212,8 +218,10 @@ def test_chaos_invariants(
         threading.Timer(OUTAGE_SECONDS, lambda: flag.unlink(missing_ok=True)).start()
         fault.extra["seconds"] = OUTAGE_SECONDS
 
+    flipped: set[tuple[str, int]] = set()
+
     def corrupt(fault: FaultRecord, _node: Node | None) -> None:
-        corrupt_newest(ckpt_url, run_id, fault)
+        corrupt_newest(ckpt_url, run_id, fault, flipped)
 
     actions = {
         "kill-during-checkpoint": kill_during_checkpoint,
