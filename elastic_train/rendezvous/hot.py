@@ -361,8 +361,8 @@ class HotPath:
             return Observation(now, self.round, standby=standby)
         ready = self.channel.ready()
         round = self.round
-        if round is None or not self.engaged(ready) or self.channel.finished() is not None:
-            return Observation(now, round)  # finished: the workers' training ended, nothing re-forms
+        if round is None or not self.engaged(ready):
+            return Observation(now, round)
         asked = [q for _, q in sorted(self.channel.requests().items()) if q.round >= round]
         if asked:
             dead = tuple(r for r, m in sorted(ready.items()) if not running(m.pid))
@@ -371,6 +371,8 @@ class HotPath:
         waiting = p.num_waiting()
         if waiting == 0:
             return Observation(now, round, engaged=True)
+        if self.channel.finished() is not None:  # the workers' training ended: nothing re-forms
+            return Observation(now, round)
         left = (p.asking_beyond(round) & set(p.members)) - {p.node_id}
         lost = tuple(sorted(p.lost_members()))
         return Observation(

@@ -450,7 +450,7 @@ class Checkpointer:
         if self.link.stats is not None and final is not None:  # the final checkpoint, for the metrics
             self.link.stats.count_durable(final.step, final.seconds, final.bytes)
         self.events.emit("done", self.step)
-        self.link.mark_finished(self.step)
+        self.link.mark_finished(self.step, self.world.local_world_size)
         log.info("training_done", step=self.step)
         self._release()
         return committed

@@ -153,13 +153,12 @@ class ProcessLink:
             self._trained = self.round
             self.channel.mark_trained(self.round)
 
-    def mark_finished(self, step: int) -> None:
-        """Tell the agent that this process's training ended at ``step``, its final checkpoint committed: a
-        membership change seen from now on (its lease lost as the workers exit) no longer stops the node's
-        workers, which exit into torchrun's exit barrier with the others."""
+    def mark_finished(self, step: int, local_workers: int) -> None:
+        """Tell the agent that this process, one of ``local_workers`` on its node, ended its training at
+        ``step``, its final checkpoint committed: a membership change seen from now on (its lease lost as the
+        workers exit) no longer stops the node's workers, which exit into torchrun's exit barrier."""
         if self.channel is not None:
-            local = os.environ.get("LOCAL_WORLD_SIZE", "1")
-            self.channel.mark_finished(step, int(local) if local.isdigit() else 1, self.round)
+            self.channel.mark_finished(step, local_workers, self.round)
 
     def committed(
         self,

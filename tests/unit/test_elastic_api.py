@@ -309,7 +309,7 @@ def test_local_entry_usage_errors_are_one_line(args: list[str], message: str) ->
 
 
 def test_finalize_tells_the_agent_that_the_workers_training_ended(
-    world: et.World, tmp_path: Path, memdir: str, monkeypatch: pytest.MonkeyPatch
+    world: et.World, tmp_path: Path, memdir: str
 ) -> None:
     """Once the final checkpoint committed, the node's channel says so (a lease the node loses from then on
     no longer stops its workers); not before, and not for a checkpointer closed without one."""
@@ -318,7 +318,6 @@ def test_finalize_tells_the_agent_that_the_workers_training_ended(
 
     node = tmp_path / "node"
     node.mkdir()
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     agent = AgentChannel(str(node))
     closed = make(tmp_path, memdir, run_id="closed")
     closed.link = ProcessLink(WorkerChannel(str(node)))
